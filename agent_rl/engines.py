@@ -1,0 +1,215 @@
+"""Generation engines behind one small interface: token ids in, token ids + log-probs out.
+
+Both engines stop each row at the first stop token (`</search>`, `</answer>`, eos) or stop
+string, so no token is generated past a tag (Search-R1 lets every turn run to its length
+limit, #151). They return the sampled ids and their log-probs under the sampling
+distribution; nothing here decodes and re-tokenizes what will be trained.
+
+`HFEngine` is a plain batched, left-padded, KV-cached sampling loop over a transformers causal
+LM (CPU or one GPU). It shares the module with the trainer when both sit on one device, so no
+weight sync is needed. `VLLMEngine` wraps vLLM's offline `LLM` (GPU only, imported lazily),
+sleeps while the trainer runs, and takes weights from the trainer after each update.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+STOP_TAGS = ("</search>", "</answer>")
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (a stop tag / eos) | "length" (hit its allowance)
+
+
+class Engine(Protocol):
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, top_p: float = 1.0
+    ) -> list[Generation]: ...
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """Ids of the stop tags when the tokenizer has them as single tokens, plus eos."""
+    ids = []
+    for tag in STOP_TAGS:
+        tok = tokenizer.convert_tokens_to_ids(tag)
+        if isinstance(tok, int) and tok != tokenizer.unk_token_id and tok is not None and tok >= 0:
+            if tokenizer.decode([tok]) == tag:
+                ids.append(tok)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
+    """logits: (B, V) -> (token ids (B,), log-probs (B,)) under the sampling distribution."""
+    logits = logits.float()
+    if temperature <= 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        ids = logits.argmax(dim=-1)
+        return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    probs = logp.exp()
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    ids = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+
+
+class HFEngine:
+    """Batched sampling with a KV cache over a transformers causal LM."""
+
+    def __init__(self, model, tokenizer, device: str = "cpu", batch_size: int = 128, seed: int = 0):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.batch_size = batch_size
+        self.stop_ids = stop_token_ids(tokenizer)
+        # Multi-token tags (real hub tokenizers) are caught as stop strings on the decoded tail.
+        single = {tokenizer.decode([i]) for i in self.stop_ids}
+        self.stop_strings = [t for t in STOP_TAGS if t not in single]
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.stats = {"generated_tokens": 0, "wasted_tokens": 0, "generate_s": 0.0}
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, top_p: float = 1.0
+    ) -> list[Generation]:
+        out: list[Generation] = []
+        start = time.perf_counter()
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for lo in range(0, len(prompts), self.batch_size):
+                out.extend(self._generate_batch(prompts[lo : lo + self.batch_size], max_new_tokens[lo : lo + self.batch_size], temperature, top_p))
+        finally:
+            self.model.train(was_training)
+        self.stats["generate_s"] += time.perf_counter() - start
+        return out
+
+    def _generate_batch(self, prompts, max_new, temperature, top_p) -> list[Generation]:
+        bsz = len(prompts)
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((bsz, width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((bsz, width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding keeps every row's last token at the end
+            input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention[i, width - len(p) :] = 1
+        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        limits = torch.tensor(max_new, dtype=torch.long)
+        tokens: list[list[int]] = [[] for _ in range(bsz)]
+        logps: list[list[float]] = [[] for _ in range(bsz)]
+        finish = ["length"] * bsz
+        active = limits > 0
+        stop_ids = torch.tensor(self.stop_ids, dtype=torch.long)
+        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+        past = out.past_key_values
+        last_pos = positions[:, -1]
+        steps = int(limits.max().item()) if bsz else 0
+        for step in range(steps):
+            if not bool(active.any()):
+                break
+            ids, lp = _sample(out.logits[:, -1, :], temperature, top_p, self.generator)
+            ids, lp = ids.cpu(), lp.cpu()
+            for i in torch.nonzero(active).flatten().tolist():
+                tokens[i].append(int(ids[i]))
+                logps[i].append(float(lp[i]))
+            hit_stop = torch.isin(ids, stop_ids) & active
+            if self.stop_strings:
+                for i in torch.nonzero(active & ~hit_stop).flatten().tolist():
+                    tail = self.tokenizer.decode(tokens[i][-8:], skip_special_tokens=False)
+                    if any(s in tail for s in self.stop_strings):
+                        hit_stop[i] = True
+            for i in torch.nonzero(hit_stop).flatten().tolist():
+                finish[i] = "stop"
+            reached = torch.tensor([len(t) for t in tokens]) >= limits
+            active = active & ~hit_stop & ~reached
+            if not bool(active.any()):
+                break
+            # Finished rows keep feeding a pad with attention 0, so the batch shape stays fixed.
+            feed = torch.where(active, ids, torch.full_like(ids, self.pad_id)).to(self.device)
+            attention = torch.cat([attention, active.long().to(self.device)[:, None]], dim=1)
+            last_pos = last_pos + 1
+            out = self.model(
+                input_ids=feed[:, None], attention_mask=attention, position_ids=last_pos[:, None], past_key_values=past, use_cache=True
+            )
+            past = out.past_key_values
+        self.stats["generated_tokens"] += sum(len(t) for t in tokens)
+        return [Generation(tokens[i], logps[i], finish[i]) for i in range(bsz)]
+
+
+class VLLMEngine:
+    """vLLM offline engine on a GPU; imported lazily so CPU installs never touch vLLM."""
+
+    def __init__(self, model_path: str, tokenizer, cfg, seed: int = 0):
+        try:
+            from vllm import LLM, SamplingParams  # noqa: F401
+        except ImportError as err:  # pragma: no cover - needs the gpu extra
+            raise RuntimeError("rollout.engine=vllm needs vLLM: pip install 'agent-rl[gpu]' on a CUDA machine") from err
+        self._sampling_cls = SamplingParams
+        self.tokenizer = tokenizer
+        self.llm = LLM(
+            model=model_path,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+            max_num_seqs=cfg.rollout.max_num_seqs,
+            max_model_len=cfg.budget.max_total_tokens,
+            enforce_eager=cfg.rollout.enforce_eager,
+            enable_sleep_mode=True,
+            seed=seed,
+            dtype="bfloat16" if cfg.model.dtype == "bfloat16" else "auto",
+        )
+        self.stop_ids = stop_token_ids(tokenizer)
+        self.stats = {"generated_tokens": 0, "wasted_tokens": 0, "generate_s": 0.0}
+        self.asleep = False
+
+    def generate(self, prompts, max_new_tokens, temperature, top_p=1.0) -> list[Generation]:  # pragma: no cover - GPU
+        from vllm.inputs import TokensPrompt
+
+        self.wake()
+        start = time.perf_counter()
+        params = [
+            self._sampling_cls(
+                max_tokens=max(1, n), temperature=temperature, top_p=top_p, stop=list(STOP_TAGS),
+                stop_token_ids=self.stop_ids, include_stop_str_in_output=True, logprobs=0,
+            )
+            for n in max_new_tokens
+        ]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        gens = []
+        for o in outs:
+            c = o.outputs[0]
+            lps = [float(next(iter(d.values())).logprob) if d else 0.0 for d in (c.logprobs or [])]
+            gens.append(Generation(list(c.token_ids), lps or [0.0] * len(c.token_ids), "stop" if c.finish_reason == "stop" else "length"))
+        self.stats["generated_tokens"] += sum(len(g.token_ids) for g in gens)
+        self.stats["generate_s"] += time.perf_counter() - start
+        return gens
+
+    def sleep(self) -> None:  # pragma: no cover - GPU
+        """Free the KV cache and offload weights while the trainer uses the GPU."""
+        if not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:  # pragma: no cover - GPU
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def load_weights(self, named_tensors) -> None:  # pragma: no cover - GPU
+        """Push the trainer's weights (name, tensor) into vLLM's model after an update."""
+        self.wake()
+        model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        model.load_weights(named_tensors)

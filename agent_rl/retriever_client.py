@@ -1,0 +1,69 @@
+"""HTTP client for any server speaking Search-R1's `/retrieve` API (ours, Search-R1's, verl's).
+
+One batched request per rollout turn, a pooled connection, a timeout, retries with
+exponential backoff. When the server stays down the caller gets a `RetrievalError` per call,
+and the rollout turns it into an observation saying retrieval failed: it never crashes a run.
+"""
+from __future__ import annotations
+
+import time
+
+import httpx
+
+
+class RetrievalError(RuntimeError):
+    """The retriever did not answer after all retries."""
+
+
+class RetrieverClient:
+    def __init__(self, url: str, topk: int = 3, timeout_s: float = 10.0, max_retries: int = 3, backoff_s: float = 0.2, api_key: str | None = None):
+        self.url = url.rstrip("/")
+        self.topk = topk
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(timeout=timeout_s, headers=headers, limits=httpx.Limits(max_connections=8))
+        self.stats = {"requests": 0, "queries": 0, "errors": 0, "retries": 0, "latency_s": 0.0}
+
+    def retrieve(self, queries: list[str], topk: int | None = None) -> list[list[dict]]:
+        """Documents `{"id", "contents"}` per query, in order. Raises RetrievalError at last."""
+        if not queries:
+            return []
+        payload = {"queries": queries, "topk": topk or self.topk, "return_scores": False}
+        last_err: Exception | None = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self.stats["retries"] += 1
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            start = time.perf_counter()
+            try:
+                resp = self._http.post(f"{self.url}/retrieve", json=payload)
+                if resp.status_code >= 500 or resp.status_code == 429:
+                    raise httpx.HTTPStatusError(f"server answered {resp.status_code}", request=resp.request, response=resp)
+                if resp.status_code >= 400:  # our own request is wrong: retrying will not help
+                    self.stats["errors"] += 1
+                    raise RetrievalError(f"retriever rejected the request ({resp.status_code}): {resp.text[:300]}")
+                result = resp.json()["result"]
+                self.stats["requests"] += 1
+                self.stats["queries"] += len(queries)
+                self.stats["latency_s"] += time.perf_counter() - start
+                return [[item["document"] if "document" in item else item for item in docs] for docs in result]
+            except RetrievalError:
+                raise
+            except (httpx.HTTPError, ValueError, KeyError) as err:
+                last_err = err
+        self.stats["errors"] += 1
+        raise RetrievalError(f"retriever at {self.url} failed after {self.max_retries + 1} attempts: {last_err}")
+
+    def close(self) -> None:
+        self._http.close()
+
+
+def format_documents(docs: list[dict]) -> list[str]:
+    """Search-R1's passage format: `Doc i(Title: T) text`, one string per document."""
+    out = []
+    for i, doc in enumerate(docs, 1):
+        contents = doc.get("contents", "")
+        title, _, text = contents.partition("\n")
+        out.append(f"Doc {i}(Title: {title}) {text}")
+    return out
