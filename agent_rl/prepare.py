@@ -26,6 +26,17 @@ def _log(msg: str) -> None:
     print(f"[prepare] {msg}", file=sys.stderr, flush=True)
 
 
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM when the trainer dies, even by SIGKILL (no orphans)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def ensure_toy_world(cfg: Config) -> None:
     if not cfg.data.toy_world:
         return
@@ -108,7 +119,7 @@ def local_retriever(cfg: Config, timeout_s: float = 180.0) -> Iterator[str]:
     log = ready.with_name("server.log")
     cmd = [sys.executable, "-m", "retriever_server.app", "--index", cfg.retriever.index_dir, "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready), "--topk", str(cfg.retriever.topk)]
     with log.open("w") as log_fh:
-        proc = subprocess.Popen(cmd, stdout=log_fh, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=log_fh, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
     try:
         deadline = time.monotonic() + timeout_s
         while not ready.exists():

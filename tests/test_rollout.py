@@ -1,0 +1,210 @@
+"""The agent loop: scripted policies drive every path; a real server answers the searches."""
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from agent_rl.budget import TokenBudget
+from agent_rl.engines import Generation, HFEngine
+from agent_rl.retriever_client import RetrieverClient
+from agent_rl.rollout import INVALID_MESSAGE, AgentLoop, PromptItem, parse_action
+
+from agent_fixtures import tiny_model_dir, hotpot_index_dir  # noqa: F401  (pytest fixtures)
+
+STOP = ("</search>", "</answer>")
+
+
+class ScriptedEngine:
+    """An Engine whose next turn is a function of the decoded context (a scripted policy)."""
+
+    def __init__(self, tokenizer, script):
+        self.tok = tokenizer
+        self.script = script
+        self.calls = 0
+        self.stats = {"generated_tokens": 0}
+
+    def generate(self, prompts, max_new_tokens, temperature, top_p=1.0):
+        out = []
+        for p, n in zip(prompts, max_new_tokens):
+            self.calls += 1
+            text = self.script(self.tok.decode(p, skip_special_tokens=False))
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
+            finish = "length"
+            for j, tid in enumerate(ids):
+                if self.tok.decode([tid]) in STOP:
+                    ids, finish = ids[: j + 1], "stop"
+                    break
+            if len(ids) > n:
+                ids, finish = ids[:n], "length"
+            out.append(Generation(ids, [-0.5] * len(ids), finish))
+            self.stats["generated_tokens"] += len(ids)
+        return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(hotpot_index_dir, tmp_path_factory):
+    """A real retriever-server subprocess on an ephemeral 127.0.0.1 port."""
+    ready = tmp_path_factory.mktemp("srv") / "ready.json"
+    proc = subprocess.Popen([sys.executable, "-m", "retriever_server.app", "--index", str(hotpot_index_dir), "--port", "0", "--ready-file", str(ready)])
+    deadline = time.monotonic() + 120
+    while not ready.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.2)
+    time.sleep(0.1)
+    yield proc, json.loads(ready.read_text())["url"]
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def _items(tokenizer, n=2):
+    ids = tokenizer("Question: Who directed Inception?\n", add_special_tokens=False)["input_ids"]
+    return [PromptItem(f"toy-{i}", "toy", ids, ["Christopher Nolan"]) for i in range(n)]
+
+
+BUDGET = TokenBudget(max_turns=3, max_prompt_tokens=64, max_tokens_per_turn=24, max_obs_tokens=200, max_total_tokens=64 + 3 * 224 + 24)
+
+
+def _spans(t):
+    """(sampled?, ids) runs of the response."""
+    runs, cur, flag = [], [], None
+    for i, m in zip(t.response_ids, t.loss_mask):
+        if flag is not None and m != flag:
+            runs.append((flag, cur))
+            cur = []
+        flag = m
+        cur.append(i)
+    if cur:
+        runs.append((flag, cur))
+    return runs
+
+
+def test_parse_action():
+    """The first complete tag wins; an empty query is invalid."""
+    assert parse_action("<think>x</think><search> a b </search>") == ("search", "a b")
+    assert parse_action("<answer> Paris </answer><search>q</search>") == ("answer", "Paris")
+    assert parse_action("<search>  </search>") == ("invalid", None)
+    assert parse_action("no tags at all") == ("invalid", None)
+
+
+def test_search_then_answer_masks_exactly_the_observation(tokenizer, server):
+    """search -> information -> answer: loss_mask is 0 exactly on the inserted tokens, ids untouched."""
+    _, url = server
+
+    def script(ctx):
+        return "<answer> Christopher Nolan </answer>" if "<information>" in ctx else "<search> Christopher Nolan </search>"
+
+    loop = AgentLoop(ScriptedEngine(tokenizer, script), tokenizer, RetrieverClient(url, topk=3), BUDGET)
+    trajs = loop.run(_items(tokenizer), group_size=2, temperature=1.0)
+    assert len(trajs) == 4
+    for t in trajs:
+        assert t.end_reason == "answer"
+        assert [x.action for x in t.turns] == ["search", "answer"]
+        assert t.turns[0].query == "Christopher Nolan" and t.turns[0].retrieval_ms > 0
+        runs = _spans(t)
+        assert [r[0] for r in runs] == [1, 0, 1]
+        obs = tokenizer.decode(runs[1][1], skip_special_tokens=False)
+        assert obs.startswith("\n\n<information>Doc 1(Title: ") and obs.endswith("</information>\n\n")
+        assert "Doc 3(Title:" in obs
+        assert tokenizer.decode(runs[0][1], skip_special_tokens=False) == "<search> Christopher Nolan </search>"
+        assert len(t.loss_mask) == len(t.response_ids) == len(t.logprobs)
+        assert "<answer> Christopher Nolan </answer>" in t.response_text
+
+
+def test_invalid_action_gets_corrective_message(tokenizer, server):
+    """A turn with no valid tag gets Search-R1's corrective message (mask 0), then the loop goes on."""
+    _, url = server
+    script = lambda ctx: "<answer> Nolan </answer>" if "invalid" in ctx else "I think the answer is Nolan"  # noqa: E731
+    loop = AgentLoop(ScriptedEngine(tokenizer, script), tokenizer, RetrieverClient(url), BUDGET)
+    (t,) = loop.run(_items(tokenizer, 1), group_size=1)
+    assert [x.action for x in t.turns] == ["invalid", "answer"] and t.end_reason == "answer"
+    inserted = tokenizer.decode(_spans(t)[1][1], skip_special_tokens=False)
+    assert inserted == INVALID_MESSAGE
+    assert loop.counters["rollout/action_invalid"] == 1
+
+
+def test_multi_search_and_forced_final_answer(tokenizer, server):
+    """A policy that searches every turn gets max_turns observations, then a final turn whose search is not run."""
+    _, url = server
+    loop = AgentLoop(ScriptedEngine(tokenizer, lambda ctx: "<search> Inception film </search>"), tokenizer, RetrieverClient(url), BUDGET)
+    (t,) = loop.run(_items(tokenizer, 1), group_size=1)
+    assert len(t.turns) == BUDGET.max_turns + 1
+    assert sum(1 for x in t.turns if x.obs_tokens > 0) == BUDGET.max_turns
+    assert t.end_reason == "max_turns" and t.total_tokens <= BUDGET.max_total_tokens
+
+
+def test_runaway_policy_is_bounded(tokenizer, server):
+    """A policy that never emits a stop tag ends within max_total_tokens; each turn is cut at its allowance."""
+    _, url = server
+    loop = AgentLoop(ScriptedEngine(tokenizer, lambda ctx: "blah " * 5000), tokenizer, RetrieverClient(url), BUDGET)
+    trajs = loop.run(_items(tokenizer, 3), group_size=2)
+    for t in trajs:
+        assert t.total_tokens <= BUDGET.max_total_tokens
+        assert all(x.truncated and x.gen_tokens == BUDGET.max_tokens_per_turn for x in t.turns)
+        assert t.end_reason == "invalid"
+        assert sum(t.loss_mask) == sum(x.gen_tokens for x in t.turns)
+    # An unvalidated, too-small total budget: the loop stops at the cap with budget_total.
+    tight = TokenBudget(max_turns=50, max_prompt_tokens=64, max_tokens_per_turn=24, max_obs_tokens=200, max_total_tokens=150)
+    loop = AgentLoop(ScriptedEngine(tokenizer, lambda ctx: "<search> Inception </search>"), tokenizer, RetrieverClient(url), tight)
+    for t in loop.run(_items(tokenizer, 2), group_size=2):
+        assert t.end_reason == "budget_total" and t.total_tokens <= 150
+    assert loop.counters["budget/end_budget_total"] == 4
+
+
+def test_dead_retriever_gives_error_observation(tokenizer, hotpot_index_dir, tmp_path):
+    """The server is stopped mid-rollout: the rollout finishes, with 'retrieval failed' observations and a count."""
+    ready = tmp_path / "ready.json"
+    proc = subprocess.Popen([sys.executable, "-m", "retriever_server.app", "--index", str(hotpot_index_dir), "--port", "0", "--ready-file", str(ready)])
+    while not ready.exists():
+        assert proc.poll() is None
+        time.sleep(0.2)
+    time.sleep(0.1)
+    url = json.loads(ready.read_text())["url"]
+
+    def script(ctx):
+        if ctx.count("<information>") == 1 and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+        return "<search> Inception </search>"
+
+    client = RetrieverClient(url, timeout_s=2, max_retries=1, backoff_s=0.01)
+    loop = AgentLoop(ScriptedEngine(tokenizer, script), tokenizer, client, BUDGET)
+    trajs = loop.run(_items(tokenizer, 2), group_size=1)
+    for t in trajs:
+        assert t.turns[0].retriever_error is None
+        assert t.turns[1].retriever_error is not None
+        assert "Retrieval failed" in t.response_text
+        assert t.end_reason == "retriever_error"
+    assert loop.counters["retriever/errors"] >= 2
+
+
+def test_hf_engine_with_tiny_model_and_real_server(tokenizer, tiny_model_dir, server):
+    """The real HFEngine: sampled ids pass through untouched, no token after a stop tag, budgets hold."""
+    from transformers import AutoModelForCausalLM
+
+    _, url = server
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    engine = HFEngine(model, tokenizer, "cpu", batch_size=8, seed=0)
+    loop = AgentLoop(engine, tokenizer, RetrieverClient(url), BUDGET)
+    trajs = loop.run(_items(tokenizer, 3), group_size=2, temperature=1.0)
+    stop_ids = set(engine.stop_ids)
+    for t in trajs:
+        assert t.end_reason is not None and t.total_tokens <= BUDGET.max_total_tokens
+        for sampled, ids in _spans(t):
+            if sampled:
+                assert not any(i in stop_ids for i in ids[:-1])  # nothing generated past a stop tag
+        assert all(lp <= 0 for lp, m in zip(t.logprobs, t.loss_mask) if m)
+    # Same seed, same model -> the same rollouts (reproducible on CPU).
+    engine2 = HFEngine(model, tokenizer, "cpu", batch_size=8, seed=0)
+    again = AgentLoop(engine2, tokenizer, RetrieverClient(url), BUDGET).run(_items(tokenizer, 3), group_size=2, temperature=1.0)
+    assert [t.response_ids for t in trajs] == [t.response_ids for t in again]

@@ -1,0 +1,114 @@
+"""`agent-rl train` end to end in subprocesses: parameters change, checkpoints land, kill -9 resumes exactly."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _overrides(cache: Path, out: Path, steps: int, extra=()):
+    return [
+        f"trainer.output_dir={out}",
+        f"trainer.max_steps={steps}",
+        "trainer.save_every=1",
+        "trainer.keep_last=5",
+        "trainer.eval_max_samples=8",
+        "trainer.tensorboard=false",
+        f"model.path={cache}/model",
+        "model.init_size=tiny",
+        "model.warm_start=",
+        f"data.toy_world={cache}/world",
+        "data.toy_entities=200",
+        f"data.train_files=[{cache}/world/train.parquet]",
+        f"data.test_files=[{cache}/world/test.parquet]",
+        f"retriever.index_dir={cache}/index",
+        f"retriever.corpus={cache}/world/corpus.jsonl",
+        "rollout.prompts_per_step=4",
+        "algo.group_size=2",
+        "train.lr=1e-3",
+        *extra,
+    ]
+
+
+def _run(args, **kw):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-m", "agent_rl.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """Toy world, tiny model and index prepared once by the first command that needs them."""
+    return tmp_path_factory.mktemp("train_cache")
+
+
+def _metrics(out: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "reward/mean" in r}
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.rglob("*.safetensors"))
+    assert files, f"no safetensors under {path}"
+    out = {}
+    for f in files:
+        out.update(load_file(f))
+    return out
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_train_two_steps_changes_parameters(cache, tmp_path, algo):
+    """Two GRPO / PPO steps on the toy world: parameters change and step_2 checkpoint exists."""
+    out = tmp_path / "run"
+    extra = ["algo.name=ppo", "algo.kl_coef=0.01", "algo.kl_type=k1"] if algo == "ppo" else ["algo.kl_coef=0.01"]
+    res = _run(["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, 2, extra)], timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    ckpt = out / "checkpoints" / "step_2"
+    assert ckpt.is_dir()
+    before, after = _weights(cache / "model"), _weights(ckpt)
+    changed = [k for k in before if k in after and not torch.equal(before[k], after[k])]
+    assert changed, "no parameter changed"
+    m = _metrics(out)
+    assert set(m) == {1, 2}
+    assert m[2]["train/microbatch_tokens_max"] <= 8192
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "eval/em" in line]
+    assert evals and "eval/toy/em" in evals[-1]
+
+
+def test_kill_and_resume_matches_uninterrupted_run(cache, tmp_path):
+    """kill -9 after a checkpoint, then --resume: the next steps' metrics equal an uninterrupted run's."""
+    full = tmp_path / "full"
+    res = _run(["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, full, 4)], timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+
+    cut = tmp_path / "cut"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([sys.executable, "-m", "agent_rl.cli", "train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, cut, 4)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 600
+    while not (cut / "checkpoints" / "step_2").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "run ended before step 2"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    res = _run(["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, cut, 4), "--resume"], timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "resumed from" in res.stderr
+    a, b = _metrics(full), _metrics(cut)
+    assert sorted(b) == [1, 2, 3, 4]
+    for key in ("reward/mean", "loss/policy", "rollout/response_length_mean", "actor/grad_norm"):
+        assert a[4][key] == pytest.approx(b[4][key], rel=1e-5, abs=1e-7), key
+        assert a[3][key] == pytest.approx(b[3][key], rel=1e-5, abs=1e-7), key
+
+
+def test_bad_config_key_fails_fast(tmp_path):
+    """A typo in a key exits non-zero at once with the key's name."""
+    res = _run(["train", "configs/tiny_cpu_grpo.yaml", "algo.grup_size=3"], timeout=120)
+    assert res.returncode == 2 and "algo.grup_size" in res.stderr
