@@ -124,6 +124,32 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """Write a checkpoint's model as a plain Hugging Face directory; LoRA adapters merged with --merge."""
+    cfg = _config(args)
+    src = resolve_model_dir(args.checkpoint)
+    tokenizer_src = src if (Path(src) / "tokenizer_config.json").exists() else (cfg.model.warm_start or cfg.model.path)
+    from agent_rl.models import load_tokenizer
+
+    out = Path(args.out)
+    if (Path(src) / "adapter_config.json").exists():
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(src)
+        if args.merge:
+            model = model.merge_and_unload()
+        elif not args.merge:
+            print("exporting the LoRA adapters only (add --merge for a full model)")
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(src)
+    model.save_pretrained(out)
+    load_tokenizer(tokenizer_src).save_pretrained(out)
+    print(f"wrote {out}")
+    return 0
+
+
 def cmd_plot(args) -> int:
     from agent_rl.plot import plot_run
 
@@ -187,6 +213,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-samples", type=int, default=0, help="evaluate at most N prompts (0 = all)")
     p.add_argument("--out", help="JSON output (default OUTPUT_DIR/eval.json)")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model dir (--merge folds LoRA adapters in)")
+    _with_config(p)
+    p.add_argument("--checkpoint", required=True, help="checkpoint dir (step_N) or model dir")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--merge", action="store_true", help="merge LoRA adapters into the base weights")
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("plot", help="write PNG curves of reward, EM, response length and budget hits")
     p.add_argument("run_dir", help="a run's output_dir (holds metrics.jsonl)")

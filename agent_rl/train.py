@@ -182,11 +182,17 @@ def prepare_batch(cfg: Config, policy, ref, critic, trajs: list[Trajectory], pad
     return {"old": old, "ref": refs, "values": vals, "advantages": advs, "returns": rets}
 
 
-def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Trajectory], batch: dict, pad_id: int, rng: random.Random) -> dict[str, float]:
-    """PPO-style epochs over mini-batches, each accumulated over token-capped micro-batches."""
+def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Trajectory], batch: dict, pad_id: int, rng: random.Random, dist=None) -> dict[str, float]:
+    """PPO-style epochs over mini-batches, each accumulated over token-capped micro-batches.
+
+    With `dist` (torchrun + FSDP), `trajs` is this rank's share of whole groups; the loss is
+    normalised by the mini-batch's *global* token (or row) count, times the world size because
+    FSDP averages gradients over ranks, so N ranks take the same step as one process would.
+    """
     device = cfg.train.device
     n = len(trajs)
-    mini = cfg.algo.mini_batch_size or n
+    world = dist.world_size if dist is not None else 1
+    mini = (cfg.algo.mini_batch_size // world if cfg.algo.mini_batch_size else 0) or n
     on_policy = batch["old"][0] is None  # one epoch, one mini-batch: old == current, detached
     stats: dict[str, list[float]] = {}
 
@@ -200,7 +206,10 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Traje
         for lo in range(0, n, mini):
             members = order[lo : lo + mini]
             sub = [trajs[i] for i in members]
-            mask_tokens = sum(sum(t.loss_mask) for t in sub)
+            mask_tokens = float(sum(sum(t.loss_mask) for t in sub))
+            rows = float(len(members))
+            if dist is not None:
+                mask_tokens, rows = dist.all_reduce_sum(mask_tokens) / world, dist.all_reduce_sum(rows) / world
             optimizer.zero_grad(set_to_none=True)
             if critic_opt is not None:
                 critic_opt.zero_grad(set_to_none=True)
@@ -209,7 +218,7 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Traje
                 mb = collate(trajs, index, pad_id, device)
                 width = mb.input_ids.shape[1]
                 mb_tokens = float(mb.loss_mask.sum())
-                weight = mb_tokens / max(1.0, mask_tokens) if cfg.algo.loss_agg == "token-mean" else len(index) / len(members)
+                weight = mb_tokens / max(1.0, mask_tokens) if cfg.algo.loss_agg == "token-mean" else len(index) / rows
                 logprobs, entropy = forward_logprobs(policy, mb, cfg.rollout.temperature, with_entropy=cfg.algo.entropy_coef > 0)
                 old = logprobs.detach() if on_policy else _rows(batch["old"], index, width).to(device)
                 advantages = _rows(batch["advantages"], index, width).to(device)
