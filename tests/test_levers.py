@@ -1,0 +1,86 @@
+"""Memory levers: LoRA trains adapters only with the base as reference; explicit split devices."""
+import random
+
+import pytest
+import torch
+
+from agent_rl.config import load_config
+from agent_rl.models import assert_no_data_parallel, forward_logprobs, load_policy, reference_mode
+from agent_rl.buffer import collate
+from agent_rl.train import build_engine, prepare_batch, sync_weights, update
+from agent_rl.trajectory import Trajectory
+
+from agent_fixtures import tiny_model_dir  # noqa: F401
+
+
+def _batch(vocab: int, groups: int = 2, n: int = 2):
+    g = torch.Generator().manual_seed(0)
+    trajs = []
+    for gi in range(groups):
+        prompt = torch.randint(10, vocab, (12,), generator=g).tolist()
+        for j in range(n):
+            t = Trajectory(f"toy-{gi}", "toy", prompt, ["x"], sample_idx=j)
+            t.append(torch.randint(10, vocab, (6,), generator=g).tolist(), sampled=True, logprobs=[-1.0] * 6)
+            t.append(torch.randint(10, vocab, (5,), generator=g).tolist(), sampled=False)
+            t.append(torch.randint(10, vocab, (4,), generator=g).tolist(), sampled=True, logprobs=[-1.0] * 4)
+            t.reward = float(j % 2)
+            trajs.append(t)
+    return trajs
+
+
+def _cfg(model_dir, *extra):
+    return load_config(None, [f"model.path={model_dir}", "budget.max_total_tokens=600", "train.lr=1e-2", *extra])
+
+
+def test_lora_trains_adapters_only_and_base_is_reference(tiny_model_dir):
+    """With model.lora.enabled only adapter weights change, the optimizer holds adapters only, and
+    the reference log-probs (adapters disabled) equal the untouched base model's."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = _cfg(tiny_model_dir, "model.lora.enabled=true", "model.lora.rank=4", "algo.kl_coef=0.1")
+    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    total = sum(p.numel() for p in policy.parameters())
+    n_train = sum(p.numel() for p in trainable)
+    assert 0 < n_train < total / 5
+    opt = torch.optim.AdamW(trainable, lr=1e-2)
+    before = {k: v.clone() for k, v in policy.state_dict().items()}
+    trajs = _batch(policy.config.vocab_size)
+    batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=False)
+    update(cfg, policy, None, opt, None, trajs, batch, 0, random.Random(0))
+    after = policy.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all("lora_" in k for k in changed)
+    state_numel = sum(s.numel() for st in opt.state.values() for s in st.values() if torch.is_tensor(s) and s.dim() > 0)
+    assert state_numel == 2 * n_train  # exp_avg + exp_avg_sq for adapters only
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    mb = collate(trajs, list(range(len(trajs))), 0)
+    with torch.no_grad(), reference_mode(policy, None) as ref:
+        ref_lp, _ = forward_logprobs(ref, mb, 1.0)
+        base_lp, _ = forward_logprobs(base, mb, 1.0)
+        pol_lp, _ = forward_logprobs(policy, mb, 1.0)
+    assert torch.allclose(ref_lp, base_lp, atol=1e-5)
+    assert not torch.allclose(pol_lp, base_lp, atol=1e-5)
+
+
+def test_split_devices_sync_weights_explicitly(tiny_model_dir):
+    """rollout.device != train.device: the engine holds its own copy, synced after an update; no DataParallel."""
+    cfg = _cfg(tiny_model_dir, "rollout.device=cpu:0", "train.device=cpu")
+    from agent_rl.models import load_tokenizer
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    engine = build_engine(cfg, policy, tok)
+    assert engine.model is not policy
+    same = build_engine(_cfg(tiny_model_dir), policy, tok)
+    assert same.model is policy  # one device: shared module, nothing to sync
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+    trajs = _batch(policy.config.vocab_size)
+    update(cfg, policy, None, opt, None, trajs, prepare_batch(cfg, policy, None, None, trajs, 0, False), 0, random.Random(0))
+    name, p = next(iter(policy.named_parameters()))
+    assert not torch.equal(dict(engine.model.named_parameters())[name], p)
+    seconds = sync_weights(engine, policy)
+    assert seconds >= 0 and torch.equal(dict(engine.model.named_parameters())[name], p)
+    assert_no_data_parallel(policy, engine.model)
+    with pytest.raises(RuntimeError, match="DataParallel"):
+        assert_no_data_parallel(torch.nn.DataParallel(torch.nn.Linear(2, 2)))
