@@ -183,9 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agent-rl", description="Search-augmented agentic RL: PPO/GRPO over multi-turn retrieval trajectories.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from agent_rl import model_init, plan
+    from agent_rl import model_init
 
     model_init.add_cli(sub)
+    from agent_rl import plan
+
     plan.add_cli(sub)
 
     p = sub.add_parser("train", help="train with PPO or GRPO (prepares what the config lacks)")

@@ -1,0 +1,362 @@
+"""torchrun + FSDP2 on CPU (gloo, 2 ranks, tiny Qwen2): same step as one process, weight gather, DCP.
+
+One torchrun job (this file run as a script by `torch.distributed.run`) does all the 2-rank
+work and writes what it saw to files; the tests compare those files with single-process runs
+in the pytest process. The job is launched once per module and takes ~20-30 s on 2 cores.
+"""
+from __future__ import annotations
+
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUPS, GROUP_SIZE, PAD = 4, 4, 0
+MAX_TOTAL = 38  # 12 prompt + 1 x (8 turn + 10 obs) + 8 answer turn
+# Two update scenarios: (name, config overrides). "multi" exercises old log-probs (two epochs),
+# the k3 KL to a sharded reference, the entropy bonus and several micro-batches per rank.
+SCENARIOS = {
+    "multi": ["algo.ppo_epochs=2", "algo.kl_coef=0.05", "algo.entropy_coef=0.01", "algo.loss_agg=token-mean"],
+    "seq": ["algo.ppo_epochs=1", "algo.loss_agg=seq-mean-token-mean"],
+}
+
+
+def _overrides(extra: list[str], cap: int) -> list[str]:
+    # max_grad_norm is huge so clipping computes the (global) norm but never rescales: AdamW's
+    # first step is almost scale-free, so the gradients themselves are compared as well.
+    return [
+        f"algo.group_size={GROUP_SIZE}",
+        f"rollout.prompts_per_step={GROUPS}",
+        "train.lr=1e-3",
+        "train.max_grad_norm=1e6",
+        # a budget just above the synthetic trajectories (<= 35 tokens), so small caps validate
+        "budget.max_turns=1",
+        "budget.max_prompt_tokens=12",
+        "budget.max_tokens_per_turn=8",
+        "budget.max_obs_tokens=10",
+        f"budget.max_total_tokens={MAX_TOTAL}",
+        f"train.max_tokens_per_microbatch={cap}",
+        *extra,
+    ]
+
+
+def _trajectories():
+    """4 GRPO groups x 4 samples: fixed ids, observation spans (mask 0), varied rewards."""
+    from agent_rl.trajectory import Trajectory
+
+    rng = random.Random(1234)
+    rewards = [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 0.5, 0.0]]
+    out = []
+    for g in range(GROUPS):
+        prompt = [rng.randrange(3, 300) for _ in range(rng.randrange(6, 12))]
+        for s in range(GROUP_SIZE):
+            t = Trajectory(prompt_id=f"toy-{g}", data_source="toy", prompt_ids=list(prompt), golden_answers=["x"], sample_idx=s)
+            t.append([rng.randrange(3, 300) for _ in range(rng.randrange(3, 9))], sampled=True)
+            t.append([rng.randrange(3, 300) for _ in range(rng.randrange(4, 11))], sampled=False)  # observation
+            t.append([rng.randrange(3, 300) for _ in range(rng.randrange(2, 7))], sampled=True)
+            t.end_reason = "answer"
+            t.reward = rewards[g][s]
+            out.append(t)
+    return out
+
+
+def _tiny_model():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=128, tie_word_embeddings=False)
+    return Qwen2ForCausalLM(cfg)
+
+
+def _load(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+
+def _single_process_step(model_dir: Path, trajs, overrides: list[str]):
+    """The reference: one process, the whole batch, no `dist`."""
+    from agent_rl.config import load_config
+    from agent_rl.models import frozen_copy
+    from agent_rl.train import prepare_batch, update
+
+    cfg = load_config(None, overrides)
+    torch.manual_seed(0)
+    policy = _load(model_dir)
+    ref = frozen_copy(policy, "cpu") if cfg.algo.kl_coef > 0 else None
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
+    batch = prepare_batch(cfg, policy, ref, None, trajs, PAD, need_old=cfg.algo.ppo_epochs > 1)
+    metrics = update(cfg, policy, None, opt, None, trajs, batch, PAD, random.Random(0))
+    params = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    grads = {n: p.grad.detach().clone() for n, p in policy.named_parameters()}
+    return params, grads, metrics
+
+
+def _pick_cap(trajs) -> int:
+    """A micro-batch cap giving each rank's half >= 2 micro-batches, the same count on both.
+
+    `train.update` runs one FSDP forward/backward per micro-batch; ranks must run equally many.
+    """
+    from agent_rl.buffer import pack_microbatches
+
+    half = len(trajs) // 2
+    for cap in range(MAX_TOTAL, 400):
+        counts = [len(pack_microbatches([t.total_tokens for t in part], cap)) for part in (trajs[:half], trajs[half:])]
+        if counts[0] == counts[1] >= 2:
+            return cap
+    raise AssertionError("no micro-batch cap splits both halves evenly; change the synthetic batch")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """Run the 2-rank torchrun job once; returns its work directory."""
+    work = tmp_path_factory.mktemp("dist")
+    _tiny_model().save_pretrained(work / "model")
+    trajs = _trajectories()
+    cap = _pick_cap(trajs)
+    torch.save({"trajs": trajs, "cap": cap}, work / "job.pt")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), __file__, str(work)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"torchrun job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return work
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_two_rank_fsdp_step_matches_single_process(job, scenario):
+    """One `update` on 2 gloo ranks with FSDP2 (each rank half the GRPO groups) takes the same
+    step as one process on the whole batch: gradients, grad norm and AdamW parameters match."""
+    data = torch.load(job / "job.pt", weights_only=False)
+    got = torch.load(job / f"update_{scenario}.pt", weights_only=False)
+    params, grads, metrics = _single_process_step(job / "model", data["trajs"], _overrides(SCENARIOS[scenario], data["cap"]))
+    assert got["sharded"], "parameters were not sharded across the 2 ranks"
+    assert set(got["params"]) == set(params)
+    init = _load(job / "model").state_dict()
+    moved = max((params[n] - init[n]).abs().max().item() for n in params)
+    assert moved > 1e-4, "the single-process step did not change the parameters; the comparison would be empty"
+    p_diff = max((got["params"][n] - params[n]).abs().max().item() for n in params)
+    g_scale = max(g.abs().max().item() for g in grads.values())
+    g_diff = max((got["grads"][n] - grads[n]).abs().max().item() for n in grads)
+    print(f"[{scenario}] max |param diff| {p_diff:.3e} (step moved params by up to {moved:.3e}); max |grad diff| {g_diff:.3e} of max |grad| {g_scale:.3e}")
+    assert p_diff < 2e-5, p_diff
+    assert g_diff < 1e-4 * g_scale, (g_diff, g_scale)
+    assert got["metrics"]["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-4)
+    assert got["microbatches_per_rank"] == [metrics["train/microbatches"] / 2] * 2
+
+
+def test_iter_full_params_yields_unsharded_tensors(job):
+    """Under 2 gloo ranks, `iter_full_params` on an FSDP2 model yields exactly the unsharded
+    state dict (same names, same shapes, equal values, plain tensors), one entry at a time; the
+    rollout sync copies them into a plain model and refuses an engine sharing the sharded one."""
+    got = torch.load(job / "full_params.pt", weights_only=False)
+    want = _load(job / "model").state_dict()
+    assert got["names"] == list(want), "names or order differ from the unsharded model"
+    for rank_tensors in got["per_rank"]:
+        for n, t in rank_tensors.items():
+            assert type(t) is torch.Tensor and t.shape == want[n].shape, n
+            assert torch.equal(t, want[n]), n
+    assert got["local_numel"] < got["full_numel"], "each rank should hold only a shard"
+    assert got["copied"] == len(want)
+    assert "frozen_copy" in got["shares_sharded"], "an HF engine sharing the sharded policy must be refused"
+
+
+def test_dcp_checkpoint_round_trip_and_reshard(job):
+    """A DCP checkpoint saved by 2 ranks restores model, AdamW state and per-rank RNG/extra on 2
+    ranks exactly, loads into one plain process (world size 2 -> 1, resharded by DCP), and its
+    `model/` export is a Hugging Face model with the same weights."""
+    from agent_rl.checkpoint import latest_checkpoint
+    from agent_rl.distributed import load_sharded
+
+    got = torch.load(job / "dcp.pt", weights_only=False)
+    assert got["round_trip_max_diff"] == 0.0
+    assert got["optim_round_trip_max_diff"] == 0.0
+    assert got["extras"] == [{"cursor": 8, "rank": 0}, {"cursor": 8, "rank": 1}]
+    assert got["rng_restored"] == [True, True]
+    ckpt = latest_checkpoint(job / "ckpt")
+    assert ckpt is not None and ckpt.name == "step_3"
+    # world size 2 -> 1: a plain model and optimizer, no process group
+    model = _load(job / "model")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    extra = load_sharded(ckpt, model, opt, dist=None)
+    assert extra["saved_world_size"] == 2 and extra["cursor"] == 8
+    saved = got["saved_params"]
+    diff = max((model.state_dict()[n] - saved[n]).abs().max().item() for n in saved)
+    assert diff == 0.0, diff
+    by_name = dict(model.named_parameters())
+    for n, exp_avg in got["saved_exp_avg"].items():
+        assert torch.equal(opt.state[by_name[n]]["exp_avg"], exp_avg), n
+    exported = _load(ckpt / "model").state_dict()
+    assert all(torch.equal(exported[n], saved[n]) for n in saved)
+
+
+def test_split_groups_keeps_groups_whole_and_rejects_uneven():
+    """Each rank gets a contiguous equal share of prompts; an uneven split names the fix."""
+    from agent_rl.distributed import split_groups
+
+    prompts = list(range(8))
+    assert split_groups(prompts, 0, 2) == [0, 1, 2, 3] and split_groups(prompts, 1, 2) == [4, 5, 6, 7]
+    assert sum((split_groups(prompts, r, 4) for r in range(4)), []) == prompts
+    with pytest.raises(ValueError, match="multiple of 3"):
+        split_groups(prompts, 0, 3)
+
+
+def test_collectives(job):
+    """all_reduce_sum, reduce_metrics (mean; max for *max keys; keys one rank lacks) and
+    even_microbatches (pads the shorter rank with weight-0 repeats) across 2 ranks."""
+    got = torch.load(job / "collectives.pt", weights_only=False)
+    assert got["sum"] == 3.0
+    assert got["metrics"] == {"loss/policy": 0.5, "reward/max": 1.0, "only/rank0": 7.0, "memory/peak_rss_gib": 2.0}
+    assert got["broadcast"] == "from rank 0"
+    assert got["even"][0] == [([0], True), ([1], True), ([2], True)]
+    assert got["even"][1] == [([5], True), ([5], False), ([5], False)]
+
+
+def test_not_under_torchrun_returns_none(monkeypatch):
+    """Without torchrun's RANK/WORLD_SIZE, init_distributed is a no-op returning None."""
+    from agent_rl.config import load_config
+    from agent_rl.distributed import init_distributed
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert init_distributed(load_config(None)) is None
+
+
+# ---- the torchrun job (each rank runs this) ---------------------------------------------------
+
+
+def _full(model) -> dict[str, torch.Tensor]:
+    from agent_rl.distributed import iter_full_params
+
+    return {n: t.clone() for n, t in iter_full_params(model)}
+
+
+def _full_grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
+
+
+def _rank_main(work: Path) -> None:
+    from agent_rl.config import load_config
+    from agent_rl.distributed import copy_full_params, even_microbatches, init_distributed, iter_full_params, load_sharded, save_sharded, shard_model, split_groups, sync_rollout_weights
+    from agent_rl.models import frozen_copy
+    from agent_rl.train import prepare_batch, update
+    from torch.distributed.tensor import DTensor
+
+    job = torch.load(work / "job.pt", weights_only=False)
+    groups = [job["trajs"][g * GROUP_SIZE : (g + 1) * GROUP_SIZE] for g in range(GROUPS)]
+    dist = None
+    for name, extra in SCENARIOS.items():
+        cfg = load_config(None, _overrides(extra, job["cap"]))
+        if dist is None:
+            dist = init_distributed(cfg)
+            assert dist is not None and dist.world_size == 2 and dist.backend == "gloo"
+        mine = [t for g in split_groups(groups, dist.rank, dist.world_size) for t in g]
+        torch.manual_seed(0)
+        policy = _load(work / "model")
+        ref = frozen_copy(policy, "cpu") if cfg.algo.kl_coef > 0 else None
+        shard_model(policy, dist, cfg)
+        if ref is not None:
+            shard_model(ref, dist, cfg)
+        opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
+        batch = prepare_batch(cfg, policy, ref, None, mine, PAD, need_old=cfg.algo.ppo_epochs > 1)
+        metrics = update(cfg, policy, None, opt, None, mine, batch, PAD, random.Random(0), dist=dist)
+        grads, params = _full_grads(policy), {n: t for n, t in _full(policy).items() if not n.endswith("inv_freq")}
+        mbs = [0.0, 0.0]
+        mbs[dist.rank] = metrics["train/microbatches"]
+        mbs = [dist.all_reduce_sum(x) for x in mbs]
+        reduced = dist.reduce_metrics(metrics)
+        sharded = all(isinstance(p, DTensor) and p.to_local().numel() < p.numel() for n, p in policy.named_parameters() if p.numel() >= 2)
+        if dist.is_main:
+            torch.save({"params": params, "grads": grads, "metrics": reduced, "microbatches_per_rank": mbs, "sharded": sharded}, work / f"update_{name}.pt")
+
+    # iter_full_params on a freshly sharded model: every rank sees the full tensors
+    policy = shard_model(_load(work / "model"), dist, cfg)
+    names, tensors = [], {}
+    for n, t in iter_full_params(policy):
+        names.append(n)
+        tensors[n] = t.clone()
+    plain = _load(work / "model")
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.zero_()
+    copied = copy_full_params(plain, iter_full_params(policy))
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.zero_()
+    sync_rollout_weights(SimpleNamespace(model=plain), policy)  # the HF engine's own copy
+    try:
+        sync_rollout_weights(SimpleNamespace(model=policy), policy)
+        shares_sharded = "accepted"
+    except RuntimeError as err:
+        shares_sharded = str(err)
+    assert all(torch.equal(plain.state_dict()[n], tensors[n]) for n in tensors)
+    per_rank: list = [None, None]
+    torch.distributed.all_gather_object(per_rank, tensors)
+    local_numel = sum(p.to_local().numel() for p in policy.parameters())
+    if dist.is_main:
+        full_numel = sum(p.numel() for p in policy.parameters())
+        torch.save({"names": names, "per_rank": per_rank, "local_numel": local_numel, "full_numel": full_numel, "copied": copied, "shares_sharded": shares_sharded}, work / "full_params.pt")
+
+    # DCP: train a step so AdamW has state, save, scramble, load, compare
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    mine = [t for g in split_groups(groups, dist.rank, dist.world_size) for t in g]
+    batch = prepare_batch(cfg, policy, None, None, mine, PAD, need_old=False)
+    update(cfg, policy, None, opt, None, mine, batch, PAD, random.Random(0), dist=dist)
+    saved_params = _full(policy)
+    by_name = dict(policy.named_parameters())
+    saved_exp_avg = {n: opt.state[p]["exp_avg"].full_tensor().clone() for n, p in by_name.items()}
+    random.seed(99 + dist.rank)
+    save_sharded(work / "ckpt", 3, policy, opt, dist, extra_state={"cursor": 8, "rank": dist.rank}, export_hf=True)
+    want_next = random.random()
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(1.0)
+    for st in opt.state.values():
+        st["exp_avg"].zero_()
+    random.seed(0)
+    extra = load_sharded(work / "ckpt" / "step_3", policy, opt, dist)
+    rng_ok = random.random() == want_next
+    loaded = _full(policy)
+    diff = max((loaded[n] - saved_params[n]).abs().max().item() for n in saved_params)
+    odiff = max((opt.state[p]["exp_avg"].full_tensor() - saved_exp_avg[n]).abs().max().item() for n, p in by_name.items())
+    extras: list = [None, None]
+    torch.distributed.all_gather_object(extras, {"cursor": extra["cursor"], "rank": extra["rank"]})
+    rng_all: list = [None, None]
+    torch.distributed.all_gather_object(rng_all, rng_ok)
+    if dist.is_main:
+        torch.save(
+            {"round_trip_max_diff": diff, "optim_round_trip_max_diff": odiff, "extras": extras, "rng_restored": rng_all,
+             "saved_params": {n: t for n, t in saved_params.items() if not n.endswith("inv_freq")}, "saved_exp_avg": saved_exp_avg},
+            work / "dcp.pt",
+        )
+
+    # small collectives
+    total = dist.all_reduce_sum(1.0 + dist.rank)
+    metrics = {"loss/policy": float(dist.rank), "reward/max": float(dist.rank), "memory/peak_rss_gib": 1.0 + dist.rank}
+    if dist.rank == 0:
+        metrics["only/rank0"] = 7.0
+    reduced = dist.reduce_metrics(metrics)
+    message = dist.broadcast_object("from rank 0" if dist.is_main else None)
+    even = even_microbatches([[0], [1], [2]] if dist.rank == 0 else [[5]], dist)
+    evens: list = [None, None]
+    torch.distributed.all_gather_object(evens, even)
+    if dist.is_main:
+        torch.save({"sum": total, "metrics": reduced, "broadcast": message, "even": evens}, work / "collectives.pt")
+    dist.barrier()
+    dist.close()
+
+
+if __name__ == "__main__":
+    _rank_main(Path(sys.argv[1]))
