@@ -152,6 +152,11 @@ def init_distributed(cfg) -> DistInfo | None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     check_world_size(cfg, world)
+    if not cfg.retriever.url and world != int(os.environ.get("LOCAL_WORLD_SIZE", world)):
+        raise ValueError(
+            "retriever.url is unset on a multi-node run: a retriever started on 127.0.0.1 by rank 0 is not reachable "
+            "from the other machines. Start retriever-server --host 0.0.0.0 and set retriever.url=http://HOST:PORT"
+        )
     if cfg.train.device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise RuntimeError(f"train.device={cfg.train.device} but torch sees no CUDA device (torch {torch.__version__}); set train.device=cpu to train with gloo on CPUs")
@@ -346,13 +351,34 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+def _state(modules: dict[str, tuple[nn.Module, torch.optim.Optimizer | None]]) -> dict:
+    """DCP's state: `{name: model state, name + "_optim": optimizer state}` keyed by parameter name."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    msd, osd = get_state_dict(model, optimizer)
-    return {"model": msd, "optim": osd}
+    state: dict = {}
+    for name, (model, optimizer) in modules.items():
+        if optimizer is None:
+            state[name] = get_model_state_dict(model)
+        else:
+            state[name], state[f"{name}_optim"] = get_state_dict(model, optimizer)
+    return state
+
+
+def _restore(modules: dict[str, tuple[nn.Module, torch.optim.Optimizer | None]], state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    for name, (model, optimizer) in modules.items():
+        if optimizer is None:
+            set_model_state_dict(model, state[name])
+        else:
+            set_state_dict(model, optimizer, model_state_dict=state[name], optim_state_dict=state[f"{name}_optim"])
+
+
+def _modules(model, optimizer, critic, critic_optimizer) -> dict:
+    modules = {"model": (model, optimizer)}
+    if critic is not None:
+        modules["critic"] = (critic, critic_optimizer)
+    return modules
 
 
 def save_sharded(
@@ -366,10 +392,13 @@ def save_sharded(
     config_dict: dict | None = None,
     keep_last: int = 2,
     export_hf: bool = False,
+    critic: nn.Module | None = None,
+    critic_optimizer: torch.optim.Optimizer | None = None,
 ) -> Path:
     """Write `root/step_N/` from all ranks: DCP shards of model + optimizer, per-rank state.
 
-    Layout: `dcp/` (each rank's shards + metadata), `rank_R.pt` (rank R's RNG states and its
+    Layout: `dcp/` (each rank's shards of model, optimizer and, for PPO, critic and its optimizer,
+    plus metadata), `rank_R.pt` (rank R's RNG states and its
     `extra_state`), `state.pt` (rank 0: step, world size, scheduler; written last, so
     `checkpoint.latest_checkpoint` only sees finished checkpoints), `config.json`, and with
     `export_hf` a full Hugging Face model in `model/` for `agent-rl eval`. The directory appears
@@ -385,7 +414,7 @@ def save_sharded(
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_state(model, optimizer), checkpoint_id=str(tmp / "dcp"))
+    dcp.save(_state(_modules(model, optimizer, critic, critic_optimizer)), checkpoint_id=str(tmp / "dcp"))
     torch.save({"rng": _rng_state(), "extra": extra_state or {}}, tmp / f"rank_{dist.rank}.pt")
     if export_hf:
         full = {n: t.cpu() for n, t in iter_full_params(model)} if dist.is_main else None
@@ -410,7 +439,15 @@ def save_sharded(
     return final
 
 
-def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, dist: DistInfo | None, scheduler=None) -> dict:
+def load_sharded(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    dist: DistInfo | None,
+    scheduler=None,
+    critic: nn.Module | None = None,
+    critic_optimizer: torch.optim.Optimizer | None = None,
+) -> dict:
     """Restore model, optimizer, scheduler and this rank's RNG and extra state; returns the extra.
 
     Same world size: every rank gets back exactly its shards and its own RNG streams. Another
@@ -425,16 +462,12 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
     meta = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
     if not meta.get("sharded"):
         raise ValueError(f"{path} is a single-process checkpoint; load it with agent_rl.checkpoint.load_checkpoint before sharding the model")
-    state = _state(model, optimizer)
+    modules = _modules(model, optimizer, critic, critic_optimizer)
+    state = _state(modules)
     with warnings.catch_warnings():  # DCP warns that it loads in one process; that is the point of dist=None
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(path / "dcp"))
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-    if optimizer is None:
-        set_model_state_dict(model, state["model"])
-    else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    _restore(modules, state)
     if scheduler is not None and meta["scheduler"] is not None:
         scheduler.load_state_dict(meta["scheduler"])
     rank = dist.rank if dist is not None else 0

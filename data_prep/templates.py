@@ -12,7 +12,10 @@ BASE_TEMPLATE = (
     "If you find no further external knowledge needed, you can directly provide the answer inside <answer> and </answer>, without "
     "detailed illustrations. For example, <answer> Beijing </answer>. Question: {question}\n"
 )
-TEMPLATES = ("base", "chat")
+# The toy world's prompt: the same protocol in ~25 tokens instead of ~100, so the CPU demo spends
+# its compute on the search turns, not on re-reading a long fixed instruction.
+COMPACT_TEMPLATE = "Search with <search> query </search>, answer with <answer> answer </answer>. Question: {question}\n"
+TEMPLATES = ("base", "chat", "compact")
 
 
 def normalize_question(question: str) -> str:
@@ -24,6 +27,8 @@ def normalize_question(question: str) -> str:
 def render_prompt(question: str, template: str = "base", tokenizer=None) -> str:
     if template == "base":
         return BASE_TEMPLATE.format(question=question)
+    if template == "compact":
+        return COMPACT_TEMPLATE.format(question=question)
     if template == "chat":
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("--template chat needs --tokenizer PATH with a chat template")

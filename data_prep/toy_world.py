@@ -7,7 +7,8 @@ distractors. Questions are single-hop ("Where was Doran Velk born?": one search 
 or two-hop ("In which city was the founder of Velk Works born?": search the organisation, read
 the founder, search the founder). Entities are split between train and test, so test questions
 are about entities never asked about in training: the policy must search, not memorise.
-Same seed -> byte-identical files.
+Same seed -> byte-identical files. Prompts use the compact template by default (the same
+protocol as Search-R1's base template in a quarter of the tokens; `template="base"` for theirs).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def _person_passages(name: str, a: dict, rng: random.Random) -> list[str]:
     return [f"{name}\n{born} {music}", f"{name}\n{job}"]
 
 
-def build_toy_world(out_dir: Path, seed: int = 0, num_entities: int = 1000, test_fraction: float = 0.15) -> dict:
+def build_toy_world(out_dir: Path, seed: int = 0, num_entities: int = 1000, test_fraction: float = 0.15, template: str = "compact") -> dict:
     """Write corpus.jsonl, train.parquet, test.parquet under out_dir; return paths and counts."""
     rng = random.Random(seed)
     out_dir = Path(out_dir)
@@ -96,7 +97,7 @@ def build_toy_world(out_dir: Path, seed: int = 0, num_entities: int = 1000, test
             table["question"].append(question)
             table["golden_answers"].append([ans])
             table["split"].append(split)
-            table["prompt"].append(render_prompt(question, "base"))
+            table["prompt"].append(render_prompt(question, template))
             table["metadata"].append(json.dumps({"type": typ, "queries": queries, "hop_answers": hop_answers, "supporting_titles": titles}, sort_keys=True))
         path = out_dir / f"{split}.parquet"
         pq.write_table(pa.table(table), path, compression="zstd")

@@ -21,9 +21,12 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def hotpot_index_dir(tmp_path_factory) -> Path:
-    """A flat MiniLM index over the 994 hotpotqa fixture paragraphs."""
+    """A flat MiniLM index over the first 200 hotpotqa fixture paragraphs (fast to encode)."""
     from retriever_server.build import build_index
 
-    out = tmp_path_factory.mktemp("hotpot_flat")
-    build_index(FIXTURES / "hotpotqa100" / "corpus.jsonl", out, kind="flat")
-    return out
+    work = tmp_path_factory.mktemp("hotpot_flat")
+    corpus = work / "corpus.jsonl"
+    lines = (FIXTURES / "hotpotqa100" / "corpus.jsonl").read_text().splitlines()[:200]
+    corpus.write_text("\n".join(lines) + "\n")
+    build_index(corpus, work / "index", kind="flat")
+    return work / "index"

@@ -6,6 +6,7 @@ in the pytest process. The job is launched once per module and takes ~20-30 s on
 """
 from __future__ import annotations
 
+import inspect
 import os
 import random
 import socket
@@ -26,6 +27,18 @@ SCENARIOS = {
     "multi": ["algo.ppo_epochs=2", "algo.kl_coef=0.05", "algo.entropy_coef=0.01", "algo.loss_agg=token-mean"],
     "seq": ["algo.ppo_epochs=1", "algo.loss_agg=seq-mean-token-mean"],
 }
+
+
+def _trainer_pads_microbatches() -> bool:
+    """Whether train.prepare_batch/update take `dist` and pad micro-batch counts across ranks."""
+    from agent_rl.train import prepare_batch
+
+    return "dist" in inspect.signature(prepare_batch).parameters
+
+
+# "uneven": the ranks pack their halves into different numbers of micro-batches, which only a
+# trainer that pads the counts (`even_microbatches`) survives; without it FSDP would hang.
+UNEVEN = ["algo.ppo_epochs=2", "algo.kl_coef=0.05", "algo.loss_agg=token-mean"]
 
 
 def _overrides(extra: list[str], cap: int) -> list[str]:
@@ -99,19 +112,25 @@ def _single_process_step(model_dir: Path, trajs, overrides: list[str]):
     return params, grads, metrics
 
 
-def _pick_cap(trajs) -> int:
-    """A micro-batch cap giving each rank's half >= 2 micro-batches, the same count on both.
-
-    `train.update` runs one FSDP forward/backward per micro-batch; ranks must run equally many.
-    """
+def _pick_cap(trajs, even: bool) -> int:
+    """A micro-batch cap giving each rank's half >= 2 micro-batches: the same count on both
+    ranks (`even`), or different counts (the case `even_microbatches` exists for)."""
     from agent_rl.buffer import pack_microbatches
 
     half = len(trajs) // 2
     for cap in range(MAX_TOTAL, 400):
         counts = [len(pack_microbatches([t.total_tokens for t in part], cap)) for part in (trajs[:half], trajs[half:])]
-        if counts[0] == counts[1] >= 2:
+        if min(counts) >= 2 and (counts[0] == counts[1]) == even:
             return cap
-    raise AssertionError("no micro-batch cap splits both halves evenly; change the synthetic batch")
+    raise AssertionError("no micro-batch cap gives the wanted split; change the synthetic batch")
+
+
+def _scenarios(caps: dict[str, int]) -> dict[str, list[str]]:
+    """Scenario name -> config overrides, with the micro-batch cap each one uses."""
+    out = {name: _overrides(extra, caps["even"]) for name, extra in SCENARIOS.items()}
+    if _trainer_pads_microbatches():
+        out["uneven"] = _overrides(UNEVEN, caps["uneven"])
+    return out
 
 
 def _free_port() -> int:
@@ -126,22 +145,25 @@ def job(tmp_path_factory):
     work = tmp_path_factory.mktemp("dist")
     _tiny_model().save_pretrained(work / "model")
     trajs = _trajectories()
-    cap = _pick_cap(trajs)
-    torch.save({"trajs": trajs, "cap": cap}, work / "job.pt")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    caps = {"even": _pick_cap(trajs, even=True), "uneven": _pick_cap(trajs, even=False)}
+    torch.save({"trajs": trajs, "caps": caps}, work / "job.pt")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), __file__, str(work)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"torchrun job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return work
 
 
-@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+@pytest.mark.parametrize("scenario", [*sorted(SCENARIOS), "uneven"])
 def test_two_rank_fsdp_step_matches_single_process(job, scenario):
     """One `update` on 2 gloo ranks with FSDP2 (each rank half the GRPO groups) takes the same
-    step as one process on the whole batch: gradients, grad norm and AdamW parameters match."""
+    step as one process on the whole batch: gradients, grad norm and AdamW parameters match.
+    "uneven": the ranks hold different numbers of micro-batches (padded by the trainer)."""
+    if scenario == "uneven" and not _trainer_pads_microbatches():
+        pytest.skip("train.prepare_batch/update take no `dist` yet: micro-batch counts cannot differ across ranks")
     data = torch.load(job / "job.pt", weights_only=False)
     got = torch.load(job / f"update_{scenario}.pt", weights_only=False)
-    params, grads, metrics = _single_process_step(job / "model", data["trajs"], _overrides(SCENARIOS[scenario], data["cap"]))
+    params, grads, metrics = _single_process_step(job / "model", data["trajs"], _scenarios(data["caps"])[scenario])
     assert got["sharded"], "parameters were not sharded across the 2 ranks"
     assert set(got["params"]) == set(params)
     init = _load(job / "model").state_dict()
@@ -154,7 +176,10 @@ def test_two_rank_fsdp_step_matches_single_process(job, scenario):
     assert p_diff < 2e-5, p_diff
     assert g_diff < 1e-4 * g_scale, (g_diff, g_scale)
     assert got["metrics"]["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-4)
-    assert got["microbatches_per_rank"] == [metrics["train/microbatches"] / 2] * 2
+    if scenario == "uneven":
+        assert got["microbatches_per_rank"][0] != got["microbatches_per_rank"][1]
+    else:
+        assert got["microbatches_per_rank"] == [metrics["train/microbatches"] / 2] * 2
 
 
 def test_iter_full_params_yields_unsharded_tensors(job):
@@ -174,14 +199,15 @@ def test_iter_full_params_yields_unsharded_tensors(job):
 
 
 def test_dcp_checkpoint_round_trip_and_reshard(job):
-    """A DCP checkpoint saved by 2 ranks restores model, AdamW state and per-rank RNG/extra on 2
-    ranks exactly, loads into one plain process (world size 2 -> 1, resharded by DCP), and its
-    `model/` export is a Hugging Face model with the same weights."""
+    """A DCP checkpoint saved by 2 ranks restores policy, critic, both AdamW states and per-rank
+    RNG/extra on 2 ranks exactly, loads into one plain process (world size 2 -> 1, resharded by
+    DCP), and its `model/` export is a Hugging Face model with the same weights."""
     from agent_rl.checkpoint import latest_checkpoint
     from agent_rl.distributed import load_sharded
 
     got = torch.load(job / "dcp.pt", weights_only=False)
     assert got["round_trip_max_diff"] == 0.0
+    assert got["critic_round_trip_max_diff"] == 0.0
     assert got["optim_round_trip_max_diff"] == 0.0
     assert got["extras"] == [{"cursor": 8, "rank": 0}, {"cursor": 8, "rank": 1}]
     assert got["rng_restored"] == [True, True]
@@ -190,7 +216,10 @@ def test_dcp_checkpoint_round_trip_and_reshard(job):
     # world size 2 -> 1: a plain model and optimizer, no process group
     model = _load(job / "model")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    extra = load_sharded(ckpt, model, opt, dist=None)
+    critic = _critic(job)
+    critic_opt = torch.optim.AdamW(critic.parameters(), lr=1e-3)
+    extra = load_sharded(ckpt, model, opt, dist=None, critic=critic, critic_optimizer=critic_opt)
+    assert all(torch.equal(critic.state_dict()[n], t) for n, t in got["saved_critic"].items())
     assert extra["saved_world_size"] == 2 and extra["cursor"] == 8
     saved = got["saved_params"]
     diff = max((model.state_dict()[n] - saved[n]).abs().max().item() for n in saved)
@@ -243,6 +272,25 @@ def _full(model) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in iter_full_params(model)}
 
 
+def _critic(work: Path):
+    """A PPO critic (the policy's backbone + a value head), trainable."""
+    from agent_rl.models import ValueModel
+
+    critic = ValueModel(_load(work / "model"))
+    for p in critic.parameters():
+        p.requires_grad_(True)
+    return critic
+
+
+def _critic_step(critic) -> torch.optim.Optimizer:
+    """One AdamW step on a value regression so the critic's optimizer has state to checkpoint."""
+    opt = torch.optim.AdamW(critic.parameters(), lr=1e-3)
+    ids = torch.tensor([[5, 6, 7, 8, 9], [10, 11, 12, 13, 14]])
+    (critic(ids, torch.ones_like(ids)) - 1.0).pow(2).mean().backward()
+    opt.step()
+    return opt
+
+
 def _full_grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}
 
@@ -257,8 +305,9 @@ def _rank_main(work: Path) -> None:
     job = torch.load(work / "job.pt", weights_only=False)
     groups = [job["trajs"][g * GROUP_SIZE : (g + 1) * GROUP_SIZE] for g in range(GROUPS)]
     dist = None
-    for name, extra in SCENARIOS.items():
-        cfg = load_config(None, _overrides(extra, job["cap"]))
+    pads = _trainer_pads_microbatches()
+    for name, overrides in _scenarios(job["caps"]).items():
+        cfg = load_config(None, overrides)
         if dist is None:
             dist = init_distributed(cfg)
             assert dist is not None and dist.world_size == 2 and dist.backend == "gloo"
@@ -270,7 +319,7 @@ def _rank_main(work: Path) -> None:
         if ref is not None:
             shard_model(ref, dist, cfg)
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
-        batch = prepare_batch(cfg, policy, ref, None, mine, PAD, need_old=cfg.algo.ppo_epochs > 1)
+        batch = prepare_batch(cfg, policy, ref, None, mine, PAD, need_old=cfg.algo.ppo_epochs > 1, **({"dist": dist} if pads else {}))
         metrics = update(cfg, policy, None, opt, None, mine, batch, PAD, random.Random(0), dist=dist)
         grads, params = _full_grads(policy), {n: t for n, t in _full(policy).items() if not n.endswith("inv_freq")}
         mbs = [0.0, 0.0]
@@ -282,6 +331,7 @@ def _rank_main(work: Path) -> None:
             torch.save({"params": params, "grads": grads, "metrics": reduced, "microbatches_per_rank": mbs, "sharded": sharded}, work / f"update_{name}.pt")
 
     # iter_full_params on a freshly sharded model: every rank sees the full tensors
+    cfg = load_config(None, _scenarios(job["caps"])["seq"])  # no reference model from here on
     policy = shard_model(_load(work / "model"), dist, cfg)
     names, tensors = [], {}
     for n, t in iter_full_params(policy):
@@ -312,21 +362,29 @@ def _rank_main(work: Path) -> None:
     # DCP: train a step so AdamW has state, save, scramble, load, compare
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     mine = [t for g in split_groups(groups, dist.rank, dist.world_size) for t in g]
-    batch = prepare_batch(cfg, policy, None, None, mine, PAD, need_old=False)
+    batch = prepare_batch(cfg, policy, None, None, mine, PAD, need_old=False, **({"dist": dist} if pads else {}))
     update(cfg, policy, None, opt, None, mine, batch, PAD, random.Random(0), dist=dist)
     saved_params = _full(policy)
     by_name = dict(policy.named_parameters())
     saved_exp_avg = {n: opt.state[p]["exp_avg"].full_tensor().clone() for n, p in by_name.items()}
+    critic = _critic(work)
+    shard_model(critic, dist, cfg)
+    critic_opt = _critic_step(critic)
+    saved_critic = _full(critic)
     random.seed(99 + dist.rank)
-    save_sharded(work / "ckpt", 3, policy, opt, dist, extra_state={"cursor": 8, "rank": dist.rank}, export_hf=True)
+    save_sharded(work / "ckpt", 3, policy, opt, dist, extra_state={"cursor": 8, "rank": dist.rank}, export_hf=True, critic=critic, critic_optimizer=critic_opt)
     want_next = random.random()
     with torch.no_grad():
-        for p in policy.parameters():
+        for p in [*policy.parameters(), *critic.parameters()]:
             p.add_(1.0)
-    for st in opt.state.values():
+    for st in [*opt.state.values(), *critic_opt.state.values()]:
         st["exp_avg"].zero_()
     random.seed(0)
-    extra = load_sharded(work / "ckpt" / "step_3", policy, opt, dist)
+    extra = load_sharded(work / "ckpt" / "step_3", policy, opt, dist, critic=critic, critic_optimizer=critic_opt)
+    loaded_critic = _full(critic)
+    cdiff = max((loaded_critic[n] - saved_critic[n]).abs().max().item() for n in saved_critic)
+    cstate = [st["exp_avg"].full_tensor() for st in critic_opt.state.values()]
+    assert cstate and all(x.abs().sum() > 0 for x in cstate[-2:]), "the critic's AdamW state was not restored"
     rng_ok = random.random() == want_next
     loaded = _full(policy)
     diff = max((loaded[n] - saved_params[n]).abs().max().item() for n in saved_params)
@@ -337,7 +395,8 @@ def _rank_main(work: Path) -> None:
     torch.distributed.all_gather_object(rng_all, rng_ok)
     if dist.is_main:
         torch.save(
-            {"round_trip_max_diff": diff, "optim_round_trip_max_diff": odiff, "extras": extras, "rng_restored": rng_all,
+            {"round_trip_max_diff": diff, "optim_round_trip_max_diff": odiff, "extras": extras, "rng_restored": rng_all, "critic_round_trip_max_diff": cdiff,
+             "saved_critic": {n: t for n, t in saved_critic.items() if not n.endswith("inv_freq")},
              "saved_params": {n: t for n, t in saved_params.items() if not n.endswith("inv_freq")}, "saved_exp_avg": saved_exp_avg},
             work / "dcp.pt",
         )

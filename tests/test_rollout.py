@@ -72,7 +72,7 @@ def _items(tokenizer, n=2):
     return [PromptItem(f"toy-{i}", "toy", ids, ["Christopher Nolan"]) for i in range(n)]
 
 
-BUDGET = TokenBudget(max_turns=3, max_prompt_tokens=64, max_tokens_per_turn=24, max_obs_tokens=200, max_total_tokens=64 + 3 * 224 + 24)
+BUDGET = TokenBudget(max_turns=3, max_prompt_tokens=64, max_tokens_per_turn=24, max_obs_tokens=1500, max_total_tokens=64 + 3 * 1524 + 24)
 
 
 def _spans(t):
