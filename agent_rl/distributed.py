@@ -10,8 +10,10 @@ ranks take the step one process would take on the same global batch (tested on C
 
 Checkpoints are DCP (`torch.distributed.checkpoint`): every rank writes its own shards of the
 model and optimizer state; DCP reshards on load, so a checkpoint saved by N ranks loads on M
-ranks, or into one plain process (tested: 2 ranks -> 1 process). Weight sync to a rollout engine
-streams one gathered parameter at a time (`iter_full_params`), never a whole second model.
+ranks, or into one plain process (tested: 2 ranks -> 1 process; 2 -> 3 ranks checked by hand).
+Weight sync to a rollout engine streams one gathered parameter at a time (`iter_full_params`),
+never a whole second model. The CUDA-only branches (nccl, bf16 mixed precision, CPU offload of
+shards, vLLM sync) are the same calls on another device; the tests run the gloo/CPU path only.
 
 Departures from verl / OpenRLHF: no Ray, no parameter server, no `nn.DataParallel`; the retriever
 is a separate HTTP service that all ranks share.

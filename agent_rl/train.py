@@ -26,6 +26,7 @@ from agent_rl.buffer import TrajectoryBuffer, collate, pack_microbatches
 from agent_rl.checkpoint import install_signal_handlers, latest_checkpoint, load_checkpoint, save_checkpoint
 from agent_rl.config import Config
 from agent_rl.data import PromptSet, load_prompts
+from agent_rl.distributed import even_microbatches
 from agent_rl.engines import HFEngine
 from agent_rl.logger import MetricsLogger
 from agent_rl.models import ValueModel, assert_no_data_parallel, forward_logprobs, frozen_copy, load_policy, load_tokenizer, reference_mode
@@ -134,17 +135,20 @@ def _rows(values: list[torch.Tensor], index: list[int], width: int) -> torch.Ten
     return out
 
 
-def prepare_batch(cfg: Config, policy, ref, critic, trajs: list[Trajectory], pad_id: int, need_old: bool) -> dict[str, list[torch.Tensor]]:
+def prepare_batch(cfg: Config, policy, ref, critic, trajs: list[Trajectory], pad_id: int, need_old: bool, dist=None) -> dict[str, list[torch.Tensor]]:
     """No-grad passes: old log-probs, reference log-probs, values; then advantages and returns.
 
     Every result is a per-trajectory 1-D tensor over the full sequence (prompt + response).
+    With `dist`, every rank runs as many forward passes as the rank with the most micro-batches
+    (FSDP all-gathers in each forward); the padding passes are discarded.
     """
+
     device = cfg.train.device
     n = len(trajs)
     old, refs, vals = [None] * n, [None] * n, [None] * n
     use_ref = cfg.algo.kl_coef > 0
     with torch.no_grad():
-        for index in pack_microbatches([t.total_tokens for t in trajs], cfg.train.max_tokens_per_microbatch):
+        for index, real in even_microbatches(pack_microbatches([t.total_tokens for t in trajs], cfg.train.max_tokens_per_microbatch), dist):
             mb = collate(trajs, index, pad_id, device)
             if need_old:
                 lp, _ = forward_logprobs(policy, mb, cfg.rollout.temperature)
@@ -153,6 +157,8 @@ def prepare_batch(cfg: Config, policy, ref, critic, trajs: list[Trajectory], pad
                     rlp, _ = forward_logprobs(ref_model, mb, cfg.rollout.temperature)
             if critic is not None:
                 v = critic(mb.input_ids, mb.attention_mask)
+            if not real:
+                continue
             for r, i in enumerate(index):
                 L = trajs[i].total_tokens
                 if need_old:
@@ -182,6 +188,10 @@ def prepare_batch(cfg: Config, policy, ref, critic, trajs: list[Trajectory], pad
     return {"old": old, "ref": refs, "values": vals, "advantages": advs, "returns": rets}
 
 
+def _discard(key: str, value: float) -> None:
+    pass
+
+
 def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Trajectory], batch: dict, pad_id: int, rng: random.Random, dist=None) -> dict[str, float]:
     """PPO-style epochs over mini-batches, each accumulated over token-capped micro-batches.
 
@@ -196,8 +206,10 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Traje
     on_policy = batch["old"][0] is None  # one epoch, one mini-batch: old == current, detached
     stats: dict[str, list[float]] = {}
 
-    def add(key: str, value: float) -> None:
+    def keep(key: str, value: float) -> None:
         stats.setdefault(key, []).append(float(value))
+
+    add = keep
 
     policy.train()
     for _ in range(cfg.algo.ppo_epochs):
@@ -213,12 +225,15 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Traje
             optimizer.zero_grad(set_to_none=True)
             if critic_opt is not None:
                 critic_opt.zero_grad(set_to_none=True)
-            for local in pack_microbatches([t.total_tokens for t in sub], cfg.train.max_tokens_per_microbatch):
+            for local, real in even_microbatches(pack_microbatches([t.total_tokens for t in sub], cfg.train.max_tokens_per_microbatch), dist):
                 index = [members[j] for j in local]
                 mb = collate(trajs, index, pad_id, device)
                 width = mb.input_ids.shape[1]
                 mb_tokens = float(mb.loss_mask.sum())
                 weight = mb_tokens / max(1.0, mask_tokens) if cfg.algo.loss_agg == "token-mean" else len(index) / rows
+                if not real:  # FSDP padding pass: same collectives, zero gradient, no metrics
+                    weight = 0.0
+                    add = _discard
                 logprobs, entropy = forward_logprobs(policy, mb, cfg.rollout.temperature, with_entropy=cfg.algo.entropy_coef > 0)
                 old = logprobs.detach() if on_policy else _rows(batch["old"], index, width).to(device)
                 advantages = _rows(batch["advantages"], index, width).to(device)
@@ -249,6 +264,7 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Traje
                     for k, v in v_stats.items():
                         add(f"critic/{k}", v)
                 add("train/microbatch_tokens", mb.num_tokens)
+                add = keep
             if cfg.train.max_grad_norm > 0:
                 add("actor/grad_norm", torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], cfg.train.max_grad_norm).item())
                 if critic is not None:

@@ -253,6 +253,24 @@ def test_collectives(job):
     assert got["even"][1] == [([5], True), ([5], False), ([5], False)]
 
 
+def test_world_size_checks_name_the_fix(monkeypatch):
+    """A prompt count or mini-batch that does not split over the ranks, and a multi-node run
+    without retriever.url, fail before joining the process group, naming the value to set."""
+    from agent_rl.config import load_config
+    from agent_rl.distributed import check_world_size, init_distributed
+
+    with pytest.raises(ValueError, match=r"rollout.prompts_per_step=6"):
+        check_world_size(load_config(None, ["rollout.prompts_per_step=4", "algo.group_size=2"]), 3)
+    with pytest.raises(ValueError, match=r"algo.mini_batch_size \(6\)"):
+        check_world_size(load_config(None, ["rollout.prompts_per_step=4", "algo.group_size=3", "algo.mini_batch_size=6"]), 4)
+    check_world_size(load_config(None, ["rollout.prompts_per_step=4", "algo.group_size=2"]), 4)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="set retriever.url"):
+        init_distributed(load_config(None, ["rollout.prompts_per_step=4", "algo.group_size=2", "retriever.url=null"]))
+
+
 def test_not_under_torchrun_returns_none(monkeypatch):
     """Without torchrun's RANK/WORLD_SIZE, init_distributed is a no-op returning None."""
     from agent_rl.config import load_config

@@ -29,7 +29,7 @@ def _batch(vocab: int, groups: int = 2, n: int = 2):
 
 
 def _cfg(model_dir, *extra):
-    return load_config(None, [f"model.path={model_dir}", "budget.max_total_tokens=600", "train.lr=1e-2", *extra])
+    return load_config(None, [f"model.path={model_dir}", "budget.max_total_tokens=1000", "train.lr=1e-2", *extra])
 
 
 def test_lora_trains_adapters_only_and_base_is_reference(tiny_model_dir):
@@ -58,6 +58,7 @@ def test_lora_trains_adapters_only_and_base_is_reference(tiny_model_dir):
     with torch.no_grad(), reference_mode(policy, None) as ref:
         ref_lp, _ = forward_logprobs(ref, mb, 1.0)
         base_lp, _ = forward_logprobs(base, mb, 1.0)
+    with torch.no_grad():  # outside reference_mode: adapters active again
         pol_lp, _ = forward_logprobs(policy, mb, 1.0)
     assert torch.allclose(ref_lp, base_lp, atol=1e-5)
     assert not torch.allclose(pol_lp, base_lp, atol=1e-5)

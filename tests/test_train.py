@@ -33,6 +33,9 @@ def _overrides(cache: Path, out: Path, steps: int, extra=()):
         "rollout.prompts_per_step=4",
         "algo.group_size=2",
         "train.lr=1e-3",
+        # A random policy earns no reward, so GRPO/GAE advantages are all zero; the entropy
+        # bonus gives every step a real gradient so updates (and their resume) are exercised.
+        "algo.entropy_coef=0.01",
         *extra,
     ]
 
