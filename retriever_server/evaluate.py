@@ -522,11 +522,11 @@ def parse_topks(text: str) -> list[int]:
     return topks
 
 
-def _positive(kind: Callable, name: str):
+def _positive(kind: Callable, name: str, allow_zero: bool = False):
     def check(text: str):
         v = kind(text)
-        if v <= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be > 0, got {text}")
+        if v < 0 or (v == 0 and not allow_zero):
+            raise argparse.ArgumentTypeError(f"{name} must be {'>= 0' if allow_zero else '> 0'}, got {text}")
         return v
 
     return check
@@ -547,8 +547,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=_positive(int, "--concurrency"), default=4, help="requests in flight (default 4)")
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (or env RETRIEVER_API_KEY)")
     p.add_argument("--timeout", type=_positive(float, "--timeout"), default=30.0, help="seconds per request (default 30)")
-    p.add_argument("--retries", type=int, default=2, help="retries per request on connection errors, 429 and 5xx (default 2)")
-    p.add_argument("--backoff", type=float, default=0.5, help="first retry delay in seconds, doubled each retry (default 0.5)")
+    p.add_argument("--retries", type=_positive(int, "--retries", allow_zero=True), default=2, help="retries per request on connection errors, 429 and 5xx (default 2)")
+    p.add_argument("--backoff", type=_positive(float, "--backoff", allow_zero=True), default=0.5, help="first retry delay in seconds, doubled each retry (default 0.5)")
     p.add_argument("--limit", type=_positive(int, "--limit"), help="evaluate only the first N questions")
     p.add_argument("--data-source", help="data_source for records that have none (default: the file's stem); overrides the file's")
     p.add_argument("--out", help="write the full report as JSON here")
