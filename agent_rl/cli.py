@@ -231,7 +231,13 @@ def main(argv: list[str] | None = None) -> int:
     _with_config(p)
     p.set_defaults(func=cmd_demo)
 
-    args = parser.parse_args(argv)
+    # key=value overrides may also follow the options (`rollout CONFIG --out F key=value`).
+    args, extra = parser.parse_known_args(argv)
+    stray = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     from agent_rl.config import ConfigError
 
     try:

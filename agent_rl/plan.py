@@ -12,7 +12,7 @@ with hidden h, intermediate f, heads a, kv heads g, head dim d and eager attenti
   saved for backward ~ b * (10 h + 4 f + 2 g d) + attention probabilities a * L * (b + 1)
 With gradient checkpointing only the layer inputs (b * h) stay, plus one layer's worth in
 flight during recompute. Logits: tokens x vocab in fp32, plus log_softmax and its gradient
-(3 copies). These constants were measured on CPU against `ru_maxrss` (bench/plan_vs_measured.py).
+(3 copies). These constants were measured on CPU against `ru_maxrss` (tests/test_memory_safety.py).
 """
 from __future__ import annotations
 
@@ -39,7 +39,9 @@ KNOWN_SHAPES = {
     "llama-3-8b": (4096, 32, 32, 8, 14336, 128256, False),
     "llama-3-70b": (8192, 80, 64, 8, 28672, 128256, False),
 }
-BASELINE_HOST_BYTES = int(0.55 * GIB)  # python + torch + transformers + tokenizer, measured here
+# python + torch + transformers model code + tokenizer + agent_rl's imports: ru_maxrss of a
+# trainer process before its weights, measured on CPU (torch 2.13, transformers 5.23).
+BASELINE_HOST_BYTES = int(0.45 * GIB)
 
 
 @dataclass
@@ -156,7 +158,11 @@ def _estimate(cfg: Config, gpus: int) -> tuple[dict[str, int], dict[str, int]]:
         host["optimizer_offload"] = train_c.pop("optimizer") * shard // max(1, gpus)
     if cfg.train.offload_params and on_gpu:
         host["params_offload"] = train_c.pop("params") * shard // max(1, gpus)
-    host["model_load"] = P * b  # one full copy while from_pretrained materialises weights
+    if on_gpu:
+        # One full host copy while from_pretrained materialises the weights before `.to(cuda)`.
+        # On CPU that copy *is* the trained parameters (safetensors pages are mapped, not
+        # duplicated), already counted under `params`.
+        host["model_load"] = P * b
     rollout_c: dict[str, int] = {}
     if cfg.rollout.engine == "vllm":
         rollout_c["vllm_reserved"] = -1  # filled in from the device memory below

@@ -18,6 +18,14 @@ class PreflightError(RuntimeError):
     pass
 
 
+def _is_oom(err: BaseException) -> bool:
+    """CUDA raises torch.OutOfMemoryError; the CPU allocator raises a plain RuntimeError."""
+    if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("can't allocate memory" in text or "not enough memory" in text or "out of memory" in text.lower())
+
+
 def run_preflight(model, cfg: Config, device: str) -> dict:
     rows = max(1, cfg.train.max_tokens_per_microbatch // cfg.budget.max_total_tokens)
     length = cfg.budget.max_total_tokens
@@ -31,7 +39,9 @@ def run_preflight(model, cfg: Config, device: str) -> dict:
         logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[:, :-1].float()
         lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         lp.mean().backward()
-    except (torch.OutOfMemoryError, MemoryError) as err:
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
+        if not _is_oom(err):
+            raise
         advice = ""
         try:
             from agent_rl.plan import plan

@@ -71,17 +71,19 @@ class PromptStream:
         return out
 
 
-def build_engine(cfg: Config, policy, tokenizer):
-    """The rollout engine on `rollout.device`; it shares the policy module when devices match."""
+def build_engine(cfg: Config, policy, tokenizer, seed: int | None = None, own_copy: bool = False):
+    """The rollout engine on `rollout.device`; it shares the policy module when devices match
+    (and `own_copy` is off: under FSDP the engine needs its own unsharded copy)."""
+    seed = cfg.trainer.seed if seed is None else seed
     if cfg.rollout.engine == "vllm":
         from agent_rl.engines import VLLMEngine
 
-        return VLLMEngine(cfg.model.warm_start or cfg.model.path, tokenizer, cfg, seed=cfg.trainer.seed)
-    if cfg.rollout.device == cfg.train.device:
+        return VLLMEngine(cfg.model.warm_start or cfg.model.path, tokenizer, cfg, seed=seed)
+    if cfg.rollout.device == cfg.train.device and not own_copy:
         module = policy
     else:
         module = frozen_copy(policy, cfg.rollout.device)
-    return HFEngine(module, tokenizer, device=cfg.rollout.device, batch_size=cfg.rollout.generation_batch_size, seed=cfg.trainer.seed)
+    return HFEngine(module, tokenizer, device=cfg.rollout.device, batch_size=cfg.rollout.generation_batch_size, seed=seed)
 
 
 def sync_weights(engine, policy) -> float:
@@ -147,10 +149,13 @@ def prepare_batch(cfg: Config, policy, ref, critic, trajs: list[Trajectory], pad
     n = len(trajs)
     old, refs, vals = [None] * n, [None] * n, [None] * n
     use_ref = cfg.algo.kl_coef > 0
+    # k1 in the reward needs the current policy's log-probs even on the single-pass path
+    k1_reward = use_ref and cfg.algo.kl_type == "k1" and cfg.algo.name == "ppo"
+    cur = [None] * n
     with torch.no_grad():
         for index, real in even_microbatches(pack_microbatches([t.total_tokens for t in trajs], cfg.train.max_tokens_per_microbatch), dist):
             mb = collate(trajs, index, pad_id, device)
-            if need_old:
+            if need_old or k1_reward:
                 lp, _ = forward_logprobs(policy, mb, cfg.rollout.temperature)
             if use_ref:
                 with reference_mode(policy, ref) as ref_model:
@@ -163,6 +168,8 @@ def prepare_batch(cfg: Config, policy, ref, critic, trajs: list[Trajectory], pad
                 L = trajs[i].total_tokens
                 if need_old:
                     old[i] = lp[r, :L].float().cpu()
+                if k1_reward:
+                    cur[i] = lp[r, :L].float().cpu()
                 if use_ref:
                     refs[i] = rlp[r, :L].float().cpu()
                 if critic is not None:
@@ -178,8 +185,8 @@ def prepare_batch(cfg: Config, policy, ref, critic, trajs: list[Trajectory], pad
         idx = list(range(n))
         mask_t = _rows(masks, idx, width)
         kl = None
-        if use_ref and cfg.algo.kl_type == "k1":
-            kl = losses.kl_penalty(_rows(old, idx, width) if need_old else _rows(refs, idx, width), _rows(refs, idx, width), "k1")
+        if k1_reward:
+            kl = losses.kl_penalty(_rows(cur, idx, width), _rows(refs, idx, width), "k1")
         token_rewards = adv_lib.token_level_rewards(scores, mask_t, kl, cfg.algo.kl_coef if kl is not None else 0.0)
         a_t, r_t = adv_lib.gae(token_rewards, _rows(vals, idx, width), mask_t, cfg.algo.gamma, cfg.algo.lam)
         a_t = adv_lib.whiten(a_t, mask_t) * mask_t
@@ -279,18 +286,31 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Traje
 
 
 def train(cfg: Config, resume: bool = False) -> dict[str, float]:
-    """Run the whole training job; returns the last evaluation metrics."""
+    """Run the whole training job; returns the last evaluation metrics.
+
+    Under torchrun (`torchrun --nproc-per-node N -m agent_rl.train CONFIG`) every rank runs this
+    same loop on its share of each step's prompts; see `agent_rl.distributed`.
+    """
+    from contextlib import nullcontext
+
+    from agent_rl import distributed as dist_lib
     from agent_rl.prepare import local_retriever, prepare
 
+    dist = dist_lib.init_distributed(cfg)
+    main = dist is None or dist.is_main
+    # Same seed everywhere for data order and model init; each rank samples its own rollouts.
     seed_everything(cfg.trainer.seed)
     out_dir = Path(cfg.trainer.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    prepare(cfg)
-    if cfg.model.warm_start and not Path(cfg.model.warm_start).exists():
-        from agent_rl.sft import sft
+    if main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        prepare(cfg)
+        if cfg.model.warm_start and not Path(cfg.model.warm_start).exists():
+            from agent_rl.sft import sft
 
-        print(f"[train] warm start {cfg.model.warm_start} is missing: running `agent-rl sft` first", file=sys.stderr)
-        sft(cfg)
+            print(f"[train] warm start {cfg.model.warm_start} is missing: running `agent-rl sft` first", file=sys.stderr)
+            sft(cfg)
+    if dist is not None:
+        dist.barrier()  # rank 0 built whatever was missing (toy world, model, index, warm start)
     start_path = cfg.model.warm_start or cfg.model.path
     tokenizer = load_tokenizer(start_path)
     pad_id = tokenizer.pad_token_id
@@ -301,6 +321,16 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
         for p in critic.parameters():
             p.requires_grad_(True)
     assert_no_data_parallel(policy, ref, critic)
+    engine_seed = cfg.trainer.seed + (dist.rank if dist is not None else 0)
+    if dist is not None:
+        if cfg.model.lora.enabled:
+            raise ValueError("model.lora.enabled under torchrun is not supported yet: train LoRA in one process, or full weights with FSDP")
+        # The HF engine generates with its own unsharded copy: ranks sample different lengths,
+        # and a sharded forward would wait on the other ranks' all-gathers.
+        engine = build_engine(cfg, policy, tokenizer, seed=engine_seed, own_copy=True)
+        for module in (policy, ref, critic):
+            if module is not None:
+                dist_lib.shard_model(module, dist, cfg)
     trainable = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
     if cfg.train.offload_optimizer and not cfg.train.device.startswith("cuda"):
@@ -311,25 +341,40 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
     train_set = load_prompts(cfg.data.train_files, tokenizer, budget)
     test_set = load_prompts(cfg.data.test_files, tokenizer, budget, cfg.trainer.eval_max_samples) if cfg.data.test_files else None
     stream = PromptStream(len(train_set.items), cfg.trainer.seed, cfg.data.shuffle)
-    engine = build_engine(cfg, policy, tokenizer)
+    if dist is None:
+        engine = build_engine(cfg, policy, tokenizer, seed=engine_seed)
     buffer = TrajectoryBuffer(cfg.buffer.max_tokens, cfg.buffer.max_trajectories)
-    logger = MetricsLogger(out_dir, cfg.trainer.tensorboard)
+    logger = MetricsLogger(out_dir, cfg.trainer.tensorboard, enabled=main)  # only rank 0 writes
     ckpt_root = out_dir / "checkpoints"
     update_rng = random.Random(cfg.trainer.seed)
     step = 0
-    if resume:
-        path = latest_checkpoint(ckpt_root)
-        if path is None:
-            print(f"[train] --resume: no checkpoint under {ckpt_root}; starting from step 0", file=sys.stderr)
+
+    def push_weights() -> float:
+        return dist_lib.sync_rollout_weights(engine, policy) if dist is not None else sync_weights(engine, policy)
+
+    def restore(path: Path) -> None:
+        nonlocal step
+        if dist is not None or (path / "dcp").is_dir():
+            extra = dist_lib.load_sharded(path, policy, optimizer, dist, scheduler, critic, critic_opt)
         else:
             extra = load_checkpoint(path, policy, optimizer, scheduler)
-            step, stream.cursor = int(extra["step"]), int(extra["cursor"])
-            engine.generator.set_state(extra["engine_rng"]) if hasattr(engine, "generator") else None
-            update_rng.setstate(extra["update_rng"])
             if critic is not None:
                 critic.load_state_dict(extra["critic"])
                 critic_opt.load_state_dict(extra["critic_opt"])
-            sync_weights(engine, policy)
+        step, stream.cursor = int(extra["step"]), int(extra["cursor"])
+        if hasattr(engine, "generator") and "engine_rng" in extra:
+            engine.generator.set_state(extra["engine_rng"])
+        update_rng.setstate(extra["update_rng"])
+        push_weights()
+
+    if resume:
+        path = latest_checkpoint(ckpt_root)
+        if dist is not None:
+            path = dist.broadcast_object(path)  # every rank restores the same step
+        if path is None:
+            print(f"[train] --resume: no checkpoint under {ckpt_root}; starting from step 0", file=sys.stderr)
+        else:
+            restore(path)
             logger.truncate_after(step)
             print(f"[train] resumed from {path} at step {step}", file=sys.stderr)
 
@@ -337,10 +382,19 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
         extra = {"step": step, "cursor": stream.cursor, "update_rng": update_rng.getstate()}
         if hasattr(engine, "generator"):
             extra["engine_rng"] = engine.generator.get_state()
+        if dist is not None:
+            return dist_lib.save_sharded(ckpt_root, step, policy, optimizer, dist, scheduler, extra, cfg.to_dict(), cfg.trainer.keep_last, export_hf=True, critic=critic, critic_optimizer=critic_opt)
         if critic is not None:
             extra["critic"] = critic.state_dict()
             extra["critic_opt"] = critic_opt.state_dict()
         return save_checkpoint(ckpt_root, step, policy, optimizer, scheduler, extra, cfg.to_dict(), cfg.trainer.keep_last)
+
+    def run_eval() -> dict[str, float]:
+        # Rank 0 evaluates with its own unsharded rollout model (no collectives); the rest wait.
+        result = evaluate(loop, test_set, cfg) if main else {}
+        if dist is not None:
+            dist.barrier()
+        return result
 
     if cfg.trainer.preflight and step == 0:
         from agent_rl.preflight import run_preflight
@@ -353,18 +407,26 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
     guard = CollapseGuard(cfg.guard)
     stop = install_signal_handlers()
     last_eval: dict[str, float] = {}
-    with local_retriever(cfg) as url:
+    with local_retriever(cfg) if main else nullcontext(None) as url:
+        if dist is not None:
+            url = dist.broadcast_object(url)  # the server rank 0 started, or retriever.url
         client = RetrieverClient(url, cfg.retriever.topk, cfg.retriever.timeout_s, cfg.retriever.max_retries, cfg.retriever.backoff_s, cfg.retriever.api_key)
         loop = AgentLoop(engine, tokenizer, client, budget, cfg.retriever.topk)
         if test_set is not None and step == 0:
-            last_eval = evaluate(loop, test_set, cfg)
+            last_eval = run_eval()
             logger.log(0, last_eval)
             logger.progress(0, cfg.trainer.max_steps, last_eval)
-        while step < cfg.trainer.max_steps and not stop.is_set():
+        def stopping() -> bool:  # ranks must leave the loop together
+            flag = float(stop.is_set())
+            return (dist.all_reduce_max(flag) if dist is not None else flag) > 0
+
+        while step < cfg.trainer.max_steps and not stopping():
             step += 1
             t0 = time.perf_counter()
-            # 1. rollout: n samples per prompt, budgets enforced inside the loop
+            # 1. rollout: n samples per prompt (this rank's share of whole groups), budgets enforced inside the loop
             picked = [train_set.items[i] for i in stream.next(cfg.rollout.prompts_per_step)]
+            if dist is not None:
+                picked = dist_lib.split_groups(picked, dist.rank, dist.world_size)
             loop.counters.clear()
             gen_before = engine.stats["generated_tokens"]
             trajs = loop.run(picked, cfg.algo.group_size, cfg.rollout.temperature, cfg.rollout.top_p)
@@ -378,13 +440,14 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             trajs = buffer.drain()
             # 4. old / reference log-probs, values, advantages
             t1 = time.perf_counter()
-            single_pass = cfg.algo.ppo_epochs == 1 and cfg.algo.mini_batch_size in (0, len(trajs))
-            batch = prepare_batch(cfg, policy, ref, critic, trajs, pad_id, need_old=not single_pass)
+            world = dist.world_size if dist is not None else 1
+            single_pass = cfg.algo.ppo_epochs == 1 and (cfg.algo.mini_batch_size == 0 or cfg.algo.mini_batch_size // world >= len(trajs))
+            batch = prepare_batch(cfg, policy, ref, critic, trajs, pad_id, need_old=not single_pass, dist=dist)
             # 5. update
             t2 = time.perf_counter()
-            upd = update(cfg, policy, critic, optimizer, critic_opt, trajs, batch, pad_id, update_rng)
+            upd = update(cfg, policy, critic, optimizer, critic_opt, trajs, batch, pad_id, update_rng, dist=dist)
             scheduler.step()
-            sync_s = sync_weights(engine, policy)
+            sync_s = push_weights()
             t3 = time.perf_counter()
             # 6. log
             rewards = [t.reward for t in trajs]
@@ -409,8 +472,10 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             }
             if torch.cuda.is_available() and cfg.train.device.startswith("cuda"):
                 metrics["memory/gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            if dist is not None:
+                metrics = dist.reduce_metrics(metrics)  # identical on every rank, so the guard agrees
             if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and test_set is not None and step < cfg.trainer.max_steps:
-                last_eval = evaluate(loop, test_set, cfg)
+                last_eval = run_eval()
                 metrics.update(last_eval)
             logger.log(step, metrics)
             if step % cfg.trainer.log_every == 0:
@@ -423,15 +488,21 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             if decision.action == "stop":
                 checkpoint()
                 logger.close()
+                if dist is not None:
+                    dist.close()
                 raise SystemExit(f"collapse guard stopped the run at step {step}: {decision.message}")
             if decision.action == "rollback":
                 path = latest_checkpoint(ckpt_root)
+                if dist is not None:
+                    path = dist.broadcast_object(path)
+                # Lower the scheduler's base rates, not just the live ones: LambdaLR recomputes
+                # lr from base_lrs at every step (and the restore brings back the old ones).
+                base_lrs = [lr * cfg.guard.lr_factor for lr in scheduler.base_lrs]
                 if path is not None:
-                    extra = load_checkpoint(path, policy, optimizer, scheduler)
-                    step, stream.cursor = int(extra["step"]), int(extra["cursor"])
-                    sync_weights(engine, policy)
-                for group in optimizer.param_groups:
-                    group["lr"] *= cfg.guard.lr_factor
+                    restore(path)
+                scheduler.base_lrs = base_lrs
+                for group, base, factor in zip(optimizer.param_groups, base_lrs, scheduler.lr_lambdas):
+                    group["lr"] = base * factor(scheduler.last_epoch)
                 cfg.algo.kl_coef = cfg.algo.kl_coef * cfg.guard.kl_factor if cfg.algo.kl_coef > 0 else cfg.algo.kl_coef
                 continue
             # 8. checkpoint
@@ -441,9 +512,17 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             print(f"[train] signal received: saving step {step} and exiting", file=sys.stderr)
             checkpoint()
         elif test_set is not None:
-            last_eval = evaluate(loop, test_set, cfg)
+            last_eval = run_eval()
             logger.log(step, last_eval)
             logger.progress(step, cfg.trainer.max_steps, last_eval)
         client.close()
     logger.close()
+    if dist is not None:
+        dist.close()
     return last_eval
+
+
+if __name__ == "__main__":  # torchrun --nproc-per-node N -m agent_rl.train CONFIG [key=value ...] [--resume]
+    from agent_rl.cli import main as _cli_main
+
+    raise SystemExit(_cli_main(["train", *sys.argv[1:]]))

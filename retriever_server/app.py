@@ -132,13 +132,16 @@ class Retriever:
             n = len(first[0])
             deadline = loop.time() + self.s.batch_window_ms / 1000.0
             while n < self.s.max_batch:
-                timeout = deadline - loop.time()
-                if timeout <= 0:
-                    break
-                try:
-                    item = await asyncio.wait_for(self.queue.get(), timeout)
-                except asyncio.TimeoutError:
-                    break
+                try:  # requests already waiting always join, whatever the window (even 0 ms)
+                    item = self.queue.get_nowait()
+                except asyncio.QueueEmpty:
+                    timeout = deadline - loop.time()
+                    if timeout <= 0:
+                        break
+                    try:
+                        item = await asyncio.wait_for(self.queue.get(), timeout)
+                    except asyncio.TimeoutError:
+                        break
                 items.append(item)
                 n += len(item[0])
             queries = [q for it in items for q in it[0]]
@@ -196,7 +199,9 @@ class Retriever:
 
 def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: bool = False, ef_search: int | None = None, ready_file: Path | None = None, url: str = ""):
     from fastapi import FastAPI, Request
+    from fastapi.exception_handlers import http_exception_handler
     from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException as StarletteHTTPException
     from fastapi.responses import JSONResponse, PlainTextResponse
     from contextlib import asynccontextmanager
 
@@ -237,6 +242,15 @@ def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: b
                 return error(413, f"request body exceeds the limit of {settings.max_body_bytes} bytes (--max-body-bytes)")
         return await call_next(request)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        # FastAPI answers 400 when the body is not decodable JSON at all (invalid UTF-8, nesting
+        # past the recursion limit); the contract says malformed JSON is a 422.
+        if exc.status_code == 400 and request.url.path == "/retrieve":
+            return error(422, f"malformed request body: {exc.detail} (send UTF-8 JSON)")
+        retriever.metrics.requests[exc.status_code] = retriever.metrics.requests.get(exc.status_code, 0) + 1
+        return await http_exception_handler(request, exc)
+
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         retriever.metrics.requests[422] = retriever.metrics.requests.get(422, 0) + 1
@@ -256,6 +270,10 @@ def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: b
         for i, q in enumerate(req.queries):
             if len(q) > settings.max_query_chars:
                 return error(413, f"query {i} has {len(q)} characters, over the limit of {settings.max_query_chars} (--max-query-chars)")
+            try:
+                q.encode("utf-8")
+            except UnicodeEncodeError as err:  # a lone surrogate ("\ud800") is valid JSON but breaks the tokenizer and its whole batch
+                return error(422, f"query {i} is not valid Unicode text: {err.reason} at character {err.start}")
         if not req.queries:
             retriever.metrics.requests[200] = retriever.metrics.requests.get(200, 0) + 1
             return {"result": []}
@@ -319,7 +337,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)
     settings = Settings(a.topk, a.max_topk, a.max_queries, a.max_query_chars, a.max_body_bytes, not a.no_batching, a.max_batch, a.batch_window_ms, 0 if a.no_cache else a.cache_size, a.api_key)
-    sock = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY on accepted connections only
+    # when the listening socket says TCP, and without it Nagle + delayed ACK add ~40 ms per request.
+    sock = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((a.host, a.port))

@@ -115,3 +115,35 @@ def test_bad_config_key_fails_fast(tmp_path):
     """A typo in a key exits non-zero at once with the key's name."""
     res = _run(["train", "configs/tiny_cpu_grpo.yaml", "algo.grup_size=3"], timeout=120)
     assert res.returncode == 2 and "algo.grup_size" in res.stderr
+
+
+def test_torchrun_two_ranks_trains_checkpoints_and_resumes(cache, tmp_path):
+    """`torchrun --nproc-per-node 2 -m agent_rl.train`: gloo ranks each roll out half the groups,
+    rank 0 alone writes metrics, the sharded checkpoint exports a loadable model, and --resume
+    continues from it on the same world size."""
+    out = tmp_path / "ddp"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+
+    def torchrun(steps, *extra):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", "0",
+               "-m", "agent_rl.train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, steps), "trainer.save_every=2", *extra]
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+    res = torchrun(2)
+    assert res.returncode == 0, res.stderr[-4000:]
+    ckpt = out / "checkpoints" / "step_2"
+    assert (ckpt / "dcp").is_dir() and (ckpt / "rank_0.pt").exists() and (ckpt / "rank_1.pt").exists()
+    before, after = _weights(cache / "model"), _weights(ckpt / "model")
+    assert set(before) == set(after)
+    assert any(not torch.equal(before[k], after[k]) for k in before), "no parameter changed"
+    m = _metrics(out)
+    assert set(m) == {1, 2}
+    assert m[1]["rollout/trajectories"] == 4  # each rank: 2 of the 4 prompts x group 2; metrics are rank means
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert len([line for line in lines if '"step": 1,' in line and "reward/mean" in line]) == 1, "a rank other than 0 wrote metrics"
+
+    res = torchrun(3, "--resume")
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "resumed from" in res.stderr
+    assert set(_metrics(out)) == {1, 2, 3}
+    assert (out / "checkpoints" / "step_3" / "dcp").is_dir()

@@ -1,0 +1,230 @@
+"""Load test of `retriever-server`: throughput and latency under concurrent clients on loopback.
+
+Usage: .venv/bin/python bench/retriever_load.py [--index DIR] [--duration 8] [--concurrency 1,8,32] [--qpr 1,8]
+
+1. The in-process ceiling: `open_index(...).search` (encode + FAISS, no HTTP) at batch 1 and 32.
+2. A real server subprocess with batching + cache on (the defaults), then one with
+   --no-batching --no-cache (one request at a time, Search-R1's behaviour), each driven by N
+   concurrent httpx clients (asyncio, one connection each) for every concurrency × queries per
+   request, bounded by --duration seconds and --max-requests per cell. Every query is distinct
+   across the whole run, so the cache never answers and throughput is the encoder's and the
+   batcher's; a last row repeats a few queries (GRPO's groups) to show what the cache adds.
+Prints queries/s, requests/s, p50/p95/p99 request latency and the server's mean batch size, then
+the issue's goals: at concurrency 32, batching on >= 3x batching off, and >= 80% of the ceiling.
+Without --index it builds a flat MiniLM index of the HotpotQA fixture (994 paragraphs) into
+--work, reused on later runs.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import itertools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+FIXTURE = ROOT / "tests" / "fixtures" / "hotpotqa100"
+
+
+class Queries:
+    """An endless stream of distinct, question-like queries: the fixture's questions, then the first
+    words of each paragraph, then the same again with a round number appended."""
+
+    def __init__(self, questions: Path, corpus: Path):
+        pool = [json.loads(line)["question"] for line in questions.read_text().splitlines() if line.strip()]
+        for line in corpus.read_text().splitlines():
+            if line.strip():
+                text = json.loads(line)["contents"].split("\n", 1)[-1]
+                pool.append(" ".join(text.split()[:14]))
+        self.pool = pool
+        self.counter = itertools.count()
+
+    def take(self, n: int) -> list[str]:
+        out = []
+        for _ in range(n):
+            i = next(self.counter)
+            rnd, q = divmod(i, len(self.pool))
+            out.append(self.pool[q] if rnd == 0 else f"{self.pool[q]} {rnd}")
+        return out
+
+
+def ensure_index(args) -> Path:
+    from retriever_server.build import build_index
+    from retriever_server.indexes import open_index
+
+    if args.index:
+        return Path(args.index)
+    out = args.work / "flat"
+    if (out / "manifest.json").exists():
+        try:
+            open_index(out)
+            return out
+        except (ValueError, FileNotFoundError) as err:
+            print(f"rebuilding {out}: {err}", file=sys.stderr)
+    t0 = time.time()
+    build_index(args.corpus, out, kind="flat")
+    print(f"built {out} in {time.time() - t0:.0f}s", file=sys.stderr)
+    return out
+
+
+def ceiling(index_dir: Path, queries: Queries, batch: int, duration: float, topk: int) -> float:
+    """Queries/s of encode + search in this process, no HTTP, at a fixed batch size."""
+    from retriever_server.indexes import open_index
+
+    _, _, index = open_index(index_dir)
+    index.search(queries.take(batch), topk)  # warm-up
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < duration:
+        index.search(queries.take(batch), topk)
+        n += batch
+    return n / (time.perf_counter() - t0)
+
+
+def start_server(index_dir: Path, work: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    ready = work / "ready.json"
+    ready.unlink(missing_ok=True)
+    log = open(work / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "retriever_server.app", "--index", str(index_dir), "--port", "0", "--ready-file", str(ready), *extra], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise SystemExit(f"retriever-server did not start:\n{(work / 'server.log').read_text()[-2000:]}")
+        time.sleep(0.1)
+    return proc, json.loads(ready.read_text())["url"]
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def server_batches(url: str) -> tuple[float, float]:
+    """(sum, count) of the server's batch-size histogram."""
+    import httpx
+
+    m = dict(line.rsplit(" ", 1) for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines() if line and not line.startswith("#"))
+    return float(m["retriever_batch_size_sum"]), float(m["retriever_batch_size_count"])
+
+
+async def drive(url: str, make_queries, concurrency: int, duration: float, max_requests: int, topk: int) -> dict:
+    """`concurrency` clients, each sending its next request as soon as the last one is answered,
+    until `duration` seconds or `max_requests` requests have been started."""
+    import httpx
+
+    latencies: list[float] = []
+    failures = 0
+    started = 0
+    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(limits=limits, timeout=120) as client:
+        t0 = time.perf_counter()
+
+        async def worker() -> None:
+            nonlocal started, failures
+            while started < max_requests and time.perf_counter() - t0 < duration:
+                started += 1
+                body = {"queries": make_queries(), "topk": topk}
+                s = time.perf_counter()
+                try:
+                    resp = await client.post(f"{url}/retrieve", json=body)
+                    ok = resp.status_code == 200 and len(resp.json()["result"]) == len(body["queries"])
+                except httpx.HTTPError:
+                    ok = False
+                if ok:
+                    latencies.append(time.perf_counter() - s)
+                else:
+                    failures += 1
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    lat = np.array(latencies) * 1000 if latencies else np.array([np.nan])
+    return {"requests": len(latencies), "failures": failures, "wall": wall, "p50": np.percentile(lat, 50), "p95": np.percentile(lat, 95), "p99": np.percentile(lat, 99)}
+
+
+def run_cell(url: str, make_queries, qpr: int, concurrency: int, args) -> dict:
+    b0 = server_batches(url)
+    r = asyncio.run(drive(url, make_queries, concurrency, args.duration, args.max_requests, args.topk))
+    b1 = server_batches(url)
+    r["qps"] = r["requests"] * qpr / r["wall"]
+    r["rps"] = r["requests"] / r["wall"]
+    r["batch"] = (b1[0] - b0[0]) / max(b1[1] - b0[1], 1)
+    return r
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--index", help="an existing index directory (default: build a flat index of --corpus into --work)")
+    p.add_argument("--corpus", type=Path, default=FIXTURE / "corpus.jsonl")
+    p.add_argument("--questions", type=Path, default=FIXTURE / "questions.jsonl")
+    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "agent-rl-bench-hotpotqa100")
+    p.add_argument("--concurrency", default="1,8,32", help="comma-separated client counts")
+    p.add_argument("--qpr", default="1,8", help="comma-separated queries per request")
+    p.add_argument("--duration", type=float, default=8.0, help="seconds per cell (and per ceiling measurement)")
+    p.add_argument("--max-requests", type=int, default=5000, help="most requests per cell")
+    p.add_argument("--topk", type=int, default=3)
+    p.add_argument("--modes", default="batching,plain", help="servers to run: batching (defaults), plain (--no-batching --no-cache)")
+    p.add_argument("--no-ceiling", action="store_true", help="skip the in-process measurement")
+    p.add_argument("--server-args", default="", help="extra flags for the batching server, e.g. '--batch-window-ms 2 --max-batch 128'")
+    a = p.parse_args(argv)
+    a.work.mkdir(parents=True, exist_ok=True)
+    concurrencies = [int(x) for x in a.concurrency.split(",")]
+    qprs = [int(x) for x in a.qpr.split(",")]
+
+    index_dir = ensure_index(a)
+    queries = Queries(a.questions, a.corpus)
+    print(f"index {index_dir}; {os.cpu_count()} CPUs; {a.duration:.0f}s per cell; topk {a.topk}", flush=True)
+    ceil = {b: float("nan") if a.no_ceiling else ceiling(index_dir, queries, b, a.duration, a.topk) for b in (1, 32)}
+    print(f"in-process ceiling (encode + search, no HTTP): batch 1 {ceil[1]:.1f} q/s, batch 32 {ceil[32]:.1f} q/s", flush=True)
+
+    header = f"{'server':<16} {'conc':>4} {'q/req':>5} {'queries/s':>9} {'req/s':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'batch':>6} {'fail':>4}"
+    rows: list[str] = []
+    results: dict[tuple[str, int, int], dict] = {}
+    modes = [(name, extra) for key, name, extra in (("batching", "batching+cache", a.server_args.split()), ("plain", "one-at-a-time", ["--no-batching", "--no-cache"])) if key in a.modes.split(",")]
+    for mode, extra in modes:
+        proc, url = start_server(index_dir, a.work, extra)
+        try:
+            asyncio.run(drive(url, lambda: queries.take(1), 8, 2.0, 32, a.topk))  # warm-up
+            for qpr in qprs:
+                for c in concurrencies:
+                    r = run_cell(url, functools.partial(queries.take, qpr), qpr, c, a)
+                    results[(mode, c, qpr)] = r
+                    rows.append(f"{mode:<16} {c:>4} {qpr:>5} {r['qps']:>9.1f} {r['rps']:>7.1f} {r['p50']:>8.1f} {r['p95']:>8.1f} {r['p99']:>8.1f} {r['batch']:>6.1f} {r['failures']:>4}")
+                    print(rows[-1], flush=True)
+            if mode == "batching+cache":
+                group = queries.take(4)  # GRPO: the same few queries sent by many samples
+                r = run_cell(url, lambda: [group[np.random.randint(len(group))]], 1, max(concurrencies), a)
+                rows.append(f"{'cache (4 qs)':<16} {max(concurrencies):>4} {1:>5} {r['qps']:>9.1f} {r['rps']:>7.1f} {r['p50']:>8.1f} {r['p95']:>8.1f} {r['p99']:>8.1f} {r['batch']:>6.1f} {r['failures']:>4}")
+                print(rows[-1], flush=True)
+        finally:
+            stop_server(proc)
+
+    print(f"\n{header}")
+    print("\n".join(rows))
+    print(f"{'in-process':<16} {'':>4} {1:>5} {ceil[1]:>9.1f}\n{'in-process':<16} {'':>4} {32:>5} {ceil[32]:>9.1f}")
+    c = max(concurrencies)
+    for qpr in qprs:
+        on, off = results.get(("batching+cache", c, qpr)), results.get(("one-at-a-time", c, qpr))
+        if on and off:
+            print(f"concurrency {c}, {qpr} q/request: batching on / off = {on['qps'] / off['qps']:.2f}x (goal >= 3x); "
+                  f"server / in-process ceiling at batch 32 = {on['qps'] / ceil[32]:.0%} (goal >= 80%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,306 @@
+"""Memory safety: the collapse guard on a scripted length blow-up (alone and inside the trainer),
+the planner's host-RAM prediction against the measured peak RSS of real training steps, and the
+largest-first preflight."""
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent_rl.config import GuardConfig, load_config
+from agent_rl.guard import CollapseGuard
+from agent_rl.plan import plan
+
+from agent_fixtures import FIXTURES, tiny_model_dir  # noqa: F401  (pytest fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------- the guard on a metric stream
+
+
+def _stream(k: int, steps: int, key: str = "rollout/response_length_mean") -> list[dict]:
+    """Steady metrics, then from step k on the response length (or another signal) blows up."""
+    out = []
+    for step in range(1, steps + 1):
+        m = {"rollout/response_length_mean": 100.0 + (step % 3), "budget/end_budget_total_frac": 0.05, "rollout/invalid_frac": 0.1}
+        if step >= k:
+            m[key] = {"rollout/response_length_mean": 100.0 * 2 ** (step - k + 2), "budget/end_budget_total_frac": 0.6, "rollout/invalid_frac": 0.95}[key]
+        out.append(m)
+    return out
+
+
+def _decisions(cfg: GuardConfig, stream: list[dict]):
+    guard = CollapseGuard(cfg)
+    return [guard.observe(step, m) for step, m in enumerate(stream, start=1)]
+
+
+def test_guard_warns_at_the_step_lengths_explode():
+    """warn: nothing while lengths are steady, a `length` warning from step k on; blown-up steps
+    never enter the window, so the median stays the healthy one."""
+    d = _decisions(GuardConfig(action="warn", window=5, length_factor=3.0), _stream(k=6, steps=9))
+    assert [x.action for x in d[:5]] == ["none"] * 5
+    assert all(x.action == "warn" and x.signal == "length" for x in d[5:])
+    assert "step 6" in d[5].message and "window median 10" in d[5].message
+
+
+def test_guard_needs_three_steps_of_history():
+    """A long first batch is not a blow-up: the length signal needs 3+ steps in the window."""
+    stream = [{"rollout/response_length_mean": v} for v in (100.0, 900.0, 100.0, 100.0, 100.0, 800.0)]
+    d = _decisions(GuardConfig(action="warn", window=10), stream)
+    assert [x.action for x in d] == ["none"] * 5 + ["warn"]
+
+
+@pytest.mark.parametrize("key,signal_name", [("budget/end_budget_total_frac", "budget_total"), ("rollout/invalid_frac", "invalid")])
+def test_guard_budget_and_invalid_signals(key, signal_name):
+    """More than budget_hit_frac of trajectories on budget_total (or invalid_frac invalid actions) stops the run, naming the signal."""
+    d = _decisions(GuardConfig(action="stop", budget_hit_frac=0.3, invalid_frac=0.9), _stream(k=4, steps=4, key=key))
+    assert [x.action for x in d] == ["none", "none", "none", "stop"]
+    assert d[-1].signal == signal_name
+    assert (signal_name if signal_name == "budget_total" else "invalid") in d[-1].message
+
+
+def test_guard_rollback_then_stop_after_max_rollbacks_and_off():
+    """rollback is asked for at each blow-up up to max_rollbacks, then it becomes stop; `off` never acts."""
+    stream = _stream(k=4, steps=8)
+    d = _decisions(GuardConfig(action="rollback", window=10, max_rollbacks=2), stream)
+    assert [x.action for x in d] == ["none"] * 3 + ["rollback", "rollback", "stop", "stop", "stop"]
+    assert "gave up after 2 rollbacks" in d[5].message
+    assert all(x.action == "none" for x in _decisions(GuardConfig(action="off"), stream))
+
+
+# ---------------------------------------------------------------- the guard inside the trainer
+
+
+class ExplodingPolicy:
+    """A scripted rollout engine: answers in a few tokens, but on the calls in `explode` it first
+    writes a long <think> block (its response length blows up)."""
+
+    def __init__(self, model, tokenizer, explode):
+        self.model, self.tok, self.explode = model, tokenizer, explode
+        self.calls = 0
+        self.stats = {"generated_tokens": 0}
+
+    def generate(self, prompts, max_new_tokens, temperature, top_p=1.0):
+        from agent_rl.engines import Generation
+
+        self.calls += 1
+        text = ("<think>" + " the" * 60 + "</think>" if self.explode(self.calls) else "") + "<answer>x</answer>"
+        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        out = []
+        for n in max_new_tokens:
+            out.append(Generation(ids[:n], [-1.0] * len(ids[:n]), "stop"))
+            self.stats["generated_tokens"] += len(ids[:n])
+        return out
+
+
+@pytest.fixture
+def keep_signal_handlers():
+    """train() installs SIGTERM/SIGINT handlers; give pytest its own back."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, h in saved.items():
+        signal.signal(s, h)
+
+
+def _train(tiny_model_dir, tmp_path, monkeypatch, explode, steps, *extra):
+    """Run the real trainer in-process on 4 prompts with the scripted policy; returns (cfg, metrics rows, error)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from agent_rl import train as train_mod
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    data = tmp_path / "train.parquet"
+    pq.write_table(pa.table({"uid": [f"toy-{i}" for i in range(4)], "data_source": ["toy"] * 4,
+                             "prompt": [f"Question {i}: what is x?\n" for i in range(4)], "golden_answers": [["x"]] * 4}), data)
+    cfg = load_config(None, [
+        f"trainer.output_dir={tmp_path / 'run'}", f"trainer.max_steps={steps}", "trainer.save_every=1", "trainer.keep_last=10",
+        "trainer.tensorboard=false", f"model.path={tiny_model_dir}", f"data.train_files=[{data}]", "data.test_files=[]",
+        "retriever.url=http://127.0.0.1:9", "rollout.prompts_per_step=2", "algo.group_size=2", "algo.entropy_coef=0.01",
+        "budget.max_turns=0", "budget.max_prompt_tokens=64", "budget.max_tokens_per_turn=96", "budget.max_obs_tokens=8",
+        "budget.max_total_tokens=160", "train.max_tokens_per_microbatch=640", "train.lr=1e-3", "guard.window=10", *extra,
+    ])
+    engines = []
+
+    def scripted(cfg_, policy, tokenizer, **kw):
+        engines.append(ExplodingPolicy(policy, tokenizer, explode))
+        return engines[-1]
+
+    monkeypatch.setattr(train_mod, "build_engine", scripted)
+    error = None
+    try:
+        train_mod.train(cfg)
+    except SystemExit as err:
+        error = err
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return cfg, rows, error
+
+
+def test_trainer_stop_checkpoints_and_exits_naming_the_signal(tiny_model_dir, tmp_path, monkeypatch, keep_signal_handlers):
+    """guard.action=stop: lengths explode at step 4, the trainer saves step_4 and exits non-zero with the signal in the message."""
+    cfg, rows, error = _train(tiny_model_dir, tmp_path, monkeypatch, lambda call: call >= 4, 8, "guard.action=stop")
+    assert error is not None and error.code not in (0, None)
+    assert "collapse guard stopped the run at step 4" in str(error.code) and "response length" in str(error.code)
+    assert (tmp_path / "run" / "checkpoints" / "step_4").is_dir()
+    assert not (tmp_path / "run" / "checkpoints" / "step_5").exists()
+    assert any(r["step"] == 4 and r.get("guard/stop") == 1.0 for r in rows)
+
+
+def test_trainer_warn_logs_and_goes_on(tiny_model_dir, tmp_path, monkeypatch, keep_signal_handlers):
+    """guard.action=warn: the blow-up at step 4 is logged as guard/warn and training runs to the end."""
+    _, rows, error = _train(tiny_model_dir, tmp_path, monkeypatch, lambda call: call == 4, 5, "guard.action=warn")
+    assert error is None
+    assert [r["step"] for r in rows if r.get("guard/warn")] == [4]
+    assert (tmp_path / "run" / "checkpoints" / "step_5").is_dir()
+
+
+def test_trainer_rollback_reloads_with_lower_lr_and_higher_kl(tiny_model_dir, tmp_path, monkeypatch, keep_signal_handlers):
+    """guard.action=rollback: at the blow-up (step 4) the trainer reloads step_3, and every later
+    step runs at lr x lr_factor with kl_coef x kl_factor; repeated blow-ups end in a stop."""
+    cfg, rows, error = _train(tiny_model_dir, tmp_path, monkeypatch, lambda call: call == 4, 6,
+                              "guard.action=rollback", "guard.lr_factor=0.5", "guard.kl_factor=2.0", "algo.kl_coef=0.01")
+    assert error is None
+    steps = [r["step"] for r in rows if "reward/mean" in r]
+    assert steps == [1, 2, 3, 4, 4, 5, 6]  # step 4 is redone from the step_3 checkpoint
+    assert [r["step"] for r in rows if r.get("guard/rollback")] == [4]
+    lrs = [r["train/lr"] for r in rows if "train/lr" in r]
+    assert lrs[:4] == pytest.approx([1e-3] * 4)
+    assert lrs[4:] == pytest.approx([5e-4] * 3), "the lowered learning rate must hold after the rollback"
+    assert cfg.algo.kl_coef == pytest.approx(0.02)
+    _, _, error = _train(tiny_model_dir, tmp_path / "again", monkeypatch, lambda call: call >= 4, 10,
+                         "guard.action=rollback", "guard.max_rollbacks=2")
+    assert error is not None and "gave up after 2 rollbacks" in str(error.code)
+
+
+# ---------------------------------------------------------------- plan vs measured peak RSS
+
+MEASURE = r"""
+import json, random, resource, sys
+import torch
+from agent_rl.config import load_config
+from agent_rl.models import load_policy, load_tokenizer
+from agent_rl.train import prepare_batch, update
+from agent_rl.trajectory import Trajectory
+
+cfg = load_config(None, json.loads(sys.argv[1]))
+tok = load_tokenizer(cfg.model.path)
+policy = load_policy(cfg, cfg.model.path, "cpu")
+opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-4)
+V, L, P = policy.config.vocab_size, cfg.budget.max_total_tokens, cfg.budget.max_prompt_tokens
+g = torch.Generator().manual_seed(0)
+trajs = []
+for pi in range(cfg.rollout.prompts_per_step):
+    prompt = torch.randint(10, V, (P,), generator=g).tolist()
+    for j in range(cfg.algo.group_size):  # every trajectory at the budget's maximum length
+        t = Trajectory(f"p{pi}", "toy", prompt, ["x"], sample_idx=j)
+        for size, sampled in (((L - P) // 3, True), ((L - P) // 3, False), (L - P - 2 * ((L - P) // 3), True)):
+            t.append(torch.randint(10, V, (size,), generator=g).tolist(), sampled=sampled)
+        t.reward = float(j % 2)
+        trajs.append(t)
+for step in range(2):  # step 2 runs forward/backward with the AdamW states already allocated
+    batch = prepare_batch(cfg, policy, None, None, trajs, tok.pad_token_id, need_old=False)
+    update(cfg, policy, None, opt, None, trajs, batch, tok.pad_token_id, random.Random(step))
+print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                  "params": sum(p.numel() for p in policy.parameters())}))
+"""
+
+
+def _measure(overrides: list[str]) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    res = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(overrides)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def medium_model_dir(tmp_path_factory) -> Path:
+    """model_init's 'medium' random Qwen2 (~82M parameters) with a tokenizer trained on the fixture text."""
+    from agent_rl.model_init import init_model
+
+    texts = [json.loads(line)["contents"] for line in (FIXTURES / "hotpotqa100" / "corpus.jsonl").read_text().splitlines()]
+    out = tmp_path_factory.mktemp("medium_model")
+    init_model(out, size="medium", texts=texts, seed=0)
+    return out
+
+
+DEMO_BUDGET = ["budget.max_turns=2", "budget.max_prompt_tokens=64", "budget.max_tokens_per_turn=24", "budget.max_obs_tokens=150", "budget.max_total_tokens=440"]
+SMALL_BUDGET = ["budget.max_turns=1", "budget.max_prompt_tokens=64", "budget.max_tokens_per_turn=32", "budget.max_obs_tokens=96", "budget.max_total_tokens=256"]
+
+
+@pytest.mark.parametrize("model,budget,extra", [
+    ("tiny", DEMO_BUDGET, ["train.max_tokens_per_microbatch=4096", "rollout.prompts_per_step=1", "algo.group_size=9"]),
+    ("medium", SMALL_BUDGET, ["train.max_tokens_per_microbatch=512", "rollout.prompts_per_step=1", "algo.group_size=2"]),
+])
+def test_plan_predicts_measured_peak_rss_within_20_percent(request, model, budget, extra):
+    """`plan`'s host peak for a CPU GRPO config is within +-20% of the ru_maxrss of a fresh process
+    that runs two real training steps (prepare_batch + update) at the budget's maximum length, with
+    the largest micro-batch the token cap admits (tiny: 9 x 440 tokens; medium, ~82M parameters: 2 x 256)."""
+    model_dir = request.getfixturevalue("tiny_model_dir" if model == "tiny" else "medium_model_dir")
+    overrides = [f"model.path={model_dir}", *budget, *extra]
+    predicted = plan(load_config(None, overrides)).host_peak_bytes
+    measured = _measure(overrides)
+    if model == "medium":
+        assert 50e6 <= measured["params"] <= 150e6
+    ratio = predicted / measured["peak_rss"]
+    print(f"[plan] {model}: predicted {predicted / 2**20:.0f} MiB, measured {measured['peak_rss'] / 2**20:.0f} MiB, ratio {ratio:.3f}")
+    assert 0.8 <= ratio <= 1.2, f"plan {predicted / 2**20:.0f} MiB vs measured {measured['peak_rss'] / 2**20:.0f} MiB"
+
+
+# ---------------------------------------------------------------- preflight
+
+
+def test_preflight_runs_forward_backward_at_the_largest_micro_batch(tiny_model_dir):
+    """A config whose cap fits passes; the pass is one forward at (cap // max_total_tokens) rows of
+    max_total_tokens tokens, followed by a backward that reaches the weights, whose gradients are freed after."""
+    from agent_rl.models import load_policy
+    from agent_rl.preflight import run_preflight
+
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", *DEMO_BUDGET, "train.max_tokens_per_microbatch=2000"])
+    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    shapes, grads = [], []
+    h1 = policy.model.embed_tokens.register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
+    h2 = policy.model.layers[0].mlp.down_proj.weight.register_hook(lambda g: grads.append(float(g.abs().sum())))
+    try:
+        report = run_preflight(policy, cfg, "cpu")
+    finally:
+        h1.remove()
+        h2.remove()
+    assert shapes == [(4, 440)]  # 2000 // 440 rows at the budget's worst case
+    assert report["rows"] == 4 and report["tokens"] == 4 * 440
+    assert grads and grads[0] > 0
+    assert all(p.grad is None for p in policy.parameters())
+
+
+PREFLIGHT_OOM = r"""
+import json, resource, sys
+import psutil
+from agent_rl.config import load_config
+from agent_rl.models import load_policy
+from agent_rl.preflight import PreflightError, run_preflight
+
+cfg = load_config(None, json.loads(sys.argv[1]))
+policy = load_policy(cfg, cfg.model.path, "cpu")
+vms = psutil.Process().memory_info().vms
+resource.setrlimit(resource.RLIMIT_AS, (vms + 2**30, resource.RLIM_INFINITY))  # 1 GiB more address space
+try:
+    run_preflight(policy, cfg, "cpu")
+except PreflightError as err:
+    print("PREFLIGHT_ERROR", err)
+    sys.exit(3)
+print("PASSED")
+"""
+
+
+def test_preflight_turns_an_oom_into_advice(tiny_model_dir):
+    """A micro-batch cap far beyond the memory at hand (1 GiB of address space, 32 x 2048 tokens)
+    fails in preflight with PreflightError naming the micro-batch and the planner's fixes."""
+    overrides = [f"model.path={tiny_model_dir}", "budget.max_total_tokens=2048", "train.max_tokens_per_microbatch=65536"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    res = subprocess.run([sys.executable, "-c", PREFLIGHT_OOM, json.dumps(overrides)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 3, (res.stdout + res.stderr)[-3000:]
+    assert "32 x 2048 tokens" in res.stdout and "ran out of memory" in res.stdout
+    assert "train.max_tokens_per_microbatch=32768" in res.stdout

