@@ -234,6 +234,11 @@ class Config:
                 raise ConfigError(f"{section}.{key} = {value!r} is not one of {', '.join(allowed)}")
         if self.model.init_size not in ("", "tiny", "small", "medium"):
             raise ConfigError(f"model.init_size = {self.model.init_size!r}: use tiny, small, medium or leave it empty")
+        if self.algo.name == "grpo" and self.algo.kl_type == "k1" and self.algo.kl_coef > 0:
+            raise ConfigError(
+                "algo.kl_type=k1 puts the KL into per-token rewards, which only PPO's GAE uses; GRPO would ignore it. "
+                "Set algo.kl_type=low_var_kl (KL as a loss term, as Search-R1's GRPO runs do) or algo.name=ppo"
+            )
         if self.algo.name == "grpo" and self.algo.group_size < 2:
             raise ConfigError("algo.group_size must be >= 2 for GRPO (advantages are relative to the group); set algo.group_size=5 or more")
         if self.algo.group_size < 1 or self.rollout.prompts_per_step < 1:
