@@ -18,6 +18,22 @@ class PreflightError(RuntimeError):
     pass
 
 
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory since it started (VmHWM on Linux).
+
+    Not ru_maxrss: Linux carries the parent's high-water mark into a child across exec (Python's
+    subprocess uses vfork), so a run launched from a large process would report the parent's peak.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def _is_oom(err: BaseException) -> bool:
     """CUDA raises torch.OutOfMemoryError; the CPU allocator raises a plain RuntimeError."""
     if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
@@ -53,7 +69,7 @@ def run_preflight(model, cfg: Config, device: str) -> dict:
         raise PreflightError(f"preflight at the largest micro-batch ({rows} x {length} tokens) ran out of memory: {err}. Try: {advice or 'lower train.max_tokens_per_microbatch or budget.max_total_tokens, or turn on model.gradient_checkpointing'}") from err
     finally:
         model.zero_grad(set_to_none=True)
-    report = {"rows": rows, "tokens": rows * length, "seconds": round(time.perf_counter() - start, 2), "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)}
+    report = {"rows": rows, "tokens": rows * length, "seconds": round(time.perf_counter() - start, 2), "peak_rss_gib": round(peak_rss_bytes() / 2**30, 3)}
     if torch.cuda.is_available() and str(device).startswith("cuda"):
         report["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
     return report

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import random
-import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from agent_rl.distributed import even_microbatches
 from agent_rl.engines import HFEngine
 from agent_rl.logger import MetricsLogger
 from agent_rl.models import ValueModel, assert_no_data_parallel, forward_logprobs, frozen_copy, load_policy, load_tokenizer, reference_mode
+from agent_rl.preflight import peak_rss_bytes
 from agent_rl.retriever_client import RetrieverClient
 from agent_rl.rewards import compute_reward
 from agent_rl.rollout import AgentLoop, rollout_metrics
@@ -40,10 +40,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 @dataclass

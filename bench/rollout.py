@@ -9,14 +9,13 @@ Usage: .venv/bin/python bench/rollout.py [--prompts 32] [--group 4]
 3. Peak RSS of a runaway policy (stop tags suppressed, so it never stops) as the length it
    would generate grows 1x, 4x, 16x: with budgets on (the per-turn and total caps hold) and off
    (only the engine's per-turn cap, raised with the would-be length). Each point runs in a
-   fresh subprocess so ru_maxrss is its own.
+   fresh subprocess so its peak RSS (VmHWM) is its own.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from agent_rl.preflight import peak_rss_bytes  # noqa: E402
 
 
 def _setup(cfg_overrides: list[str]):
@@ -108,7 +109,7 @@ def runaway_point(mult: int, budget_on: bool) -> dict:
     loop = AgentLoop(engine, tok, None, budget)
     prompt = tok("Answer the given question. Question: where was Doran Velk born?\n", add_special_tokens=False)["input_ids"]
     items = [PromptItem(f"toy-{i}", "toy", prompt, ["x"]) for i in range(16)]
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    rss0 = peak_rss_bytes()
     start = time.perf_counter()
     trajs = loop.run(items, 4, temperature=1.0)
     return {
@@ -116,8 +117,8 @@ def runaway_point(mult: int, budget_on: bool) -> dict:
         "budget": "on" if budget_on else "off",
         "would_be_tokens_per_turn": would_be,
         "max_total_tokens_seen": max(t.total_tokens for t in trajs),
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "rss_growth_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) / 1024,
+        "peak_rss_mib": peak_rss_bytes() / 2**20,
+        "rss_growth_mib": (peak_rss_bytes() - rss0) / 2**20,
         "seconds": time.perf_counter() - start,
     }
 

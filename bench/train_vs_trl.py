@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from agent_rl.preflight import peak_rss_bytes  # noqa: E402
 
 
 def _prompts(cfg, n: int) -> tuple[list[str], list[list[str]]]:
@@ -77,7 +78,7 @@ def run_ours(args) -> dict:
             tokens.append(sum(t.total_tokens for t in trajs))
     return {"side": "agent-rl", "tokens_per_s": sum(tokens) / sum(times), "step_s": sum(times) / len(times),
             "completion_tokens_mean": sum(t.response_tokens for t in trajs) / len(trajs),
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mib": peak_rss_bytes() / 2**20}
 
 
 def run_trl(args) -> dict:
@@ -120,7 +121,7 @@ def run_trl(args) -> dict:
     per_step_tokens = (prompt_len + comp) * args.prompts * args.group
     step_s = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
     return {"side": "trl", "tokens_per_s": per_step_tokens / step_s, "step_s": step_s, "completion_tokens_mean": comp,
-            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "wall_s": time.perf_counter() - start}
+            "peak_rss_mib": peak_rss_bytes() / 2**20, "wall_s": time.perf_counter() - start}
 
 
 def main() -> None:

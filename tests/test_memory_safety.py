@@ -183,6 +183,7 @@ import json, random, resource, sys
 import torch
 from agent_rl.config import load_config
 from agent_rl.models import load_policy, load_tokenizer
+from agent_rl.preflight import peak_rss_bytes
 from agent_rl.train import prepare_batch, update
 from agent_rl.trajectory import Trajectory
 
@@ -204,7 +205,7 @@ for pi in range(cfg.rollout.prompts_per_step):
 for step in range(2):  # step 2 runs forward/backward with the AdamW states already allocated
     batch = prepare_batch(cfg, policy, None, None, trajs, tok.pad_token_id, need_old=False)
     update(cfg, policy, None, opt, None, trajs, batch, tok.pad_token_id, random.Random(step))
-print(json.dumps({"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+print(json.dumps({"peak_rss": peak_rss_bytes(),  # VmHWM: ru_maxrss would carry pytest's own peak across exec
                   "params": sum(p.numel() for p in policy.parameters())}))
 """
 
@@ -236,7 +237,7 @@ SMALL_BUDGET = ["budget.max_turns=1", "budget.max_prompt_tokens=64", "budget.max
     ("medium", SMALL_BUDGET, ["train.max_tokens_per_microbatch=512", "rollout.prompts_per_step=1", "algo.group_size=2"]),
 ])
 def test_plan_predicts_measured_peak_rss_within_20_percent(request, model, budget, extra):
-    """`plan`'s host peak for a CPU GRPO config is within +-20% of the ru_maxrss of a fresh process
+    """`plan`'s host peak for a CPU GRPO config is within +-20% of the peak RSS (VmHWM) of a fresh process
     that runs two real training steps (prepare_batch + update) at the budget's maximum length, with
     the largest micro-batch the token cap admits (tiny: 9 x 440 tokens; medium, ~82M parameters: 2 x 256)."""
     model_dir = request.getfixturevalue("tiny_model_dir" if model == "tiny" else "medium_model_dir")

@@ -158,3 +158,38 @@ def test_torchrun_two_ranks_trains_checkpoints_and_resumes(cache, tmp_path):
     assert "resumed from" in res.stderr
     assert set(_metrics(out)) == {1, 2, 3}
     assert (out / "checkpoints" / "step_3" / "dcp").is_dir()
+
+
+def test_sft_warm_start_masks_observations_and_redraws_wrong_answers(cache, tmp_path):
+    """`agent-rl sft`: scripted demonstrations (search with the row's queries, the real observation
+    at loss mask 0, an answer) train the tiny model and save a loadable warm start; a wrong answer
+    is drawn afresh on every draw, so it cannot be learnt by memorising the entity."""
+    import random
+
+    from agent_rl.sft import Demonstrations
+    from agent_rl.trajectory import Trajectory
+
+    out = tmp_path / "sft"
+    res = _run(["sft", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, tmp_path / "run", 1), f"model.warm_start={out}",
+                "sft.steps=3", "sft.batch_size=4"], timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "scripted demonstrations" in res.stderr and "step 3/3" in res.stdout
+    before, after = _weights(cache / "model"), _weights(out)
+    assert any(not torch.equal(before[k], after[k]) for k in before if k in after), "SFT changed no parameter"
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out)
+
+    prefix = Trajectory("toy-1", "toy", [1, 2, 3], ["Oslo"])
+    prefix.append([4, 5], sampled=True)  # <search> q </search>
+    prefix.append([6, 7, 8], sampled=False)  # <information> ... </information>
+    pool = ["Oslo", "Lima", "Cairo", "Quito"]
+    demos = Demonstrations([prefix], pool, {a: [100 + i, 200] for i, a in enumerate(pool)})
+    rng = random.Random(0)
+    drawn = [demos.draw(0, 0.5, rng) for _ in range(400)]
+    answers = [tuple(t.response_ids[5:]) for t in drawn]
+    assert all(t.loss_mask == [1, 1, 0, 0, 0, 1, 1] for t in drawn)
+    assert 0.4 < sum(a == (100, 200) for a in answers) / len(answers) < 0.6  # golden about half the time
+    assert {a[0] for a in answers} == {100, 101, 102, 103}  # wrong answers vary between draws
+    assert prefix.response_ids == [4, 5, 6, 7, 8]  # the stored prefix is never modified
+    assert all(demos.draw(0, 0.0, rng).response_ids[5:] == [100, 200] for _ in range(20))
