@@ -8,8 +8,12 @@ verl (#1964) and EasyR1 (#50, #260) find out by crashing. The architecture comes
 model's `config.json`, or from a built-in table of common shapes for hub ids it cannot read.
 
 Activation model (per token, per layer, bytes at the training dtype `b`), for a transformer
-with hidden h, intermediate f, heads a, kv heads g, head dim d and eager attention:
-  saved for backward ~ b * (10 h + 4 f + 2 g d) + attention probabilities a * L * (b + 1)
+with hidden h, intermediate f, heads a, kv heads g, head dim d:
+  saved for backward ~ b * (10 h + 4 f + 2 g d)
+Attention is SDPA (transformers' default, and what the trainer loads): its fused kernels keep no
+L x L probabilities, only the padding mask transformers expands to rows x L x L (~10 bytes per
+entry measured, once, not per layer). Eager attention would add a * L * (b + 1) per token and
+layer, which at 7k tokens is 5x the rest (bench/memory_runaway.py).
 With gradient checkpointing only the layer inputs (b * h) stay, plus one layer's worth in
 flight during recompute. Logits: tokens x vocab in fp32, plus log_softmax and its gradient
 (3 copies). These constants were measured on CPU against `ru_maxrss` (tests/test_memory_safety.py).
@@ -94,11 +98,11 @@ def activation_bytes(arch: Arch, tokens: int, rows: int, seq: int, dtype_bytes: 
     """Activations kept for backward of one micro-batch (tokens = rows x seq)."""
     h, f, g, d = arch.hidden, arch.intermediate, arch.kv_heads, arch.head_dim
     per_tok_layer = dtype_bytes * (10 * h + 4 * f + 2 * g * d)
-    attn_probs = rows * arch.heads * seq * seq * (dtype_bytes + 1)  # eager softmax probs + dropout mask
-    full_layer = tokens * per_tok_layer + attn_probs
+    mask = rows * seq * seq * 10  # SDPA: the expanded padding mask, once per forward
+    full_layer = tokens * per_tok_layer
     if checkpointing:
-        return arch.layers * tokens * h * dtype_bytes + full_layer
-    return arch.layers * full_layer
+        return arch.layers * tokens * h * dtype_bytes + full_layer + mask
+    return arch.layers * full_layer + mask
 
 
 @dataclass
