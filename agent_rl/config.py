@@ -176,7 +176,7 @@ class SftConfig:
     steps: int = _f(800, "Optimizer steps of the supervised warm start on scripted demonstrations.")
     batch_size: int = _f(32, "Demonstrations per step.")
     lr: float = _f(2e-3, "Learning rate of the warm start.")
-    wrong_fraction: float = _f(0.5, "Share of demonstrations whose final answer is deliberately wrong (keeps RL headroom).")
+    wrong_fraction: float = _f(0.5, "Chance that a drawn demonstration ends with a wrong answer, redrawn on every draw (keeps RL headroom).")
 
 
 @dataclass
