@@ -67,7 +67,7 @@ def _loop(cfg, model_path: str, url: str):
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path).to(cfg.rollout.device)
     engine = HFEngine(model, tokenizer, cfg.rollout.device, cfg.rollout.generation_batch_size, cfg.trainer.seed)
-    client = RetrieverClient(url, cfg.retriever.topk, cfg.retriever.timeout_s, cfg.retriever.max_retries, cfg.retriever.backoff_s, cfg.retriever.api_key)
+    client = RetrieverClient.from_config(cfg.retriever, url)
     budget = TokenBudget.from_config(cfg.budget)
     return AgentLoop(engine, tokenizer, client, budget, cfg.retriever.topk), tokenizer, budget
 

@@ -81,6 +81,7 @@ class RetrieverConfig:
     max_retries: int = _f(3, "Retries (with exponential backoff) before a search counts as failed.")
     backoff_s: float = _f(0.2, "First backoff delay; doubles each retry.")
     api_key: str | None = _f(None, "Bearer token sent to the retriever, if it requires one.")
+    max_queries_per_request: int = _f(128, "Most queries in one /retrieve request; larger batches are split (our server refuses > 256).")
 
 
 @dataclass
@@ -243,6 +244,9 @@ class Config:
             raise ConfigError("algo.group_size must be >= 2 for GRPO (advantages are relative to the group); set algo.group_size=5 or more")
         if self.algo.group_size < 1 or self.rollout.prompts_per_step < 1:
             raise ConfigError("algo.group_size and rollout.prompts_per_step must be >= 1")
+        for key in ("topk", "max_queries_per_request"):
+            if getattr(self.retriever, key) < 1:
+                raise ConfigError(f"retriever.{key} must be >= 1, got {getattr(self.retriever, key)}")
         if self.train.max_tokens_per_microbatch < self.budget.max_total_tokens:
             raise ConfigError(
                 f"train.max_tokens_per_microbatch ({self.train.max_tokens_per_microbatch}) < budget.max_total_tokens "

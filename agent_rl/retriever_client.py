@@ -1,7 +1,8 @@
 """HTTP client for any server speaking Search-R1's `/retrieve` API (ours, Search-R1's, verl's).
 
-One batched request per rollout turn, a pooled connection, a timeout, retries with
-exponential backoff. When the server stays down the caller gets a `RetrievalError` per call,
+One batched request per rollout turn (split into requests of at most `max_queries_per_request`,
+under the server's per-request limit: ours refuses more than 256 with a 413), a pooled
+connection, a timeout, retries with exponential backoff. When the server stays down the caller gets a `RetrievalError` per call,
 and the rollout turns it into an observation saying retrieval failed: it never crashes a run.
 """
 from __future__ import annotations
@@ -16,19 +17,31 @@ class RetrievalError(RuntimeError):
 
 
 class RetrieverClient:
-    def __init__(self, url: str, topk: int = 3, timeout_s: float = 10.0, max_retries: int = 3, backoff_s: float = 0.2, api_key: str | None = None):
+    def __init__(self, url: str, topk: int = 3, timeout_s: float = 10.0, max_retries: int = 3, backoff_s: float = 0.2, api_key: str | None = None, max_queries_per_request: int = 128):
+        if max_queries_per_request < 1:
+            raise ValueError(f"max_queries_per_request must be >= 1, got {max_queries_per_request}")
         self.url = url.rstrip("/")
         self.topk = topk
+        self.max_queries_per_request = max_queries_per_request
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(timeout=timeout_s, headers=headers, limits=httpx.Limits(max_connections=8))
         self.stats = {"requests": 0, "queries": 0, "errors": 0, "retries": 0, "latency_s": 0.0}
 
+    @classmethod
+    def from_config(cls, rc, url: str) -> RetrieverClient:
+        """The client a `retriever:` config section describes, for the server at `url`."""
+        return cls(url, rc.topk, rc.timeout_s, rc.max_retries, rc.backoff_s, rc.api_key, rc.max_queries_per_request)
+
     def retrieve(self, queries: list[str], topk: int | None = None) -> list[list[dict]]:
         """Documents `{"id", "contents"}` per query, in order. Raises RetrievalError at last."""
-        if not queries:
-            return []
+        out: list[list[dict]] = []
+        for lo in range(0, len(queries), self.max_queries_per_request):
+            out.extend(self._retrieve_chunk(queries[lo : lo + self.max_queries_per_request], topk))
+        return out
+
+    def _retrieve_chunk(self, queries: list[str], topk: int | None) -> list[list[dict]]:
         payload = {"queries": queries, "topk": topk or self.topk, "return_scores": False}
         last_err: Exception | None = None
         for attempt in range(self.max_retries + 1):

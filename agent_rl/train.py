@@ -406,7 +406,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
     with local_retriever(cfg) if main else nullcontext(None) as url:
         if dist is not None:
             url = dist.broadcast_object(url)  # the server rank 0 started, or retriever.url
-        client = RetrieverClient(url, cfg.retriever.topk, cfg.retriever.timeout_s, cfg.retriever.max_retries, cfg.retriever.backoff_s, cfg.retriever.api_key)
+        client = RetrieverClient.from_config(cfg.retriever, url)
         loop = AgentLoop(engine, tokenizer, client, budget, cfg.retriever.topk)
         if test_set is not None and step == 0:
             last_eval = run_eval()

@@ -2,10 +2,11 @@
 
 People and organisations with names built from small recurring pools of parts ("Doran Velk"),
 attributes from small pools (city of birth, occupation, instrument; an organisation's founder
-is a person). Passages state one or two attributes each; similar names (shared parts) act as
-distractors. Questions are single-hop ("Where was Doran Velk born?": one search with the name)
-or two-hop ("In which city was the founder of Velk Works born?": search the organisation, read
-the founder, search the founder). Entities are split between train and test, so test questions
+is a person, its head office a city). Each passage states one fact, so a query naming the entity
+and the attribute ("Doran Velk born") finds it at rank 1; similar names (shared parts) act as
+distractors. Questions are single-hop ("Where was Doran Velk born?": one search) or two-hop
+("In which city was the founder of Velk Works born?": search "Velk Works founder", read the
+founder's name, search "<founder> born"). `metadata.queries` holds the natural query per hop. Entities are split between train and test, so test questions
 are about entities never asked about in training: the policy must search, not memorise.
 Same seed -> byte-identical files. Prompts use the compact template by default (the same
 protocol as Search-R1's base template in a quarter of the tokens; `template="base"` for theirs).
@@ -30,10 +31,11 @@ INSTRUMENTS = ["violin", "flute", "drums", "cello", "harp", "guitar", "piano", "
 
 
 def _person_passages(name: str, a: dict, rng: random.Random) -> list[str]:
+    """One fact per passage: a search for "NAME born" finds the birth passage at rank 1 (~93%)."""
     born = rng.choice([f"{name} was born in {a['city']}.", f"{name} was born in the city of {a['city']}."])
     job = rng.choice([f"{name} works as a {a['job']}.", f"By profession, {name} is a {a['job']}."])
-    music = f"{name} plays the {a['instrument']} in a local band."
-    return [f"{name}\n{born} {music}", f"{name}\n{job}"]
+    music = f"{name} plays the {a['instrument']}."
+    return [f"{name}\n{born}", f"{name}\n{job}", f"{name}\n{music}"]
 
 
 def build_toy_world(out_dir: Path, seed: int = 0, num_entities: int = 1000, test_fraction: float = 0.15, template: str = "compact") -> dict:
@@ -58,7 +60,8 @@ def build_toy_world(out_dir: Path, seed: int = 0, num_entities: int = 1000, test
         for text in _person_passages(p, attrs[p], rng):
             passages.append({"contents": text})
     for o, a in orgs.items():
-        passages.append({"contents": f"{o}\n{o} was founded by {a['founder']}. Its head office is in {a['city']}."})
+        passages.append({"contents": f"{o}\n{o} was founded by {a['founder']}."})
+        passages.append({"contents": f"{o}\n{o} has its head office in {a['city']}."})
     rng.shuffle(passages)
     corpus_lines = [json.dumps({"id": str(i), "contents": p["contents"]}) for i, p in enumerate(passages)]
 
@@ -72,17 +75,18 @@ def build_toy_world(out_dir: Path, seed: int = 0, num_entities: int = 1000, test
         if kind == "person":
             a = attrs[e]
             qs = [
-                (f"Where was {e} born", a["city"]),
-                (f"What is the occupation of {e}", a["job"]),
-                (f"Which instrument does {e} play", a["instrument"]),
+                (f"Where was {e} born", f"{e} born", a["city"]),
+                (f"What is the occupation of {e}", f"{e} occupation", a["job"]),
+                (f"Which instrument does {e} play", f"{e} instrument", a["instrument"]),
             ]
-            for q, ans in qs:
-                rows[split].append(("single", q, ans, [e], [ans], [e]))
+            for q, query, ans in qs:
+                rows[split].append(("single", q, ans, [query], [ans], [e]))
         else:
             a = orgs[e]
             f = a["founder"]
-            rows[split].append(("two_hop", f"In which city was the founder of {e} born", attrs[f]["city"], [e, f], [f, attrs[f]["city"]], [e, f]))
-            rows[split].append(("two_hop", f"What is the occupation of the founder of {e}", attrs[f]["job"], [e, f], [f, attrs[f]["job"]], [e, f]))
+            rows[split].append(("single", f"Where is the head office of {e}", a["city"], [f"{e} head office"], [a["city"]], [e]))
+            rows[split].append(("two_hop", f"In which city was the founder of {e} born", attrs[f]["city"], [f"{e} founder", f"{f} born"], [f, attrs[f]["city"]], [e, f]))
+            rows[split].append(("two_hop", f"What is the occupation of the founder of {e}", attrs[f]["job"], [f"{e} founder", f"{f} occupation"], [f, attrs[f]["job"]], [e, f]))
     written = {}
     for split in ("train", "test"):
         items = rows[split]

@@ -281,7 +281,7 @@ def test_corpus_cacm_html_tarball_and_jsonl(tmp_path):
 
 def test_toy_world_deterministic_and_answers_reachable(tmp_path):
     """Same seed -> byte-identical files (CLI and library agree); another seed differs; every test
-    question's hops are answered by a passage titled with the hop's query (the entity name)."""
+    question's hops are answered by a passage titled with the hop's entity, which the hop's query names."""
     from data_prep.toy_world import build_toy_world
 
     names = ("corpus.jsonl", "train.parquet", "test.parquet")
@@ -300,5 +300,7 @@ def test_toy_world_deterministic_and_answers_reachable(tmp_path):
     for row in rows:
         meta = json.loads(row["metadata"])
         assert meta["hop_answers"][-1] == row["golden_answers"][0]
-        for query, answer in zip(meta["queries"], meta["hop_answers"]):
-            assert any(answer in text for text in by_title.get(query, [])), (row["question"], query, answer)
+        assert len(meta["queries"]) == len(meta["hop_answers"]) == len(meta["supporting_titles"])
+        for query, title, answer in zip(meta["queries"], meta["supporting_titles"], meta["hop_answers"]):
+            assert query.startswith(title)
+            assert any(answer in text for text in by_title.get(title, [])), (row["question"], title, answer)

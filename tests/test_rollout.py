@@ -208,3 +208,22 @@ def test_hf_engine_with_tiny_model_and_real_server(tokenizer, tiny_model_dir, se
     engine2 = HFEngine(model, tokenizer, "cpu", batch_size=8, seed=0)
     again = AgentLoop(engine2, tokenizer, RetrieverClient(url), BUDGET).run(_items(tokenizer, 3), group_size=2, temperature=1.0)
     assert [t.response_ids for t in trajs] == [t.response_ids for t in again]
+
+
+def test_client_splits_batches_above_the_servers_per_request_limit(server):
+    """A 300-prompt eval turn is one `retrieve` call; the server refuses more than 256 queries per
+    request (413), so the client splits it and every query gets its own, ordered documents."""
+    import requests
+
+    _, url = server
+    queries = [f"film number {i} Inception" if i % 2 else f"Nolan {i}" for i in range(300)]
+    refused = requests.post(f"{url}/retrieve", json={"queries": queries, "topk": 1}, timeout=120)
+    assert refused.status_code == 413 and "256" in refused.text
+    client = RetrieverClient(url, topk=1, max_queries_per_request=128)
+    docs = client.retrieve(queries)
+    assert len(docs) == 300 and all(len(d) == 1 for d in docs)
+    assert client.stats["requests"] == 3 and client.stats["errors"] == 0
+    for i in (0, 1, 150, 299):  # order kept across the split
+        assert docs[i] == client.retrieve([queries[i]])[0]
+    with pytest.raises(ValueError, match="max_queries_per_request"):
+        RetrieverClient(url, max_queries_per_request=0)
