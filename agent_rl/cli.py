@@ -159,19 +159,35 @@ def cmd_plot(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    """The embedded default end to end: prepare, SFT warm start, GRPO, evaluate, plot."""
+    """The embedded default end to end: prepare, evaluate the base model, SFT warm start, GRPO,
+    evaluate, plot, and print test EM at each stage."""
+    from agent_rl.data import load_prompts
     from agent_rl.plot import plot_run
-    from agent_rl.train import train
+    from agent_rl.prepare import local_retriever, prepare
+    from agent_rl.train import evaluate_all, train
 
     cfg = _config(args)
+    prepare(cfg)
+    base: dict[str, float] = {}
+    if cfg.data.test_files:
+        with local_retriever(cfg) as url:
+            loop, tokenizer, budget = _loop(cfg, cfg.model.path, url)
+            base = evaluate_all(loop, load_prompts(cfg.data.test_files, tokenizer, budget, cfg.trainer.eval_max_samples), cfg)
     final = train(cfg)
     out = Path(cfg.trainer.output_dir)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in metrics if m.get("eval/em") is not None]
+    rewards = [m["reward/mean"] for m in metrics if "reward/mean" in m]
     plots = plot_run(out)
     print("\n=== agent-rl demo finished ===")
-    if evals:
-        print(f"test EM: {evals[0]['eval/em']:.3f} at step {evals[0]['step']} (after the SFT warm start) -> {final.get('eval/em', evals[-1]['eval/em']):.3f} after GRPO")
+    for key, what in (("eval/em", "greedy"), ("eval_sampled/em", f"one sample at T={cfg.rollout.temperature:g}")):
+        if evals and key in evals[0]:
+            stages = [f"base model {base[key]:.3f}"] if key in base else []
+            stages += [f"after the SFT warm start {evals[0][key]:.3f}", f"after GRPO {final.get(key, evals[-1][key]):.3f}"]
+            print(f"test EM ({what}): " + " -> ".join(stages))
+    if len(rewards) >= 10:
+        k = max(1, len(rewards) // 4)
+        print(f"train reward (sampled): {sum(rewards[:k]) / k:.3f} over the first {k} steps -> {sum(rewards[-k:]) / k:.3f} over the last {k}")
     print(f"metrics:     {out / 'metrics.jsonl'}")
     print(f"tensorboard: tensorboard --logdir {out / 'tb'}")
     print(f"checkpoints: {out / 'checkpoints'}")

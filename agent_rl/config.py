@@ -37,6 +37,7 @@ class TrainerConfig:
     seed: int = _f(0, "Seed for python, numpy and torch; rollouts and updates are reproducible on CPU.")
     eval_every: int = _f(0, "Evaluate on data.test_files every N steps (0 = only at the start and the end).")
     eval_max_samples: int = _f(200, "At most this many test prompts per evaluation (0 = all).")
+    eval_sampled: bool = _f(False, "Also evaluate one sample per prompt at rollout.temperature (logged as eval_sampled/em).")
     log_every: int = _f(1, "Print a progress line every N steps.")
     tensorboard: bool = _f(True, "Also write TensorBoard events under OUTPUT_DIR/tb.")
     preflight: bool = _f(True, "Before step 1 run one forward+backward at the largest admissible micro-batch.")

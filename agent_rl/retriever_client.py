@@ -7,7 +7,9 @@ and the rollout turns it into an observation saying retrieval failed: it never c
 """
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
@@ -28,6 +30,11 @@ class RetrieverClient:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(timeout=timeout_s, headers=headers, limits=httpx.Limits(max_connections=8))
         self.stats = {"requests": 0, "queries": 0, "errors": 0, "retries": 0, "latency_s": 0.0}
+        self._lock = threading.Lock()  # split batches run in threads
+
+    def _count(self, key: str, value: float) -> None:
+        with self._lock:
+            self.stats[key] += value
 
     @classmethod
     def from_config(cls, rc, url: str) -> RetrieverClient:
@@ -36,17 +43,20 @@ class RetrieverClient:
 
     def retrieve(self, queries: list[str], topk: int | None = None) -> list[list[dict]]:
         """Documents `{"id", "contents"}` per query, in order. Raises RetrievalError at last."""
-        out: list[list[dict]] = []
-        for lo in range(0, len(queries), self.max_queries_per_request):
-            out.extend(self._retrieve_chunk(queries[lo : lo + self.max_queries_per_request], topk))
-        return out
+        chunks = [queries[lo : lo + self.max_queries_per_request] for lo in range(0, len(queries), self.max_queries_per_request)]
+        if len(chunks) <= 1:
+            return self._retrieve_chunk(queries, topk) if queries else []
+        # The chunks go out concurrently so the server can batch them together; order is kept.
+        with ThreadPoolExecutor(max_workers=min(4, len(chunks))) as pool:
+            results = list(pool.map(lambda c: self._retrieve_chunk(c, topk), chunks))
+        return [docs for result in results for docs in result]
 
     def _retrieve_chunk(self, queries: list[str], topk: int | None) -> list[list[dict]]:
         payload = {"queries": queries, "topk": topk or self.topk, "return_scores": False}
         last_err: Exception | None = None
         for attempt in range(self.max_retries + 1):
             if attempt:
-                self.stats["retries"] += 1
+                self._count("retries", 1)
                 time.sleep(self.backoff_s * 2 ** (attempt - 1))
             start = time.perf_counter()
             try:
@@ -54,18 +64,18 @@ class RetrieverClient:
                 if resp.status_code >= 500 or resp.status_code == 429:
                     raise httpx.HTTPStatusError(f"server answered {resp.status_code}", request=resp.request, response=resp)
                 if resp.status_code >= 400:  # our own request is wrong: retrying will not help
-                    self.stats["errors"] += 1
+                    self._count("errors", 1)
                     raise RetrievalError(f"retriever rejected the request ({resp.status_code}): {resp.text[:300]}")
                 result = resp.json()["result"]
-                self.stats["requests"] += 1
-                self.stats["queries"] += len(queries)
-                self.stats["latency_s"] += time.perf_counter() - start
+                self._count("requests", 1)
+                self._count("queries", len(queries))
+                self._count("latency_s", time.perf_counter() - start)
                 return [[item["document"] if "document" in item else item for item in docs] for docs in result]
             except RetrievalError:
                 raise
             except (httpx.HTTPError, ValueError, KeyError) as err:
                 last_err = err
-        self.stats["errors"] += 1
+        self._count("errors", 1)
         raise RetrievalError(f"retriever at {self.url} failed after {self.max_retries + 1} attempts: {last_err}")
 
     def close(self) -> None:

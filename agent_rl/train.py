@@ -106,9 +106,11 @@ def make_scheduler(cfg: Config, optimizer):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def evaluate(loop: AgentLoop, prompts: PromptSet, cfg: Config, reward_name: str = "em") -> dict[str, float]:
-    """Greedy rollouts over the test prompts: EM and F1 overall and per data_source."""
-    trajs = loop.run(prompts.items, group_size=1, temperature=cfg.rollout.eval_temperature)
+def evaluate(loop: AgentLoop, prompts: PromptSet, cfg: Config, temperature: float | None = None, prefix: str = "eval") -> dict[str, float]:
+    """Rollouts over the test prompts (greedy by default: rollout.eval_temperature): EM and F1
+    overall and per data_source, under `prefix/`."""
+    temperature = cfg.rollout.eval_temperature if temperature is None else temperature
+    trajs = loop.run(prompts.items, group_size=1, temperature=temperature)
     by_source: dict[str, list[tuple[float, float]]] = {}
     for t in trajs:
         em = compute_reward("em", t.response_text, t.golden_answers)
@@ -116,13 +118,31 @@ def evaluate(loop: AgentLoop, prompts: PromptSet, cfg: Config, reward_name: str 
         by_source.setdefault(t.data_source, []).append((em, f1))
     out: dict[str, float] = {}
     allv = [v for vs in by_source.values() for v in vs]
-    out["eval/em"] = sum(v[0] for v in allv) / len(allv)
-    out["eval/f1"] = sum(v[1] for v in allv) / len(allv)
+    out[f"{prefix}/em"] = sum(v[0] for v in allv) / len(allv)
+    out[f"{prefix}/f1"] = sum(v[1] for v in allv) / len(allv)
     for src, vs in by_source.items():
-        out[f"eval/{src}/em"] = sum(v[0] for v in vs) / len(vs)
-        out[f"eval/{src}/f1"] = sum(v[1] for v in vs) / len(vs)
-    out["eval/searches_mean"] = sum(sum(1 for x in t.turns if x.action == "search") for t in trajs) / len(trajs)
-    out["eval/n"] = float(len(trajs))
+        out[f"{prefix}/{src}/em"] = sum(v[0] for v in vs) / len(vs)
+        out[f"{prefix}/{src}/f1"] = sum(v[1] for v in vs) / len(vs)
+    out[f"{prefix}/searches_mean"] = sum(sum(1 for x in t.turns if x.action == "search") for t in trajs) / len(trajs)
+    out[f"{prefix}/n"] = float(len(trajs))
+    return out
+
+
+def evaluate_all(loop: AgentLoop, prompts: PromptSet, cfg: Config) -> dict[str, float]:
+    """Greedy EM/F1 under eval/, plus, with trainer.eval_sampled, EM/F1 of one sample at
+    rollout.temperature under eval_sampled/ (what GRPO optimises; greedy EM can sit still while
+    the sampled policy sharpens)."""
+    out = evaluate(loop, prompts, cfg)
+    if cfg.trainer.eval_sampled:
+        gen = getattr(loop.engine, "generator", None)
+        state = gen.get_state() if gen is not None else None
+        if gen is not None:
+            gen.manual_seed(cfg.trainer.seed)  # the same draws at every evaluation
+        try:
+            out.update(evaluate(loop, prompts, cfg, cfg.rollout.temperature, "eval_sampled"))
+        finally:
+            if gen is not None:
+                gen.set_state(state)  # training rollouts (and --resume) never see the eval's draws
     return out
 
 
@@ -387,7 +407,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
 
     def run_eval() -> dict[str, float]:
         # Rank 0 evaluates with its own unsharded rollout model (no collectives); the rest wait.
-        result = evaluate(loop, test_set, cfg) if main else {}
+        result = evaluate_all(loop, test_set, cfg) if main else {}
         if dist is not None:
             dist.barrier()
         return result
