@@ -53,6 +53,17 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def _fsync_tree(path: Path) -> None:
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(root: Path, step: int, model, optimizer, scheduler, extra_state: dict, config_dict: dict, keep_last: int) -> Path:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -68,8 +79,7 @@ def save_checkpoint(root: Path, step: int, model, optimizer, scheduler, extra_st
     torch.save({"optimizer": optimizer.state_dict() if optimizer is not None else None, "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / "optim.pt")
     torch.save({"rng": _rng_state(), "extra": extra_state, "step": step}, tmp / "state.pt")
     (tmp / "config.json").write_text(json.dumps(config_dict, indent=1, default=str))
-    with open(tmp / "state.pt", "rb") as fh:  # make the bytes durable before the rename publishes them
-        os.fsync(fh.fileno())
+    _fsync_tree(tmp)  # make the bytes durable before the rename publishes them
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -83,24 +93,37 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
     """Restore model, optimizer, scheduler and RNG states; returns the extra state."""
     path = Path(path)
     if (path / "model").exists():
+        from safetensors import safe_open
         from safetensors.torch import load_file
 
-        state = {}
-        for f in sorted((path / "model").glob("*.safetensors")):
-            state.update(load_file(f))
-        target = model
+        files = sorted((path / "model").glob("*.safetensors"))
         if hasattr(model, "peft_config"):  # peft saves adapters only, with its own key names
             from peft import set_peft_model_state_dict
 
+            state = {}
+            for f in files:
+                state.update(load_file(f))
             set_peft_model_state_dict(model, state)
         else:
-            missing, unexpected = target.load_state_dict(state, strict=False)
-            real_missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied embeddings
+            # Tensor by tensor into the live parameters: the host never holds a second full copy.
+            target = model.state_dict()
+            seen: set[str] = set()
+            unexpected = []
+            with torch.no_grad():
+                for f in files:
+                    with safe_open(f, framework="pt", device="cpu") as fh:
+                        for key in fh.keys():
+                            if key not in target:
+                                unexpected.append(key)
+                                continue
+                            target[key].copy_(fh.get_tensor(key))
+                            seen.add(key)
+            real_missing = [k for k in target if k not in seen and not k.endswith("lm_head.weight")]  # tied embeddings
             if real_missing or unexpected:
                 raise RuntimeError(f"checkpoint {path} does not match the model: missing {real_missing[:5]}, unexpected {unexpected[:5]}")
     else:
         model.load_state_dict(torch.load(path / "model.pt", map_location="cpu"))
-    optim = torch.load(path / "optim.pt", map_location="cpu", weights_only=False)
+    optim = torch.load(path / "optim.pt", map_location="cpu", weights_only=False, mmap=True)  # mmap: no second in-RAM copy of the Adam moments
     if optimizer is not None and optim["optimizer"] is not None:
         optimizer.load_state_dict(optim["optimizer"])
     if scheduler is not None and optim["scheduler"] is not None:

@@ -5,8 +5,8 @@ Usage: .venv/bin/python bench/memory_runaway.py [--group 8] [--scales 1,4,16] [-
 The runaway policy is the tiny model sampling with every special token (eos, the agent tags)
 masked out of its logits and the engine's stop tags suppressed: every turn runs to its cap,
 every action is invalid and gets the corrective message. Its would-be length is L0 x scale
-tokens, L0 = 440 (the tiny demo budget's max_total_tokens).
-- on: the demo budget (2 search turns + an answer turn, prompt <= 64, 24 tokens a turn,
+tokens, L0 = 440 (a reference budget: the tiny model with top-3 observations).
+- on: the reference budget (2 search turns + an answer turn, prompt <= 64, 24 tokens a turn,
   observations <= 150, total <= 440). Config validation makes the per-turn caps bound the
   total, so here the per-turn cap stops the runaway first: every row has the same length at
   every scale, and never more than 440.
