@@ -22,7 +22,6 @@ import functools
 import itertools
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +34,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+from agent_fixtures import start_server  # noqa: E402
+
 FIXTURE = ROOT / "tests" / "fixtures" / "hotpotqa100"
 
 
@@ -90,29 +92,6 @@ def ceiling(index_dir: Path, queries: Queries, batch: int, duration: float, topk
         index.search(queries.take(batch), topk)
         n += batch
     return n / (time.perf_counter() - t0)
-
-
-def start_server(index_dir: Path, work: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    ready = work / "ready.json"
-    ready.unlink(missing_ok=True)
-    log = open(work / "server.log", "w")
-    proc = subprocess.Popen([sys.executable, "-m", "retriever_server.app", "--index", str(index_dir), "--port", "0", "--ready-file", str(ready), *extra], stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise SystemExit(f"retriever-server did not start:\n{(work / 'server.log').read_text()[-2000:]}")
-        time.sleep(0.1)
-    return proc, json.loads(ready.read_text())["url"]
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def server_batches(url: str) -> tuple[float, float]:
@@ -197,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[tuple[str, int, int], dict] = {}
     modes = [(name, extra) for key, name, extra in (("batching", "batching+cache", a.server_args.split()), ("plain", "one-at-a-time", ["--no-batching", "--no-cache"])) if key in a.modes.split(",")]
     for mode, extra in modes:
-        proc, url = start_server(index_dir, a.work, extra)
-        try:
+        with start_server(index_dir, *extra, ready_timeout=300) as (_, url):
             asyncio.run(drive(url, lambda: queries.take(1), 8, 2.0, 32, a.topk))  # warm-up
             for qpr in qprs:
                 for c in concurrencies:
@@ -211,8 +189,6 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_cell(url, lambda: [group[np.random.randint(len(group))]], 1, max(concurrencies), a)
                 rows.append(f"{'cache (4 qs)':<16} {max(concurrencies):>4} {1:>5} {r['qps']:>9.1f} {r['rps']:>7.1f} {r['p50']:>8.1f} {r['p95']:>8.1f} {r['p99']:>8.1f} {r['batch']:>6.1f} {r['failures']:>4}")
                 print(rows[-1], flush=True)
-        finally:
-            stop_server(proc)
 
     print(f"\n{header}")
     print("\n".join(rows))

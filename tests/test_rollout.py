@@ -1,9 +1,5 @@
 """The agent loop: scripted policies drive every path; a real server answers the searches."""
-import json
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +9,7 @@ from agent_rl.engines import Generation, HFEngine
 from agent_rl.retriever_client import RetrieverClient
 from agent_rl.rollout import INVALID_MESSAGE, AgentLoop, PromptItem, parse_action
 
-from agent_fixtures import tiny_model_dir, hotpot_index_dir  # noqa: F401  (pytest fixtures)
+from agent_fixtures import hotpot_index_dir, start_server, tiny_model_dir  # noqa: F401  (pytest fixtures)
 
 STOP = ("</search>", "</answer>")
 
@@ -53,18 +49,10 @@ def tokenizer(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def server(hotpot_index_dir, tmp_path_factory):
+def server(hotpot_index_dir):
     """A real retriever-server subprocess on an ephemeral 127.0.0.1 port."""
-    ready = tmp_path_factory.mktemp("srv") / "ready.json"
-    proc = subprocess.Popen([sys.executable, "-m", "retriever_server.app", "--index", str(hotpot_index_dir), "--port", "0", "--ready-file", str(ready)])
-    deadline = time.monotonic() + 120
-    while not ready.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.2)
-    time.sleep(0.1)
-    yield proc, json.loads(ready.read_text())["url"]
-    proc.terminate()
-    proc.wait(timeout=10)
+    with start_server(hotpot_index_dir) as server:
+        yield server
 
 
 def _items(tokenizer, n=2):
@@ -161,25 +149,19 @@ def test_runaway_policy_is_bounded(tokenizer, server):
     assert loop.counters["budget/end_budget_total"] == 4
 
 
-def test_dead_retriever_gives_error_observation(tokenizer, hotpot_index_dir, tmp_path):
+def test_dead_retriever_gives_error_observation(tokenizer, hotpot_index_dir):
     """The server is stopped mid-rollout: the rollout finishes, with 'retrieval failed' observations and a count."""
-    ready = tmp_path / "ready.json"
-    proc = subprocess.Popen([sys.executable, "-m", "retriever_server.app", "--index", str(hotpot_index_dir), "--port", "0", "--ready-file", str(ready)])
-    while not ready.exists():
-        assert proc.poll() is None
-        time.sleep(0.2)
-    time.sleep(0.1)
-    url = json.loads(ready.read_text())["url"]
+    with start_server(hotpot_index_dir) as (proc, url):
 
-    def script(ctx):
-        if ctx.count("<information>") == 1 and proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
-        return "<search> Inception </search>"
+        def script(ctx):
+            if ctx.count("<information>") == 1 and proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
+            return "<search> Inception </search>"
 
-    client = RetrieverClient(url, timeout_s=2, max_retries=1, backoff_s=0.01)
-    loop = AgentLoop(ScriptedEngine(tokenizer, script), tokenizer, client, BUDGET)
-    trajs = loop.run(_items(tokenizer, 2), group_size=1)
+        client = RetrieverClient(url, timeout_s=2, max_retries=1, backoff_s=0.01)
+        loop = AgentLoop(ScriptedEngine(tokenizer, script), tokenizer, client, BUDGET)
+        trajs = loop.run(_items(tokenizer, 2), group_size=1)
     for t in trajs:
         assert t.turns[0].retriever_error is None
         assert t.turns[1].retriever_error is not None
