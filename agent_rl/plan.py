@@ -46,6 +46,8 @@ KNOWN_SHAPES = {
 # python + torch + transformers model code + tokenizer + agent_rl's imports: ru_maxrss of a
 # trainer process before its weights, measured on CPU (torch 2.13, transformers 5.23).
 BASELINE_HOST_BYTES = int(0.45 * GIB)
+# `import peft` (0.21) on top of that: 138 MiB of RSS measured here, whatever the model size.
+PEFT_HOST_BYTES = int(0.135 * GIB)
 
 
 @dataclass
@@ -156,6 +158,8 @@ def _estimate(cfg: Config, gpus: int) -> tuple[dict[str, int], dict[str, int]]:
     if cfg.algo.name == "ppo":
         train_c["activations"] *= 2 if not cfg.model.gradient_checkpointing else 1
     host: dict[str, int] = {"baseline": BASELINE_HOST_BYTES}
+    if lora:
+        host["peft_runtime"] = PEFT_HOST_BYTES
     batch_tokens = cfg.rollout.prompts_per_step * cfg.algo.group_size * cfg.budget.max_total_tokens
     host["trajectory_buffer"] = min(cfg.buffer.max_tokens, batch_tokens) * 64  # ids, masks, logprobs, python objects
     if cfg.train.offload_optimizer and on_gpu:
