@@ -100,45 +100,54 @@ class HFEngine:
 
     def _generate_batch(self, prompts, max_new, temperature, top_p) -> list[Generation]:
         bsz = len(prompts)
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((bsz, width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((bsz, width), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding keeps every row's last token at the end
-            input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            attention[i, width - len(p) :] = 1
-        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        limits = torch.tensor(max_new, dtype=torch.long)
         tokens: list[list[int]] = [[] for _ in range(bsz)]
         logps: list[list[float]] = [[] for _ in range(bsz)]
         finish = ["length"] * bsz
-        active = limits > 0
+        rows = torch.tensor([i for i in range(bsz) if max_new[i] > 0], dtype=torch.long)  # original index of each live row
+        if len(rows) == 0:
+            return [Generation([], [], "length") for _ in range(bsz)]
+        width = max(len(prompts[i]) for i in rows.tolist())
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(rows), width), dtype=torch.long)
+        for r, i in enumerate(rows.tolist()):  # left padding keeps every row's last token at the end
+            input_ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i], dtype=torch.long)
+            attention[r, width - len(prompts[i]) :] = 1
+        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        limits = torch.tensor(max_new, dtype=torch.long)
         stop_ids = torch.tensor(self.stop_ids, dtype=torch.long)
         out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
         past = out.past_key_values
         last_pos = positions[:, -1]
-        steps = int(limits.max().item()) if bsz else 0
-        for step in range(steps):
-            if not bool(active.any()):
-                break
+        active = torch.ones(len(rows), dtype=torch.bool)
+        for _ in range(int(limits.max().item())):
             ids, lp = _sample(out.logits[:, -1, :], temperature, top_p, self.generator)
             ids, lp = ids.cpu(), lp.cpu()
-            for i in torch.nonzero(active).flatten().tolist():
-                tokens[i].append(int(ids[i]))
-                logps[i].append(float(lp[i]))
+            live = rows.tolist()
+            for r in torch.nonzero(active).flatten().tolist():
+                tokens[live[r]].append(int(ids[r]))
+                logps[live[r]].append(float(lp[r]))
             hit_stop = torch.isin(ids, stop_ids) & active
             if self.stop_strings:
-                for i in torch.nonzero(active & ~hit_stop).flatten().tolist():
-                    tail = self.tokenizer.decode(tokens[i][-8:], skip_special_tokens=False)
+                for r in torch.nonzero(active & ~hit_stop).flatten().tolist():
+                    tail = self.tokenizer.decode(tokens[live[r]][-8:], skip_special_tokens=False)
                     if any(s in tail for s in self.stop_strings):
-                        hit_stop[i] = True
-            for i in torch.nonzero(hit_stop).flatten().tolist():
-                finish[i] = "stop"
-            reached = torch.tensor([len(t) for t in tokens]) >= limits
+                        hit_stop[r] = True
+            for r in torch.nonzero(hit_stop).flatten().tolist():
+                finish[live[r]] = "stop"
+            reached = torch.tensor([len(tokens[i]) for i in live]) >= limits[rows]
             active = active & ~hit_stop & ~reached
             if not bool(active.any()):
                 break
-            # Finished rows keep feeding a pad with attention 0, so the batch shape stays fixed.
+            if int((~active).sum()) * 4 >= len(rows):
+                # A quarter of the rows are done: drop them from the batch and the KV cache, so
+                # one long row does not keep paying for the finished ones.
+                keep = torch.nonzero(active).flatten()
+                past.batch_select_indices(keep.to(self.device))
+                rows, ids, active = rows[keep], ids[keep], active[keep]
+                keep = keep.to(self.device)
+                attention, last_pos = attention[keep], last_pos[keep]
+            # Finished rows not yet dropped keep feeding a pad with attention 0.
             feed = torch.where(active, ids, torch.full_like(ids, self.pad_id)).to(self.device)
             attention = torch.cat([attention, active.long().to(self.device)[:, None]], dim=1)
             last_pos = last_pos + 1

@@ -209,3 +209,27 @@ def test_client_splits_batches_above_the_servers_per_request_limit(server):
         assert docs[i] == client.retrieve([queries[i]])[0]
     with pytest.raises(ValueError, match="max_queries_per_request"):
         RetrieverClient(url, max_queries_per_request=0)
+
+
+def test_hf_engine_drops_finished_rows_without_changing_the_rest(tokenizer, tiny_model_dir):
+    """Rows that reach their limit leave the batch and the KV cache (a quarter done triggers it);
+    the rows still running generate exactly what they would have in the full batch (greedy)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    engine = HFEngine(model, tokenizer, "cpu", batch_size=8, seed=0)
+    engine.stop_ids, engine.stop_strings = [tokenizer.pad_token_id], []  # rows run to their limits
+    prompts = [tokenizer(f"Question: Who directed film {i}?\n", add_special_tokens=False)["input_ids"] for i in range(8)]
+    rows_fed: list[int] = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: rows_fed.append(args[0].shape[0]))
+    try:
+        mixed = engine.generate(prompts, [2] * 6 + [20, 0], temperature=0.0)
+    finally:
+        hook.remove()
+    assert rows_fed[0] == 7 and rows_fed[-1] == 1  # the 0-limit row never enters; 6 finished rows leave
+    full = engine.generate(prompts, [20] * 8, temperature=0.0)
+    assert [len(g.token_ids) for g in mixed] == [2] * 6 + [20, 0]
+    assert mixed[7].finish_reason == "length" and mixed[7].logprobs == []
+    for g, ref in zip(mixed, full):
+        assert g.token_ids == ref.token_ids[: len(g.token_ids)]
+        assert g.logprobs == pytest.approx(ref.logprobs[: len(g.logprobs)], abs=1e-4)
