@@ -108,6 +108,38 @@ def prepare(cfg: Config, need_index: bool = True) -> None:
         ensure_index(cfg)
 
 
+def spawn_retriever(index_dir: str | Path, ready: Path, log: Path, *extra_args: str) -> subprocess.Popen:
+    """`python -m retriever_server.app` on an ephemeral 127.0.0.1 port, output to `log`; it writes
+    `ready` (atomically) once listening and gets SIGTERM if this process dies."""
+    cmd = [sys.executable, "-m", "retriever_server.app", "--index", str(index_dir), "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready), *extra_args]
+    with log.open("w") as log_fh:
+        return subprocess.Popen(cmd, stdout=log_fh, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+
+
+def wait_ready(proc: subprocess.Popen, ready: Path, log: Path, timeout_s: float, name: str = "retriever-server") -> str:
+    """The server's URL once its ready file exists; RuntimeError / TimeoutError with the log's tail
+    if it exits or is not ready within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} did not start within {timeout_s:.0f}s; log:\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+    return json.loads(ready.read_text())["url"]
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after timeout_s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 @contextlib.contextmanager
 def local_retriever(cfg: Config, timeout_s: float = 180.0) -> Iterator[str]:
     """Yield the retriever URL: `retriever.url` if set, else a server started here and stopped after."""
@@ -115,28 +147,13 @@ def local_retriever(cfg: Config, timeout_s: float = 180.0) -> Iterator[str]:
         yield cfg.retriever.url
         return
     ensure_index(cfg)
-    ready = Path(tempfile.mkdtemp(prefix="retriever_")) / "ready.json"
-    log = ready.with_name("server.log")
-    cmd = [sys.executable, "-m", "retriever_server.app", "--index", cfg.retriever.index_dir, "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready), "--topk", str(cfg.retriever.topk)]
-    with log.open("w") as log_fh:
-        proc = subprocess.Popen(cmd, stdout=log_fh, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+    work = Path(tempfile.mkdtemp(prefix="retriever_"))
+    ready, log = work / "ready.json", work / "server.log"
+    proc = spawn_retriever(cfg.retriever.index_dir, ready, log, "--topk", str(cfg.retriever.topk))
     try:
-        deadline = time.monotonic() + timeout_s
-        while not ready.exists():
-            if proc.poll() is not None:
-                raise RuntimeError(f"retriever-server exited with code {proc.returncode}:\n{log.read_text()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"retriever-server did not start within {timeout_s:.0f}s; log:\n{log.read_text()[-2000:]}")
-            time.sleep(0.2)
-        time.sleep(0.05)  # the file is written once; let the writer finish
-        url = json.loads(ready.read_text())["url"]
+        url = wait_ready(proc, ready, log, timeout_s)
         _log(f"retriever listening on {url} (index {cfg.retriever.index_dir})")
         yield url
     finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        shutil.rmtree(ready.parent, ignore_errors=True)
+        stop_process(proc)
+        shutil.rmtree(work, ignore_errors=True)

@@ -134,14 +134,15 @@ def evaluate_all(loop: AgentLoop, prompts: PromptSet, cfg: Config) -> dict[str, 
     the sampled policy sharpens)."""
     out = evaluate(loop, prompts, cfg)
     if cfg.trainer.eval_sampled:
-        gen = getattr(loop.engine, "generator", None)
-        state = gen.get_state() if gen is not None else None
+        gen = getattr(loop.engine, "generator", None)  # the HF engine's; vLLM keeps its own seed
+        state = None
         if gen is not None:
+            state = gen.get_state()
             gen.manual_seed(cfg.trainer.seed)  # the same draws at every evaluation
         try:
             out.update(evaluate(loop, prompts, cfg, cfg.rollout.temperature, "eval_sampled"))
         finally:
-            if gen is not None:
+            if state is not None:
                 gen.set_state(state)  # training rollouts (and --resume) never see the eval's draws
     return out
 

@@ -22,13 +22,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from agent_rl.preflight import proc_status_bytes  # noqa: E402
+
 
 def _status(key: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{key} not in /proc/self/status")
+    value = proc_status_bytes(key)
+    if value is None:
+        raise RuntimeError(f"{key} not in /proc/self/status (this bench needs Linux)")
+    return value
 
 
 def _reset_peak() -> None:

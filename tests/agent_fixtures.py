@@ -1,15 +1,14 @@
 """Session fixtures for the trainer's tests: a tiny model, a small dense index, a tiny toy world;
 and `start_servers`, real `retriever-server` subprocesses for the tests and benches."""
-import json
 import subprocess
-import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+
+from agent_rl.prepare import spawn_retriever, stop_process, wait_ready
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -40,41 +39,21 @@ def hotpot_index_dir(tmp_path_factory) -> Path:
     return work / "index"
 
 
-def stop_server(proc: subprocess.Popen) -> None:
-    """Terminate, and kill if it has not exited after 10 s."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @contextmanager
 def start_servers(specs: dict[str, tuple], ready_timeout: float = 120) -> Iterator[dict[str, tuple[subprocess.Popen, str]]]:
-    """`python -m retriever_server.app` on an ephemeral 127.0.0.1 port for each `name: (index_dir, *extra_args)`,
-    all launched before any is waited on so their start-ups overlap. Yields {name: (proc, url)} once each has
-    written its ready file (each gets `ready_timeout` seconds), and stops them all on exit."""
+    """`agent_rl.prepare.spawn_retriever` for each `name: (index_dir, *extra_args)`, all launched
+    before any is waited on so their start-ups overlap. Yields {name: (proc, url)} once each is
+    ready (each gets `ready_timeout` seconds), and stops them all on exit."""
     with tempfile.TemporaryDirectory(prefix="retriever-server-") as tmp:
         launched = {}
         try:
             for i, (name, (index_dir, *extra)) in enumerate(specs.items()):
-                ready, log_path = Path(tmp) / f"{i}.ready.json", Path(tmp) / f"{i}.log"
-                with open(log_path, "w") as log:
-                    cmd = [sys.executable, "-m", "retriever_server.app", "--index", str(index_dir), "--port", "0", "--ready-file", str(ready), *extra]
-                    launched[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), ready, log_path)
-            for name, (proc, ready, log_path) in launched.items():
-                deadline = time.monotonic() + ready_timeout
-                while not ready.exists():
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        why = f"not ready after {ready_timeout:.0f} s" if proc.returncode is None else f"exited with {proc.returncode}"
-                        raise AssertionError(f"retriever-server {name!r} {why}:\n{log_path.read_text()[-3000:]}")
-                    time.sleep(0.1)
-            yield {name: (proc, json.loads(ready.read_text())["url"]) for name, (proc, ready, _) in launched.items()}
+                ready, log = Path(tmp) / f"{i}.ready.json", Path(tmp) / f"{i}.log"
+                launched[name] = (spawn_retriever(index_dir, ready, log, *extra), ready, log)
+            yield {name: (proc, wait_ready(proc, ready, log, ready_timeout, f"retriever-server {name!r}")) for name, (proc, ready, log) in launched.items()}
         finally:
             for proc, _, _ in launched.values():
-                stop_server(proc)
+                stop_process(proc, 10)
 
 
 @contextmanager

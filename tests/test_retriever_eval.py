@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from agent_fixtures import hotpot_index_dir, start_servers, stop_server  # noqa: F401  (pytest fixture)
+from agent_fixtures import hotpot_index_dir, start_servers  # noqa: F401  (pytest fixture)
+from agent_rl.prepare import stop_process
 from retriever_server.answers import contains_answer, normalize_answer
 from retriever_server.evaluate import Passage, Question, load_questions, main, score_question
 
@@ -202,7 +203,7 @@ def test_server_killed_mid_run_counts_failures(servers, tmp_path, capsys):
         proc.kill()
         worker.join(timeout=120)
     finally:
-        stop_server(proc)
+        stop_process(proc, 10)
     assert not worker.is_alive() and result["rc"] == 0
     report = json.loads(out.read_text())
     m = report["overall"]

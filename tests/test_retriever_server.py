@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import requests
 
-from agent_fixtures import hotpot_index_dir, start_servers, stop_server  # noqa: F401  (pytest fixture)
+from agent_fixtures import hotpot_index_dir, start_servers  # noqa: F401  (pytest fixture)
+from agent_rl.prepare import stop_process
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -389,7 +390,7 @@ def test_refuses_index_that_does_not_match_its_corpus(hotpot_index_dir, tmp_path
         try:
             _, err = proc.communicate(timeout=120)
         finally:
-            stop_server(proc)
+            stop_process(proc, 10)
         assert proc.returncode == 2, err
         assert "retriever-server: error:" in err and "Traceback" not in err
         for words in cases[name][1]:
