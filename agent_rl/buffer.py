@@ -9,7 +9,7 @@ share a batch, and every micro-batch satisfies rows x longest row <= `max_tokens
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -47,9 +47,19 @@ class TrajectoryBuffer:
         return items
 
 
-def pack_microbatches(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Indices grouped so that len(group) * max(lengths in group) <= max_tokens, longest first."""
+def pack_microbatches(lengths: list[int], max_tokens: int, groups: list | None = None) -> list[list[int]]:
+    """Indices grouped so that len(group) * max(lengths in group) <= max_tokens, longest first.
+
+    With `groups` (a key per row, e.g. the prompt id), rows of one group stay next to each other
+    (groups longest first, rows longest first inside), so a micro-batch can share their prompt.
+    """
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if groups is not None:
+        longest_of: dict = {}
+        for i in order:
+            longest_of.setdefault(groups[i], lengths[i])
+        rank = {g: k for k, g in enumerate(sorted(longest_of, key=lambda g: -longest_of[g]))}
+        order.sort(key=lambda i: rank[groups[i]])  # stable: longest first inside a group
     batches: list[list[int]] = []
     current: list[int] = []
     longest = 0
@@ -80,6 +90,7 @@ class MicroBatch:
     input_ids: torch.Tensor  # (B, T)
     attention_mask: torch.Tensor  # (B, T)
     loss_mask: torch.Tensor  # (B, T) float
+    prompt_lengths: list[int] = field(default_factory=list)  # per row; lets the forward share a group's prompt
 
     @property
     def num_tokens(self) -> int:
@@ -97,7 +108,10 @@ def collate(trajs: list[Trajectory], index: list[int], pad_id: int, device: torc
         ids[r, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         attn[r, : len(seq)] = 1
         mask[r, t.prompt_tokens : len(seq)] = torch.tensor(t.loss_mask, dtype=torch.float32)
-    return MicroBatch(index=list(index), input_ids=ids.to(device), attention_mask=attn.to(device), loss_mask=mask.to(device))
+    return MicroBatch(
+        index=list(index), input_ids=ids.to(device), attention_mask=attn.to(device), loss_mask=mask.to(device),
+        prompt_lengths=[t.prompt_tokens for t in rows],
+    )
 
 
 def response_tensor(trajs: list[Trajectory], index: list[int], values: list[list[float]], width: int) -> torch.Tensor:

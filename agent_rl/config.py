@@ -156,6 +156,7 @@ class TrainConfig:
     lr_schedule: str = _f("constant", "constant | cosine (after warmup).")
     max_grad_norm: float = _f(1.0, "Gradient clipping norm (0 = off).")
     max_tokens_per_microbatch: int = _f(8192, "Hard cap on padded tokens (rows x longest row) in one forward/backward.")
+    share_prompt_prefix: bool = _f(True, "Run a GRPO group's common prompt through the model once per micro-batch (its KV cache, with gradient, serves every response); same loss and gradient up to float rounding. Not used under torchrun or with gradient checkpointing.")
     offload_optimizer: bool = _f(False, "Keep AdamW states in host RAM (a no-op on CPU-only runs, which says so).")
     offload_params: bool = _f(False, "FSDP: keep parameters in host RAM between uses (torchrun/GPU only).")
     bf16: bool = _f(False, "Autocast to bfloat16 on CUDA.")

@@ -62,7 +62,11 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: t
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
-    ids = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    # Inverse-CDF sampling: one uniform per row, where torch.multinomial draws one per vocabulary
+    # entry (20x slower for 64 rows x 689 tokens, a tenth of a decode step on CPU).
+    cdf = probs.cumsum(-1)
+    u = torch.rand((probs.shape[0], 1), generator=generator, dtype=cdf.dtype).to(cdf.device) * cdf[:, -1:]
+    ids = torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1).squeeze(-1)  # first entry with cdf > u: never a 0-probability token
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
 
 
@@ -106,22 +110,30 @@ class HFEngine:
         rows = torch.tensor([i for i in range(bsz) if max_new[i] > 0], dtype=torch.long)  # original index of each live row
         if len(rows) == 0:
             return [Generation([], [], "length") for _ in range(bsz)]
-        width = max(len(prompts[i]) for i in rows.tolist())
-        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, i in enumerate(rows.tolist()):  # left padding keeps every row's last token at the end
-            input_ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i], dtype=torch.long)
-            attention[r, width - len(prompts[i]) :] = 1
+        # A GRPO group repeats its prompt: prefill each distinct prompt once, then copy its cache rows.
+        keys: dict[tuple, int] = {}
+        copy_of = torch.tensor([keys.setdefault(tuple(prompts[i]), len(keys)) for i in rows.tolist()], dtype=torch.long)
+        width = max(len(p) for p in keys)
+        input_ids = torch.full((len(keys), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(keys), width), dtype=torch.long)
+        for u, p in enumerate(keys):  # left padding keeps every row's last token at the end
+            input_ids[u, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attention[u, width - len(p) :] = 1
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         limits = torch.tensor(max_new, dtype=torch.long)
         stop_ids = torch.tensor(self.stop_ids, dtype=torch.long)
         out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
         past = out.past_key_values
+        logits = out.logits[:, -1, :]
+        if len(keys) < len(rows):
+            copy_of = copy_of.to(self.device)
+            past.batch_select_indices(copy_of)
+            logits, attention, positions = logits[copy_of], attention[copy_of], positions[copy_of]
         last_pos = positions[:, -1]
         active = torch.ones(len(rows), dtype=torch.bool)
         for _ in range(int(limits.max().item())):
-            ids, lp = _sample(out.logits[:, -1, :], temperature, top_p, self.generator)
+            ids, lp = _sample(logits, temperature, top_p, self.generator)
             ids, lp = ids.cpu(), lp.cpu()
             live = rows.tolist()
             for r in torch.nonzero(active).flatten().tolist():
@@ -154,7 +166,7 @@ class HFEngine:
             out = self.model(
                 input_ids=feed[:, None], attention_mask=attention, position_ids=last_pos[:, None], past_key_values=past, use_cache=True
             )
-            past = out.past_key_values
+            past, logits = out.past_key_values, out.logits[:, -1, :]
         self.stats["generated_tokens"] += sum(len(t) for t in tokens)
         return [Generation(tokens[i], logps[i], finish[i]) for i in range(bsz)]
 

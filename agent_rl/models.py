@@ -83,23 +83,87 @@ class ValueModel(nn.Module):
         return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
 
 
-def forward_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False):
+def forward_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False, share_prefix: bool = False):
     """Token log-probs (B, T) aligned so column t scores token t (column 0 is 0).
 
     Logits are divided by the sampling temperature, as the engine sampled them (verl does the same).
-    Returns (logprobs, entropy or None).
+    With `share_prefix`, rows with the same prompt (a GRPO group) run that prompt through the model
+    once (`_shared_prefix_logits`) when that saves at least a quarter of the padded tokens; prompt
+    columns are then 0 (every caller masks them out). Returns (logprobs, entropy or None).
     """
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
-    logits = logits[:, :-1].float()
+    plan = _prefix_plan(mb) if share_prefix else None
+    if plan is None:
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[:, :-1]
+        labels, cols, valid = mb.input_ids[:, 1:], None, None
+    else:
+        logits, labels, cols, valid = _shared_prefix_logits(model, mb, *plan)
+    logits = logits.float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
-    lp = token_logprobs(logits, mb.input_ids[:, 1:])
-    logprobs = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
-    entropy = None
-    if with_entropy:
-        ent = entropy_from_logits(logits)
-        entropy = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
+    lp = token_logprobs(logits, labels)
+    ent = entropy_from_logits(logits) if with_entropy else None
+    if plan is None:
+        logprobs = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+        entropy = None if ent is None else torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
+    else:
+        logprobs = lp.gather(1, cols) * valid
+        entropy = None if ent is None else ent.gather(1, cols) * valid
     return logprobs, entropy
+
+
+def _prefix_plan(mb: MicroBatch):
+    """(group of each row, unique prompts) when sharing prompts saves >= 25% of the tokens, else None."""
+    if not mb.prompt_lengths:
+        return None
+    keys: dict[tuple, int] = {}
+    groups = []
+    for r, n in enumerate(mb.prompt_lengths):
+        groups.append(keys.setdefault(tuple(mb.input_ids[r, :n].tolist()), len(keys)))
+    lengths = mb.attention_mask.sum(-1).tolist()
+    suffix = max(int(n) - p for n, p in zip(lengths, mb.prompt_lengths))
+    shared = len(keys) * max(len(k) for k in keys) + len(groups) * suffix
+    if len(keys) == len(groups) or suffix < 1 or shared > 0.75 * mb.num_tokens:
+        return None
+    return groups, list(keys)
+
+
+def _shared_prefix_logits(model: nn.Module, mb: MicroBatch, groups: list[int], prompts: list[tuple]):
+    """Logits scoring every response token, the prompt run once per unique prompt.
+
+    The unique prompts go through the model left-padded, with a KV cache; the cache is gathered to
+    one row per trajectory and the responses (right-padded) attend to it. Gradients flow back
+    through the gathered cache into the prompt pass, so loss and gradient equal those of the full
+    pass up to float rounding. Returns logits (B, S, V) and labels (B, S) over response columns,
+    plus `cols` / `valid` (B, T) that map them back to the full layout.
+    """
+    device = mb.input_ids.device
+    width = max(len(p) for p in prompts)
+    pad = 0  # any id: padded positions are masked out of attention and of the result
+    p_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    p_attn = torch.zeros((len(prompts), width), dtype=torch.long)
+    for u, p in enumerate(prompts):
+        p_ids[u, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+        p_attn[u, width - len(p) :] = 1
+    p_ids, p_attn = p_ids.to(device), p_attn.to(device)
+    head = model(input_ids=p_ids, attention_mask=p_attn, position_ids=(p_attn.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+    g = torch.tensor(groups, dtype=torch.long, device=device)
+    cache = head.past_key_values
+    cache.batch_select_indices(g)  # one cache row per trajectory; indexing keeps the autograd graph
+    starts = torch.tensor(mb.prompt_lengths, dtype=torch.long, device=device)
+    ends = mb.attention_mask.sum(-1)
+    suffix = int((ends - starts).max())
+    T = mb.input_ids.shape[1]
+    cols = starts[:, None] + torch.arange(suffix, device=device)[None]  # full-layout column of each response slot
+    s_valid = cols < ends[:, None]
+    s_ids = torch.where(s_valid, mb.input_ids.gather(1, cols.clamp(max=T - 1)), torch.full_like(cols, pad))
+    tail = model(
+        input_ids=s_ids, attention_mask=torch.cat([p_attn[g], s_valid.long()], dim=1),
+        position_ids=cols, past_key_values=cache, use_cache=True,
+    )
+    logits = torch.cat([head.logits[g, -1:], tail.logits[:, :-1]], dim=1)
+    back = torch.arange(T, device=device)[None] - starts[:, None]
+    valid = ((back >= 0) & (back < (ends - starts)[:, None])).float()
+    return logits, s_ids, back.clamp(0, suffix - 1), valid
 
 
 def assert_no_data_parallel(*modules: nn.Module | None) -> None:

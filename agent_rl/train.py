@@ -169,14 +169,15 @@ def prepare_batch(cfg: Config, policy, ref, critic, trajs: list[Trajectory], pad
     # k1 in the reward needs the current policy's log-probs even on the single-pass path
     k1_reward = use_ref and cfg.algo.kl_type == "k1" and cfg.algo.name == "ppo"
     cur = [None] * n
+    share = _share_prefix(cfg, dist)
     with torch.no_grad():
-        for index, real in even_microbatches(pack_microbatches([t.total_tokens for t in trajs], cfg.train.max_tokens_per_microbatch), dist):
+        for index, real in even_microbatches(_pack(cfg, trajs, range(n), share), dist):
             mb = collate(trajs, index, pad_id, device)
             if need_old or k1_reward:
-                lp, _ = forward_logprobs(policy, mb, cfg.rollout.temperature)
+                lp, _ = forward_logprobs(policy, mb, cfg.rollout.temperature, share_prefix=share)
             if use_ref:
                 with reference_mode(policy, ref) as ref_model:
-                    rlp, _ = forward_logprobs(ref_model, mb, cfg.rollout.temperature)
+                    rlp, _ = forward_logprobs(ref_model, mb, cfg.rollout.temperature, share_prefix=share)
             if critic is not None:
                 v = critic(mb.input_ids, mb.attention_mask)
             if not real:
@@ -212,6 +213,18 @@ def prepare_batch(cfg: Config, policy, ref, critic, trajs: list[Trajectory], pad
     return {"old": old, "ref": refs, "values": vals, "advantages": advs, "returns": rets}
 
 
+def _share_prefix(cfg: Config, dist) -> bool:
+    """Share a group's prompt in the forward? Not under FSDP (every rank must run the same passes)."""
+    return cfg.train.share_prompt_prefix and dist is None and not cfg.model.gradient_checkpointing
+
+
+def _pack(cfg: Config, trajs: list[Trajectory], members, share: bool) -> list[list[int]]:
+    """Micro-batches over `members` (positions in that list), a group's rows together when shared."""
+    members = list(members)
+    groups = [trajs[i].prompt_id for i in members] if share else None
+    return pack_microbatches([trajs[i].total_tokens for i in members], cfg.train.max_tokens_per_microbatch, groups)
+
+
 def _discard(key: str, value: float) -> None:
     pass
 
@@ -228,6 +241,7 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Traje
     world = dist.world_size if dist is not None else 1
     mini = (cfg.algo.mini_batch_size // world if cfg.algo.mini_batch_size else 0) or n
     on_policy = batch["old"][0] is None  # one epoch, one mini-batch: old == current, detached
+    share = _share_prefix(cfg, dist)
     stats: dict[str, list[float]] = {}
 
     def keep(key: str, value: float) -> None:
@@ -249,7 +263,7 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Traje
             optimizer.zero_grad(set_to_none=True)
             if critic_opt is not None:
                 critic_opt.zero_grad(set_to_none=True)
-            for local, real in even_microbatches(pack_microbatches([t.total_tokens for t in sub], cfg.train.max_tokens_per_microbatch), dist):
+            for local, real in even_microbatches(_pack(cfg, trajs, members, share), dist):
                 index = [members[j] for j in local]
                 mb = collate(trajs, index, pad_id, device)
                 width = mb.input_ids.shape[1]
@@ -258,7 +272,7 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Traje
                 if not real:  # FSDP padding pass: same collectives, zero gradient, no metrics
                     weight = 0.0
                     add = _discard
-                logprobs, entropy = forward_logprobs(policy, mb, cfg.rollout.temperature, with_entropy=cfg.algo.entropy_coef > 0)
+                logprobs, entropy = forward_logprobs(policy, mb, cfg.rollout.temperature, with_entropy=cfg.algo.entropy_coef > 0, share_prefix=share)
                 old = logprobs.detach() if on_policy else _rows(batch["old"], index, width).to(device)
                 advantages = _rows(batch["advantages"], index, width).to(device)
                 pg_loss, pg_stats = losses.policy_loss(

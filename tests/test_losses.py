@@ -11,7 +11,8 @@ from agent_rl import losses
 from agent_rl.budget import TokenBudget
 from agent_rl.config import load_config
 from agent_rl.engines import Generation
-from agent_rl.models import ValueModel, frozen_copy, load_policy
+from agent_rl.buffer import collate
+from agent_rl.models import ValueModel, forward_logprobs, frozen_copy, load_policy
 from agent_rl.rewards import compute_reward, extract_answer, well_formed
 from agent_rl.rollout import AgentLoop, PromptItem
 from agent_rl.train import prepare_batch, update
@@ -255,11 +256,11 @@ def test_reward_ignores_prompt_and_inserted_text(tiny_model_dir):
 # ---------------------------------------------------------------- zero gradient on observations
 
 
-def _trajs(vocab: int, groups: int = 2, n: int = 3) -> list[Trajectory]:
+def _trajs(vocab: int, groups: int = 2, n: int = 3, prompt_len: int = 9) -> list[Trajectory]:
     g = torch.Generator().manual_seed(0)
     trajs = []
     for gi in range(groups):
-        prompt = torch.randint(10, vocab, (9 + gi,), generator=g).tolist()
+        prompt = torch.randint(10, vocab, (prompt_len + gi,), generator=g).tolist()
         for j in range(n):
             t = Trajectory(f"toy-{gi}", "toy", prompt, ["x"], sample_idx=j)
             t.append(torch.randint(10, vocab, (5 + j,), generator=g).tolist(), sampled=True, logprobs=[-1.0] * (5 + j))
@@ -388,3 +389,52 @@ def test_k1_kl_enters_ppo_token_rewards(tiny_model_dir):
         without = prepare_batch(cfg_nokl, policy, None, critic, trajs, 0, need_old=need_old)
         diff = sum(float((a - b).abs().sum()) for a, b in zip(with_kl["returns"], without["returns"]))
         assert diff > 1e-3, f"need_old={need_old}: the k1 KL did not change the returns"
+
+
+# ---------------------------------------------------------------- shared prompt prefix
+
+
+def test_shared_prompt_prefix_equals_the_full_pass(tiny_model_dir):
+    """Each group's prompt runs once (left-padded, prompts of different lengths) and its KV cache,
+    gathered per row, carries the gradient back: log-probs, entropy and every parameter gradient
+    match the full pass, and one update step lands on the same parameters."""
+    import copy
+
+    base = [f"model.path={tiny_model_dir}", "budget.max_total_tokens=1000", "algo.group_size=4", "algo.entropy_coef=0.01"]
+    torch.manual_seed(0)
+    cfg = load_config(None, base)
+    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    trajs = _trajs(policy.config.vocab_size, groups=3, n=4, prompt_len=40)
+    mb = collate(trajs, list(range(len(trajs))), 0)
+    weights = torch.rand(mb.loss_mask.shape, generator=torch.Generator().manual_seed(1)) * mb.loss_mask
+    results = {}
+    for share in (False, True):
+        shapes: list[tuple] = []
+        hook = policy.model.embed_tokens.register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
+        policy.zero_grad()
+        lp, ent = forward_logprobs(policy, mb, 0.7, with_entropy=True, share_prefix=share)
+        ((lp + ent) * weights).sum().backward()
+        hook.remove()
+        results[share] = (lp.detach(), ent.detach(), [p.grad.clone() for p in policy.parameters()], shapes)
+    (lp0, ent0, g0, shapes0), (lp1, ent1, g1, shapes1) = results[False], results[True]
+    assert shapes0 == [tuple(mb.input_ids.shape)]
+    assert shapes1[0] == (3, 42) and shapes1[1][0] == 12  # three prompts once, then twelve responses
+    m = mb.loss_mask
+    assert torch.allclose(lp0 * m, lp1 * m, atol=1e-5) and torch.allclose(ent0 * m, ent1 * m, atol=1e-5)
+    assert torch.count_nonzero(lp1 * (1 - m)) <= torch.count_nonzero(lp0 * (1 - m))  # nothing outside the response
+    for a, b in zip(g0, g1):
+        assert float((a - b).norm()) <= 1e-5 * float(a.norm()) + 1e-7
+
+    for t in trajs:
+        t.reward = float(t.sample_idx % 2)
+    stepped = {}
+    for share in (False, True):
+        cfg = load_config(None, [*base, f"train.share_prompt_prefix={str(share).lower()}"])
+        model = copy.deepcopy(policy)
+        batch = prepare_batch(cfg, model, None, None, trajs, 0, need_old=False)
+        update(cfg, model, None, torch.optim.SGD(model.parameters(), lr=0.5), None, trajs, batch, 0, random.Random(0))
+        stepped[share] = [p.detach() for p in model.parameters()]
+    moved = max(float((a - b.detach()).abs().max()) for a, b in zip(stepped[True], policy.parameters()))
+    assert moved > 1e-4
+    for a, b in zip(stepped[False], stepped[True]):
+        assert torch.allclose(a, b, atol=1e-6)

@@ -5,7 +5,9 @@ from pathlib import Path
 import pytest
 
 from agent_rl.budget import TokenBudget
-from agent_rl.engines import Generation, HFEngine
+import torch
+
+from agent_rl.engines import Generation, HFEngine, _sample
 from agent_rl.retriever_client import RetrieverClient
 from agent_rl.rollout import INVALID_MESSAGE, AgentLoop, PromptItem, parse_action
 
@@ -233,3 +235,40 @@ def test_hf_engine_drops_finished_rows_without_changing_the_rest(tokenizer, tiny
     for g, ref in zip(mixed, full):
         assert g.token_ids == ref.token_ids[: len(g.token_ids)]
         assert g.logprobs == pytest.approx(ref.logprobs[: len(g.logprobs)], abs=1e-4)
+
+
+def test_hf_engine_prefills_a_repeated_prompt_once(tokenizer, tiny_model_dir):
+    """A GRPO group repeats its prompt: each distinct prompt is prefilled once and its cache rows
+    copied; every row generates what it would alone (greedy)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    engine = HFEngine(model, tokenizer, "cpu", batch_size=8, seed=0)
+    engine.stop_ids, engine.stop_strings = [tokenizer.pad_token_id], []
+    a, b = (tokenizer(q, add_special_tokens=False)["input_ids"] for q in ("Question: Who wrote it?\n", "Question: Where is the old mill of Velk?\n"))
+    rows_fed: list[tuple] = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: rows_fed.append(tuple(args[0].shape)))
+    try:
+        grouped = engine.generate([a, a, b, b, a], [12] * 5, temperature=0.0)
+    finally:
+        hook.remove()
+    assert rows_fed[0] == (2, max(len(a), len(b))) and rows_fed[1] == (5, 1)
+    alone = [engine.generate([p], [12], temperature=0.0)[0] for p in (a, b)]
+    for g, ref in zip(grouped, [alone[0], alone[0], alone[1], alone[1], alone[0]]):
+        assert g.token_ids == ref.token_ids
+        assert g.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+
+
+def test_sampler_draws_from_the_tempered_distribution_and_respects_top_p():
+    """Inverse-CDF sampling: frequencies match the softmax at the temperature, a zero-probability
+    token is never drawn, top-p keeps only the nucleus, and the log-prob returned is the token's."""
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    logits = (probs.log() * 2.0).expand(40000, 5)  # at temperature 2 the softmax gives `probs` back
+    gen = torch.Generator().manual_seed(0)
+    ids, lp = _sample(logits, 2.0, 1.0, gen)
+    freq = torch.bincount(ids, minlength=5).float() / len(ids)
+    assert torch.allclose(freq, probs, atol=0.01) and freq[4] == 0
+    assert torch.allclose(lp, probs.log()[ids])
+    ids, _ = _sample(logits, 2.0, 0.7, gen)  # nucleus {0, 1}: 0.5 + 0.3 covers 0.7
+    freq = torch.bincount(ids, minlength=5).float() / len(ids)
+    assert torch.allclose(freq, torch.tensor([0.625, 0.375, 0.0, 0.0, 0.0]), atol=0.01)
