@@ -5,11 +5,12 @@ Usage: .venv/bin/python bench/retriever_load.py [--index DIR] [--duration 8] [--
 1. The in-process ceiling: `open_index(...).search` (encode + FAISS, no HTTP) at batch 1 and 32.
 2. A real server subprocess with batching + cache on (the defaults), then one with
    --no-batching --no-cache (one request at a time, Search-R1's behaviour), each driven by N
-   concurrent httpx clients (asyncio, one connection each) for every concurrency × queries per
+   concurrent clients (asyncio, one keep-alive connection each; `--client httpx` for httpx) for every concurrency × queries per
    request, bounded by --duration seconds and --max-requests per cell. Every query is distinct
    across the whole run, so the cache never answers and throughput is the encoder's and the
    batcher's; a last row repeats a few queries (GRPO's groups) to show what the cache adds.
-Prints queries/s, requests/s, p50/p95/p99 request latency and the server's mean batch size, then
+Prints queries/s, requests/s, p50/p95/p99 request latency, the server's mean batch size and the
+CPU cores the server and this client kept busy (they share the machine), then
 the issue's goals: at concurrency 32, batching on >= 3x batching off, and >= 80% of the ceiling.
 Without --index it builds a flat MiniLM index of the HotpotQA fixture (994 paragraphs) into
 --work, reused on later runs.
@@ -102,33 +103,70 @@ def server_batches(url: str) -> tuple[float, float]:
     return float(m["retriever_batch_size_sum"]), float(m["retriever_batch_size_count"])
 
 
-async def drive(url: str, make_queries, concurrency: int, duration: float, max_requests: int, topk: int) -> dict:
+class RawConnection:
+    """One keep-alive HTTP/1.1 connection that POSTs JSON: a load generator light enough not to
+    compete with the server for a 2-core machine (httpx's async client spends ~5 ms of CPU per
+    request, a third of a core at 80 requests/s; this spends a tenth of that)."""
+
+    def __init__(self, url: str):
+        host_port = url.split("://", 1)[1].rstrip("/")
+        self.host, port = host_port.rsplit(":", 1)
+        self.port = int(port)
+        self.reader = self.writer = None
+
+    async def post(self, path: str, payload: dict) -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        body = json.dumps(payload).encode()
+        head = f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        self.writer.write(head.encode() + body)
+        lines = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        fields = dict(line.split(":", 1) for line in lines[1:] if ":" in line)
+        length = {k.strip().lower(): v.strip() for k, v in fields.items()}.get("content-length")
+        if length is None:
+            raise RuntimeError(f"response without Content-Length: {lines[0]}")
+        return int(lines[0].split()[1]), await self.reader.readexactly(int(length))
+
+    async def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+async def drive(url: str, make_queries, concurrency: int, duration: float, max_requests: int, topk: int, client: str = "raw") -> dict:
     """`concurrency` clients, each sending its next request as soon as the last one is answered,
-    until `duration` seconds or `max_requests` requests have been started."""
+    until `duration` seconds or `max_requests` requests have been started. Every answer is
+    checked: status 200 and one result list per query."""
     import httpx
 
     latencies: list[float] = []
     failures = 0
     started = 0
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=120) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=120) as shared:
         t0 = time.perf_counter()
 
         async def worker() -> None:
             nonlocal started, failures
+            conn = RawConnection(url) if client == "raw" else None
             while started < max_requests and time.perf_counter() - t0 < duration:
                 started += 1
                 body = {"queries": make_queries(), "topk": topk}
                 s = time.perf_counter()
                 try:
-                    resp = await client.post(f"{url}/retrieve", json=body)
-                    ok = resp.status_code == 200 and len(resp.json()["result"]) == len(body["queries"])
-                except httpx.HTTPError:
+                    if conn is not None:
+                        status, data = await conn.post("/retrieve", body)
+                    else:
+                        resp = await shared.post(f"{url}/retrieve", json=body)
+                        status, data = resp.status_code, resp.content
+                    ok = status == 200 and len(json.loads(data)["result"]) == len(body["queries"])
+                except (httpx.HTTPError, OSError, asyncio.IncompleteReadError, RuntimeError, ValueError):
                     ok = False
                 if ok:
                     latencies.append(time.perf_counter() - s)
                 else:
                     failures += 1
+            if conn is not None:
+                await conn.close()
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
@@ -136,10 +174,14 @@ async def drive(url: str, make_queries, concurrency: int, duration: float, max_r
     return {"requests": len(latencies), "failures": failures, "wall": wall, "p50": np.percentile(lat, 50), "p95": np.percentile(lat, 95), "p99": np.percentile(lat, 99)}
 
 
-def run_cell(url: str, make_queries, qpr: int, concurrency: int, args) -> dict:
-    b0 = server_batches(url)
-    r = asyncio.run(drive(url, make_queries, concurrency, args.duration, args.max_requests, args.topk))
-    b1 = server_batches(url)
+def run_cell(url: str, make_queries, qpr: int, concurrency: int, args, server_pid: int) -> dict:
+    import psutil
+
+    server = psutil.Process(server_pid)
+    b0, s0, c0 = server_batches(url), sum(server.cpu_times()[:2]), time.process_time()
+    r = asyncio.run(drive(url, make_queries, concurrency, args.duration, args.max_requests, args.topk, args.client))
+    b1, s1, c1 = server_batches(url), sum(server.cpu_times()[:2]), time.process_time()
+    r["server_cpu"], r["client_cpu"] = (s1 - s0) / r["wall"], (c1 - c0) / r["wall"]  # cores busy
     r["qps"] = r["requests"] * qpr / r["wall"]
     r["rps"] = r["requests"] / r["wall"]
     r["batch"] = (b1[0] - b0[0]) / max(b1[1] - b0[1], 1)
@@ -158,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-requests", type=int, default=5000, help="most requests per cell")
     p.add_argument("--topk", type=int, default=3)
     p.add_argument("--modes", default="batching,plain", help="servers to run: batching (defaults), plain (--no-batching --no-cache)")
+    p.add_argument("--client", choices=["raw", "httpx"], default="raw", help="load generator: raw keep-alive HTTP/1.1 on asyncio (light), or httpx's async client")
     p.add_argument("--no-ceiling", action="store_true", help="skip the in-process measurement")
     p.add_argument("--server-args", default="", help="extra flags for the batching server, e.g. '--batch-window-ms 2 --max-batch 128'")
     a = p.parse_args(argv)
@@ -171,29 +214,30 @@ def main(argv: list[str] | None = None) -> int:
     ceil = {b: float("nan") if a.no_ceiling else ceiling(index_dir, queries, b, a.duration, a.topk) for b in (1, 32)}
     print(f"in-process ceiling (encode + search, no HTTP): batch 1 {ceil[1]:.1f} q/s, batch 32 {ceil[32]:.1f} q/s", flush=True)
 
-    header = f"{'server':<16} {'conc':>4} {'q/req':>5} {'queries/s':>9} {'req/s':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'batch':>6} {'fail':>4}"
+    header = f"{'server':<16} {'conc':>4} {'q/req':>5} {'queries/s':>9} {'req/s':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'batch':>6} {'fail':>4} {'srv CPU':>7} {'cli CPU':>7}"
     rows: list[str] = []
     results: dict[tuple[str, int, int], dict] = {}
     modes = [(name, extra) for key, name, extra in (("batching", "batching+cache", a.server_args.split()), ("plain", "one-at-a-time", ["--no-batching", "--no-cache"])) if key in a.modes.split(",")]
     for mode, extra in modes:
-        with start_server(index_dir, *extra, ready_timeout=300) as (_, url):
+        with start_server(index_dir, *extra, ready_timeout=300) as (proc, url):
             asyncio.run(drive(url, lambda: queries.take(1), 8, 2.0, 32, a.topk))  # warm-up
             for qpr in qprs:
                 for c in concurrencies:
-                    r = run_cell(url, functools.partial(queries.take, qpr), qpr, c, a)
+                    r = run_cell(url, functools.partial(queries.take, qpr), qpr, c, a, proc.pid)
                     results[(mode, c, qpr)] = r
-                    rows.append(f"{mode:<16} {c:>4} {qpr:>5} {r['qps']:>9.1f} {r['rps']:>7.1f} {r['p50']:>8.1f} {r['p95']:>8.1f} {r['p99']:>8.1f} {r['batch']:>6.1f} {r['failures']:>4}")
+                    rows.append(f"{mode:<16} {c:>4} {qpr:>5} {r['qps']:>9.1f} {r['rps']:>7.1f} {r['p50']:>8.1f} {r['p95']:>8.1f} {r['p99']:>8.1f} {r['batch']:>6.1f} {r['failures']:>4} {r['server_cpu']:>7.2f} {r['client_cpu']:>7.2f}")
                     print(rows[-1], flush=True)
             if mode == "batching+cache":
                 group = queries.take(4)  # GRPO: the same few queries sent by many samples
-                r = run_cell(url, lambda: [group[np.random.randint(len(group))]], 1, max(concurrencies), a)
-                rows.append(f"{'cache (4 qs)':<16} {max(concurrencies):>4} {1:>5} {r['qps']:>9.1f} {r['rps']:>7.1f} {r['p50']:>8.1f} {r['p95']:>8.1f} {r['p99']:>8.1f} {r['batch']:>6.1f} {r['failures']:>4}")
+                r = run_cell(url, lambda: [group[np.random.randint(len(group))]], 1, max(concurrencies), a, proc.pid)
+                rows.append(f"{'cache (4 qs)':<16} {max(concurrencies):>4} {1:>5} {r['qps']:>9.1f} {r['rps']:>7.1f} {r['p50']:>8.1f} {r['p95']:>8.1f} {r['p99']:>8.1f} {r['batch']:>6.1f} {r['failures']:>4} {r['server_cpu']:>7.2f} {r['client_cpu']:>7.2f}")
                 print(rows[-1], flush=True)
 
     print(f"\n{header}")
     print("\n".join(rows))
     print(f"{'in-process':<16} {'':>4} {1:>5} {ceil[1]:>9.1f}\n{'in-process':<16} {'':>4} {32:>5} {ceil[32]:>9.1f}")
     c = max(concurrencies)
+    print(f"in-process batch 32 / batch 1 = {ceil[32] / ceil[1]:.2f}x: the most batching can give over one-at-a-time on this machine")
     for qpr in qprs:
         on, off = results.get(("batching+cache", c, qpr)), results.get(("one-at-a-time", c, qpr))
         if on and off:
