@@ -66,7 +66,7 @@ def _loop(cfg, model_path: str, url: str):
         model = AutoPeftModelForCausalLM.from_pretrained(model_path).to(cfg.rollout.device)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path).to(cfg.rollout.device)
-    engine = HFEngine(model, tokenizer, cfg.rollout.device, cfg.rollout.generation_batch_size, cfg.trainer.seed)
+    engine = HFEngine(model, tokenizer, cfg.rollout.device, cfg.rollout.generation_batch_size, cfg.trainer.seed, cfg.rollout.fast_decode)
     client = RetrieverClient.from_config(cfg.retriever, url)
     budget = TokenBudget.from_config(cfg.budget)
     return AgentLoop(engine, tokenizer, client, budget, cfg.retriever.topk), tokenizer, budget

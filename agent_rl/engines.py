@@ -70,11 +70,91 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: t
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
 
 
+class _LlamaDecoder:
+    """One-token decode steps for Qwen2 / Llama models on CPU, without transformers' forward.
+
+    The same math as the model's own forward (RMSNorm in float32, default RoPE, grouped-query
+    attention, SiLU MLP), with the module's own weights, but keys and values go into buffers
+    reserved for the whole generation, and attention for one query is two small matmuls. On CPU a
+    transformers decode step of the tiny model spends ~70% of its time outside the linears
+    (modules, mask building, cache concatenation, the SDPA kernel); this step is ~30% faster
+    (bench/train_vs_trl.py). Models it does not cover use transformers' forward
+    (`supports`), and `rollout.fast_decode=false` turns it off.
+    """
+
+    ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+
+    @classmethod
+    def supports(cls, model, device: torch.device) -> bool:
+        if device.type != "cpu" or type(model).__name__ not in cls.ARCHITECTURES:
+            return False
+        inner, cfg = model.model, model.config
+        rope = inner.rotary_emb
+        return (
+            getattr(rope, "rope_type", None) == "default" and float(getattr(rope, "attention_scaling", 1.0)) == 1.0
+            and cfg.hidden_act == "silu" and not getattr(cfg, "mlp_bias", False)
+            and all(getattr(layer.self_attn, "sliding_window", None) is None for layer in inner.layers)
+        )
+
+    def __init__(self, model, past, capacity: int):
+        self.model, self.inner = model, model.model
+        attn = self.inner.layers[0].self_attn
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.heads, self.kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+        self.keys, self.values = [], []
+        for layer in past.layers:  # the prefill's cache, copied into room for the whole generation
+            b, h, n, d = layer.keys.shape
+            k, v = layer.keys.new_empty((b, h, capacity, d)), layer.values.new_empty((b, h, capacity, d))
+            k[:, :, :n], v[:, :, :n] = layer.keys, layer.values
+            self.keys.append(k)
+            self.values.append(v)
+        self.length = n
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+
+    @staticmethod
+    def _norm(x: torch.Tensor, norm) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+        return norm.weight * h.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = self.head_dim // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """ids, positions: (B,); attention: (B, length + 1) with the new token's column -> logits (B, V)."""
+        F = torch.nn.functional
+        B, t, d, kvh = ids.shape[0], self.length, self.head_dim, self.kv_heads
+        x = self.inner.embed_tokens(ids)
+        freqs = positions[:, None].float() * self.inner.rotary_emb.inv_freq[None].float()
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+        bias = torch.zeros(attention.shape, dtype=x.dtype, device=x.device).masked_fill(attention == 0, float("-inf"))[:, None, None]
+        for i, layer in enumerate(self.inner.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            h = self._norm(x, layer.input_layernorm)
+            q = self._rope(F.linear(h, a.q_proj.weight, a.q_proj.bias).view(B, self.heads, d), cos, sin)
+            self.keys[i][:, :, t] = self._rope(F.linear(h, a.k_proj.weight, a.k_proj.bias).view(B, kvh, d), cos, sin)
+            self.values[i][:, :, t] = F.linear(h, a.v_proj.weight, a.v_proj.bias).view(B, kvh, d)
+            k, v = self.keys[i][:, :, : t + 1], self.values[i][:, :, : t + 1]
+            scores = torch.matmul(q.view(B, kvh, self.heads // kvh, d), k.transpose(-1, -2)) * self.scaling + bias
+            o = torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v).reshape(B, self.heads * d)
+            x = x + F.linear(o, a.o_proj.weight, a.o_proj.bias)
+            h = self._norm(x, layer.post_attention_layernorm)
+            x = x + F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight), mlp.down_proj.weight)
+        self.length = t + 1
+        return self.model.lm_head(self._norm(x, self.inner.norm))
+
+
 class HFEngine:
     """Batched sampling with a KV cache over a transformers causal LM."""
 
-    def __init__(self, model, tokenizer, device: str = "cpu", batch_size: int = 128, seed: int = 0):
+    def __init__(self, model, tokenizer, device: str = "cpu", batch_size: int = 128, seed: int = 0, fast_decode: bool = True):
         self.model = model
+        self.fast_decode = fast_decode  # `_LlamaDecoder` for the models it supports
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.batch_size = batch_size
@@ -131,14 +211,15 @@ class HFEngine:
             past.batch_select_indices(copy_of)
             logits, attention, positions = logits[copy_of], attention[copy_of], positions[copy_of]
         last_pos = positions[:, -1]
+        fast = _LlamaDecoder(self.model, past, width + int(limits.max())) if self.fast_decode and _LlamaDecoder.supports(self.model, self.device) else None
         active = torch.ones(len(rows), dtype=torch.bool)
         for _ in range(int(limits.max().item())):
             ids, lp = _sample(logits, temperature, top_p, self.generator)
             ids, lp = ids.cpu(), lp.cpu()
-            live = rows.tolist()
+            live, ids_l, lp_l = rows.tolist(), ids.tolist(), lp.tolist()
             for r in torch.nonzero(active).flatten().tolist():
-                tokens[live[r]].append(int(ids[r]))
-                logps[live[r]].append(float(lp[r]))
+                tokens[live[r]].append(ids_l[r])
+                logps[live[r]].append(lp_l[r])
             hit_stop = torch.isin(ids, stop_ids) & active
             if self.stop_strings:
                 for r in torch.nonzero(active & ~hit_stop).flatten().tolist():
@@ -155,7 +236,10 @@ class HFEngine:
                 # A quarter of the rows are done: drop them from the batch and the KV cache, so
                 # one long row does not keep paying for the finished ones.
                 keep = torch.nonzero(active).flatten()
-                past.batch_select_indices(keep.to(self.device))
+                if fast is not None:
+                    fast.select(keep.to(self.device))
+                else:
+                    past.batch_select_indices(keep.to(self.device))
                 rows, ids, active = rows[keep], ids[keep], active[keep]
                 keep = keep.to(self.device)
                 attention, last_pos = attention[keep], last_pos[keep]
@@ -163,10 +247,13 @@ class HFEngine:
             feed = torch.where(active, ids, torch.full_like(ids, self.pad_id)).to(self.device)
             attention = torch.cat([attention, active.long().to(self.device)[:, None]], dim=1)
             last_pos = last_pos + 1
-            out = self.model(
-                input_ids=feed[:, None], attention_mask=attention, position_ids=last_pos[:, None], past_key_values=past, use_cache=True
-            )
-            past, logits = out.past_key_values, out.logits[:, -1, :]
+            if fast is not None:
+                logits = fast.step(feed, last_pos, attention)
+            else:
+                out = self.model(
+                    input_ids=feed[:, None], attention_mask=attention, position_ids=last_pos[:, None], past_key_values=past, use_cache=True
+                )
+                past, logits = out.past_key_values, out.logits[:, -1, :]
         self.stats["generated_tokens"] += sum(len(t) for t in tokens)
         return [Generation(tokens[i], logps[i], finish[i]) for i in range(bsz)]
 

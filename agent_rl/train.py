@@ -79,7 +79,7 @@ def build_engine(cfg: Config, policy, tokenizer, seed: int | None = None, own_co
         module = policy
     else:
         module = frozen_copy(policy, cfg.rollout.device)
-    return HFEngine(module, tokenizer, device=cfg.rollout.device, batch_size=cfg.rollout.generation_batch_size, seed=seed)
+    return HFEngine(module, tokenizer, device=cfg.rollout.device, batch_size=cfg.rollout.generation_batch_size, seed=seed, fast_decode=cfg.rollout.fast_decode)
 
 
 def sync_weights(engine, policy) -> float:

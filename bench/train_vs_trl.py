@@ -66,7 +66,7 @@ def run_ours(args) -> dict:
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
     budget = TokenBudget.from_config(cfg.budget)
     prompts = load_prompts(cfg.data.train_files, tok, budget, args.prompts)
-    loop = AgentLoop(HFEngine(policy, tok, "cpu", 256, 0), tok, None, budget)
+    loop = AgentLoop(HFEngine(policy, tok, "cpu", 256, 0, cfg.rollout.fast_decode), tok, None, budget)
     times, tokens = [], []
     for step in range(args.steps):
         start = time.perf_counter()

@@ -252,7 +252,7 @@ def test_hf_engine_prefills_a_repeated_prompt_once(tokenizer, tiny_model_dir):
         grouped = engine.generate([a, a, b, b, a], [12] * 5, temperature=0.0)
     finally:
         hook.remove()
-    assert rows_fed[0] == (2, max(len(a), len(b))) and rows_fed[1] == (5, 1)
+    assert rows_fed[0] == (2, max(len(a), len(b))) and rows_fed[1][0] == 5  # then one token for each of the 5 rows
     alone = [engine.generate([p], [12], temperature=0.0)[0] for p in (a, b)]
     for g, ref in zip(grouped, [alone[0], alone[0], alone[1], alone[1], alone[0]]):
         assert g.token_ids == ref.token_ids
@@ -272,3 +272,33 @@ def test_sampler_draws_from_the_tempered_distribution_and_respects_top_p():
     ids, _ = _sample(logits, 2.0, 0.7, gen)  # nucleus {0, 1}: 0.5 + 0.3 covers 0.7
     freq = torch.bincount(ids, minlength=5).float() / len(ids)
     assert torch.allclose(freq, torch.tensor([0.625, 0.375, 0.0, 0.0, 0.0]), atol=0.01)
+
+
+def test_fast_decode_matches_transformers_forward(tokenizer, tiny_model_dir):
+    """The engine's own one-token step (Qwen2 on CPU) against transformers' forward: prompts of
+    different lengths (left padding), a repeated prompt, rows dropped mid-generation; the same
+    seed gives the same sampled tokens, with log-probs equal to float rounding."""
+    from transformers import AutoModelForCausalLM
+
+    from agent_rl.engines import _LlamaDecoder
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert _LlamaDecoder.supports(model, torch.device("cpu")) and not _LlamaDecoder.supports(model, torch.device("meta"))
+    questions = ["Who wrote it?", "Where is the old mill of Velk, and who runs it now?", "When?", "Who wrote it?"]
+    prompts = [tokenizer(f"Question: {q}\n", add_special_tokens=False)["input_ids"] for q in questions]
+    steps: list[int] = []
+    hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: steps.append(args[0].shape[0]))
+    try:
+        runs = {}
+        for fast in (False, True):
+            steps.clear()
+            engine = HFEngine(model, tokenizer, "cpu", batch_size=8, seed=3, fast_decode=fast)
+            engine.stop_ids, engine.stop_strings = [tokenizer.pad_token_id], []
+            runs[fast] = engine.generate(prompts, [30, 6, 30, 18], temperature=1.0) + engine.generate(prompts, [12] * 4, temperature=0.0)
+            runs[fast, "rows"] = list(steps)
+    finally:
+        hook.remove()
+    assert runs[True, "rows"] == runs[False, "rows"] and 2 in runs[True, "rows"]  # rows were dropped on both paths
+    for ref, got in zip(runs[False], runs[True]):
+        assert got.token_ids == ref.token_ids and got.finish_reason == ref.finish_reason
+        assert got.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
