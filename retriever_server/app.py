@@ -1,8 +1,8 @@
 """`retriever-server`: Search-R1's `/retrieve` API over a flat, HNSW or BM25 index.
 
 Departures from Search-R1's server (a synchronous handler that encodes one request at a time):
-concurrent requests are coalesced into one encode + search batch (a short window, a max batch)
-run in a worker thread, so the event loop and `/health` stay responsive under load; an LRU
+concurrent requests are coalesced into one encode + search batch (a max batch, and a window that
+only a batch smaller than the previous one waits) run in a worker thread, so the event loop and `/health` stay responsive under load; an LRU
 cache keyed by (normalised query, topk) answers GRPO's repeated queries; every input is
 validated (limits on queries, query length, topk and body size answer 4xx naming the limit);
 an optional bearer API key; 127.0.0.1 by default. Queries are whitespace-normalised before
@@ -45,7 +45,7 @@ class Settings:
     max_body_bytes: int = 1_000_000
     batching: bool = True
     max_batch: int = 64
-    batch_window_ms: float = 5.0
+    batch_window_ms: float = 20.0
     cache_size: int = 10_000
     api_key: str | None = None
 
@@ -125,7 +125,13 @@ class Retriever:
         asyncio.get_running_loop().create_task(self._batch_loop())
 
     async def _batch_loop(self) -> None:
+        """Coalesce queued requests into one search. A batch takes every request already waiting;
+        then it waits, at most the window, only while it holds fewer requests than the previous
+        batch did: clients that wait for their answer (a rollout, a load test) come back together,
+        so their batch stays whole instead of splitting at a fixed deadline, and a lone client
+        never waits at all."""
         loop = asyncio.get_running_loop()
+        expect = 1
         while True:
             first = await self.queue.get()
             items = [first]
@@ -135,6 +141,8 @@ class Retriever:
                 try:  # requests already waiting always join, whatever the window (even 0 ms)
                     item = self.queue.get_nowait()
                 except asyncio.QueueEmpty:
+                    if len(items) >= expect:
+                        break
                     timeout = deadline - loop.time()
                     if timeout <= 0:
                         break
@@ -144,6 +152,7 @@ class Retriever:
                         break
                 items.append(item)
                 n += len(item[0])
+            expect = len(items)
             queries = [q for it in items for q in it[0]]
             k = max(it[1] for it in items)
             try:
@@ -321,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-body-bytes", type=int, default=1_000_000)
     p.add_argument("--api-key", default=os.environ.get("RETRIEVER_API_KEY"), help="require 'Authorization: Bearer KEY' (or env RETRIEVER_API_KEY)")
     p.add_argument("--max-batch", type=int, default=64, help="most queries coalesced into one encode + search")
-    p.add_argument("--batch-window-ms", type=float, default=5.0, help="how long the batcher waits for more requests")
+    p.add_argument("--batch-window-ms", type=float, default=20.0, help="the most a batch waits for more requests; it waits only while it holds fewer requests than the previous batch")
     p.add_argument("--no-batching", action="store_true", help="one request at a time (Search-R1's behaviour)")
     p.add_argument("--cache-size", type=int, default=10_000, help="LRU entries keyed by (query, topk)")
     p.add_argument("--no-cache", action="store_true")
