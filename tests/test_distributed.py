@@ -148,8 +148,14 @@ def job(tmp_path_factory):
     caps = {"even": _pick_cap(trajs, even=True), "uneven": _pick_cap(trajs, even=False)}
     torch.save({"trajs": trajs, "caps": caps}, work / "job.pt")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), __file__, str(work)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    for _ in range(2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), __file__, str(work)]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+        # A gloo rank once aborted in torch's C++ runtime on a loaded 2-core CI machine ("terminate
+        # called without an active exception", exit -6; not reproduced in four reruns, three of them
+        # beside a CPU hog): that crash, and only that one, gets a second run.
+        if proc.returncode == 0 or "terminate called without an active exception" not in proc.stderr:
+            break
     assert proc.returncode == 0, f"torchrun job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return work
 
