@@ -18,6 +18,8 @@ from typing import Protocol
 
 import torch
 
+from agent_rl.buffer import distinct, left_pad
+
 STOP_TAGS = ("</search>", "</answer>")
 
 
@@ -191,23 +193,16 @@ class HFEngine:
         if len(rows) == 0:
             return [Generation([], [], "length") for _ in range(bsz)]
         # A GRPO group repeats its prompt: prefill each distinct prompt once, then copy its cache rows.
-        keys: dict[tuple, int] = {}
-        copy_of = torch.tensor([keys.setdefault(tuple(prompts[i]), len(keys)) for i in rows.tolist()], dtype=torch.long)
-        width = max(len(p) for p in keys)
-        input_ids = torch.full((len(keys), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(keys), width), dtype=torch.long)
-        for u, p in enumerate(keys):  # left padding keeps every row's last token at the end
-            input_ids[u, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            attention[u, width - len(p) :] = 1
-        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        unique, copy_of = distinct(prompts[i] for i in rows.tolist())
+        input_ids, attention, positions = left_pad(unique, self.pad_id, self.device)
+        width = input_ids.shape[1]
         limits = torch.tensor(max_new, dtype=torch.long)
         stop_ids = torch.tensor(self.stop_ids, dtype=torch.long)
         out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
         past = out.past_key_values
         logits = out.logits[:, -1, :]
-        if len(keys) < len(rows):
-            copy_of = copy_of.to(self.device)
+        if len(unique) < len(rows):
+            copy_of = torch.tensor(copy_of, dtype=torch.long, device=self.device)
             past.batch_select_indices(copy_of)
             logits, attention, positions = logits[copy_of], attention[copy_of], positions[copy_of]
         last_pos = positions[:, -1]

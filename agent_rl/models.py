@@ -12,7 +12,7 @@ import contextlib
 import torch
 from torch import nn
 
-from agent_rl.buffer import MicroBatch
+from agent_rl.buffer import MicroBatch, distinct, left_pad
 from agent_rl.config import Config
 from agent_rl.losses import entropy_from_logits, token_logprobs
 
@@ -115,16 +115,13 @@ def _prefix_plan(mb: MicroBatch):
     """(group of each row, unique prompts) when sharing prompts saves >= 25% of the tokens, else None."""
     if not mb.prompt_lengths:
         return None
-    keys: dict[tuple, int] = {}
-    groups = []
-    for r, n in enumerate(mb.prompt_lengths):
-        groups.append(keys.setdefault(tuple(mb.input_ids[r, :n].tolist()), len(keys)))
+    prompts, groups = distinct(mb.input_ids[r, :n].tolist() for r, n in enumerate(mb.prompt_lengths))
     lengths = mb.attention_mask.sum(-1).tolist()
     suffix = max(int(n) - p for n, p in zip(lengths, mb.prompt_lengths))
-    shared = len(keys) * max(len(k) for k in keys) + len(groups) * suffix
-    if len(keys) == len(groups) or suffix < 1 or shared > 0.75 * mb.num_tokens:
+    shared = len(prompts) * max(len(p) for p in prompts) + len(groups) * suffix
+    if len(prompts) == len(groups) or suffix < 1 or shared > 0.75 * mb.num_tokens:
         return None
-    return groups, list(keys)
+    return groups, prompts
 
 
 def _shared_prefix_logits(model: nn.Module, mb: MicroBatch, groups: list[int], prompts: list[tuple]):
@@ -137,15 +134,9 @@ def _shared_prefix_logits(model: nn.Module, mb: MicroBatch, groups: list[int], p
     plus `cols` / `valid` (B, T) that map them back to the full layout.
     """
     device = mb.input_ids.device
-    width = max(len(p) for p in prompts)
     pad = 0  # any id: padded positions are masked out of attention and of the result
-    p_ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    p_attn = torch.zeros((len(prompts), width), dtype=torch.long)
-    for u, p in enumerate(prompts):
-        p_ids[u, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        p_attn[u, width - len(p) :] = 1
-    p_ids, p_attn = p_ids.to(device), p_attn.to(device)
-    head = model(input_ids=p_ids, attention_mask=p_attn, position_ids=(p_attn.cumsum(-1) - 1).clamp(min=0), use_cache=True)
+    p_ids, p_attn, p_pos = left_pad(prompts, pad, device)
+    head = model(input_ids=p_ids, attention_mask=p_attn, position_ids=p_pos, use_cache=True)
     g = torch.tensor(groups, dtype=torch.long, device=device)
     cache = head.past_key_values
     cache.batch_select_indices(g)  # one cache row per trajectory; indexing keeps the autograd graph

@@ -2,8 +2,9 @@
 
 One batched request per rollout turn (split into requests of at most `max_queries_per_request`,
 under the server's per-request limit: ours refuses more than 256 with a 413), a pooled
-connection, a timeout, retries with exponential backoff. When the server stays down the caller gets a `RetrievalError` per call,
-and the rollout turns it into an observation saying retrieval failed: it never crashes a run.
+connection, a timeout, retries with exponential backoff. When the server stays down the caller
+gets a `RetrievalError` per call, and the rollout turns it into an observation saying retrieval
+failed: it never crashes a run.
 """
 from __future__ import annotations
 

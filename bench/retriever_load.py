@@ -5,8 +5,8 @@ Usage: .venv/bin/python bench/retriever_load.py [--index DIR] [--duration 8] [--
 1. The in-process ceiling: `open_index(...).search` (encode + FAISS, no HTTP) at batch 1 and 32.
 2. A real server subprocess with batching + cache on (the defaults), then one with
    --no-batching --no-cache (one request at a time, Search-R1's behaviour), each driven by N
-   concurrent clients (asyncio, one keep-alive connection each; `--client httpx` for httpx) for every concurrency × queries per
-   request, bounded by --duration seconds and --max-requests per cell. Every query is distinct
+   concurrent clients (asyncio, one keep-alive connection each; `--client httpx` for httpx) for
+   every concurrency × queries per request, bounded by --duration seconds and --max-requests per cell. Every query is distinct
    across the whole run, so the cache never answers and throughput is the encoder's and the
    batcher's; a last row repeats a few queries (GRPO's groups) to show what the cache adds.
 Prints queries/s, requests/s, p50/p95/p99 request latency, the server's mean batch size and the
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import itertools
 import json
@@ -142,7 +143,7 @@ async def drive(url: str, make_queries, concurrency: int, duration: float, max_r
     failures = 0
     started = 0
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=120) as shared:
+    async with httpx.AsyncClient(limits=limits, timeout=120) if client == "httpx" else contextlib.nullcontext() as shared:
         t0 = time.perf_counter()
 
         async def worker() -> None:
@@ -188,6 +189,11 @@ def run_cell(url: str, make_queries, qpr: int, concurrency: int, args, server_pi
     return r
 
 
+def _row(label: str, concurrency: int, qpr: int, r: dict) -> str:
+    return (f"{label:<16} {concurrency:>4} {qpr:>5} {r['qps']:>9.1f} {r['rps']:>7.1f} {r['p50']:>8.1f} {r['p95']:>8.1f} {r['p99']:>8.1f} "
+            f"{r['batch']:>6.1f} {r['failures']:>4} {r['server_cpu']:>7.2f} {r['client_cpu']:>7.2f}")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--index", help="an existing index directory (default: build a flat index of --corpus into --work)")
@@ -225,12 +231,12 @@ def main(argv: list[str] | None = None) -> int:
                 for c in concurrencies:
                     r = run_cell(url, functools.partial(queries.take, qpr), qpr, c, a, proc.pid)
                     results[(mode, c, qpr)] = r
-                    rows.append(f"{mode:<16} {c:>4} {qpr:>5} {r['qps']:>9.1f} {r['rps']:>7.1f} {r['p50']:>8.1f} {r['p95']:>8.1f} {r['p99']:>8.1f} {r['batch']:>6.1f} {r['failures']:>4} {r['server_cpu']:>7.2f} {r['client_cpu']:>7.2f}")
+                    rows.append(_row(mode, c, qpr, r))
                     print(rows[-1], flush=True)
             if mode == "batching+cache":
                 group = queries.take(4)  # GRPO: the same few queries sent by many samples
                 r = run_cell(url, lambda: [group[np.random.randint(len(group))]], 1, max(concurrencies), a, proc.pid)
-                rows.append(f"{'cache (4 qs)':<16} {max(concurrencies):>4} {1:>5} {r['qps']:>9.1f} {r['rps']:>7.1f} {r['p50']:>8.1f} {r['p95']:>8.1f} {r['p99']:>8.1f} {r['batch']:>6.1f} {r['failures']:>4} {r['server_cpu']:>7.2f} {r['client_cpu']:>7.2f}")
+                rows.append(_row("cache (4 qs)", max(concurrencies), 1, r))
                 print(rows[-1], flush=True)
 
     print(f"\n{header}")

@@ -1,15 +1,16 @@
 """`data-prep toy-world`: a seeded synthetic world that the whole pipeline can learn on a CPU.
 
 People and organisations with names built from small recurring pools of parts ("Doran Velk"),
-attributes from small pools (city of birth, occupation, instrument; an organisation's founder
-is a person, its head office a city). Each passage states one fact, so a query naming the entity
+attributes from small pools (city of birth, occupation, instrument; an organisation's founder is
+a person, its head office a city). Each passage states one fact, so a query naming the entity
 and the attribute ("Doran Velk born") finds it at rank 1; similar names (shared parts) act as
-distractors. Questions are single-hop ("Where was Doran Velk born?": one search) or two-hop
-("In which city was the founder of Velk Works born?": search "Velk Works founder", read the
-founder's name, search "<founder> born"). `metadata.queries` holds the natural query per hop. Entities are split between train and test, so test questions
-are about entities never asked about in training: the policy must search, not memorise.
-Same seed -> byte-identical files. Prompts use the compact template by default (the same
-protocol as Search-R1's base template in a quarter of the tokens; `template="base"` for theirs).
+distractors. Questions are single-hop ("Where was Doran Velk born?": one search) or two-hop ("In
+which city was the founder of Velk Works born?": search "Velk Works founder", read the founder's
+name, search "<founder> born"). `metadata.queries` holds the natural query per hop. Entities are
+split between train and test, so test questions are about entities never asked about in
+training: the policy must search, not memorise. Same seed -> byte-identical files. Prompts use
+the compact template by default (the same protocol as Search-R1's base template in a quarter of
+the tokens; `template="base"` for theirs).
 """
 from __future__ import annotations
 

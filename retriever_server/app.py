@@ -2,11 +2,12 @@
 
 Departures from Search-R1's server (a synchronous handler that encodes one request at a time):
 concurrent requests are coalesced into one encode + search batch (a max batch, and a window that
-only a batch smaller than the previous one waits) run in a worker thread, so the event loop and `/health` stay responsive under load; an LRU
-cache keyed by (normalised query, topk) answers GRPO's repeated queries; every input is
-validated (limits on queries, query length, topk and body size answer 4xx naming the limit);
-an optional bearer API key; 127.0.0.1 by default. Queries are whitespace-normalised before
-encoding, so a cached answer is always the answer the index would give.
+only a batch smaller than the previous one waits) run in a worker thread, so the event loop and
+`/health` stay responsive under load; an LRU cache keyed by (normalised query, topk) answers
+GRPO's repeated queries; every input is validated (limits on queries, query length, topk and
+body size answer 4xx naming the limit); an optional bearer API key; 127.0.0.1 by default.
+Queries are whitespace-normalised before encoding, so a cached answer is always the answer the
+index would give.
 """
 from __future__ import annotations
 
