@@ -207,7 +207,8 @@ class Retriever:
         return scores, rows
 
 
-def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: bool = False, ef_search: int | None = None, ready_file: Path | None = None, url: str = ""):
+def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: bool = False, ef_search: int | None = None, ready_file: Path | None = None, url: str = "",
+               encoder_device: str | None = None, packed: bool = True):
     from fastapi import FastAPI, Request
     from fastapi.exception_handlers import http_exception_handler
     from fastapi.exceptions import RequestValidationError
@@ -217,7 +218,7 @@ def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: b
 
     from retriever_server.indexes import open_index
 
-    manifest, store, index = open_index(index_dir, device=device, fp16=fp16, ef_search=ef_search)
+    manifest, store, index = open_index(index_dir, device=device, fp16=fp16, ef_search=ef_search, encoder_device=encoder_device, packed=packed)
     retriever = Retriever(index, store, settings)
     started = time.time()
 
@@ -362,7 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cache-size", type=int, default=10_000, help="LRU entries keyed by (query, topk)")
     p.add_argument("--no-cache", action="store_true")
     p.add_argument("--device", default="cpu", help="cpu, or cuda to serve a flat index on the GPU(s)")
-    p.add_argument("--fp16", action="store_true", help="fp16 vectors on the GPU")
+    p.add_argument("--encoder-device", help="device of the query encoder (default: cuda with --device cuda, else cpu); an HNSW index on CPU can take a GPU encoder")
+    p.add_argument("--fp16", action="store_true", help="fp16 vectors and encoder on the GPU")
+    p.add_argument("--padded-encoder", action="store_true", help="encode with transformers' padded forward instead of the packed one (BERT-family encoders on CPU)")
     p.add_argument("--ef-search", type=int, help="HNSW efSearch (default: the manifest's)")
     p.add_argument("--threads", type=int, default=0, help="torch/faiss threads (0 = all cores)")
     p.add_argument("--ready-file", help="write {url, pid} here once listening")
@@ -386,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     port = sock.getsockname()[1]
     url = f"http://{a.host}:{port}"
     try:
-        app = create_app(Path(a.index), settings, a.device, a.fp16, a.ef_search, Path(a.ready_file) if a.ready_file else None, url)
+        app = create_app(Path(a.index), settings, a.device, a.fp16, a.ef_search, Path(a.ready_file) if a.ready_file else None, url, a.encoder_device, not a.padded_encoder)
     except (FileNotFoundError, ValueError, RuntimeError) as err:
         print(f"retriever-server: error: {err}", file=sys.stderr)
         return 2

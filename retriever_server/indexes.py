@@ -61,11 +61,14 @@ def _pad(scores: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.n
 
 
 class DenseIndex:
-    def __init__(self, index_dir: Path, manifest: dict, device: str = "cpu", fp16: bool = False, ef_search: int | None = None):
+    def __init__(self, index_dir: Path, manifest: dict, device: str = "cpu", fp16: bool = False, ef_search: int | None = None, encoder_device: str | None = None, packed: bool = True):
         import faiss
 
         self.kind = manifest["kind"]
-        self.encoder = Encoder(manifest["encoder"], manifest["pooling"], manifest["query_prefix"], manifest["passage_prefix"], device="cpu")
+        encoder_device = encoder_device or ("cuda" if device.startswith("cuda") else "cpu")
+        if encoder_device.startswith("cuda"):
+            _need_cuda("--encoder-device cuda")
+        self.encoder = Encoder(manifest["encoder"], manifest["pooling"], manifest["query_prefix"], manifest["passage_prefix"], device=encoder_device, fp16=fp16, packed=packed)
         index = faiss.read_index(str(Path(index_dir) / "index.faiss"))
         if self.kind == "hnsw":
             index.hnsw.efSearch = ef_search or manifest["build"].get("ef_search", 128)
@@ -82,12 +85,18 @@ class DenseIndex:
         return scores.astype(np.float32), rows.astype(np.int64)
 
 
+def _need_cuda(flag: str) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{flag} but no CUDA device is visible; serve with --device cpu --encoder-device cpu")
+
+
 def _gpu_flat(index, fp16: bool):
     """faiss-gpu when installed (all GPUs, sharded), else torch exact search over the GPUs."""
     import torch
 
-    if not torch.cuda.is_available():
-        raise RuntimeError("--device cuda but no CUDA device is visible; serve with --device cpu")
+    _need_cuda("--device cuda")
     vectors = index.reconstruct_n(0, index.ntotal)
     try:
         import faiss
@@ -127,8 +136,10 @@ def load_manifest(index_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def open_index(index_dir: Path, device: str = "cpu", fp16: bool = False, ef_search: int | None = None, verify: bool = True):
-    """(manifest, store, index) for an index dir; refuses a manifest that does not match its data."""
+def open_index(index_dir: Path, device: str = "cpu", fp16: bool = False, ef_search: int | None = None, verify: bool = True, encoder_device: str | None = None, packed: bool = True):
+    """(manifest, store, index) for an index dir; refuses a manifest that does not match its data.
+    The query encoder runs on `encoder_device` (default: cuda when the index is on cuda, else cpu);
+    `packed=False` keeps transformers' padded forward on CPU."""
     from retriever_server.store import file_sha256
 
     index_dir = Path(index_dir)
@@ -142,7 +153,7 @@ def open_index(index_dir: Path, device: str = "cpu", fp16: bool = False, ef_sear
     if manifest["kind"] == "bm25":
         index = BM25Index(index_dir, manifest, store)
     else:
-        index = DenseIndex(index_dir, manifest, device, fp16, ef_search)
+        index = DenseIndex(index_dir, manifest, device, fp16, ef_search, encoder_device, packed)
         if index.ntotal != manifest["count"]:
             raise ValueError(f"index {index_dir}: the FAISS index holds {index.ntotal} vectors but the manifest says {manifest['count']}; rebuild it")
     return manifest, store, index

@@ -378,13 +378,20 @@ def test_refuses_index_that_does_not_match_its_corpus(hotpot_index_dir, tmp_path
     recount = tmp_path / "recount"
     shutil.copytree(hotpot_index_dir, recount)
     (recount / "manifest.json").write_text(json.dumps({**manifest, "count": 201}))
-    cases = {"edited": (edited, ["changed since", "checksum differs", "rebuild"]), "recount": (recount, ["manifest says 201", "holds 200", "rebuild"])}
+    cases = {
+        "edited": (edited, ["changed since", "checksum differs", "rebuild"], []),
+        "recount": (recount, ["manifest says 201", "holds 200", "rebuild"], []),
+    }
+    import torch
+
+    if not torch.cuda.is_available():  # a GPU encoder asked for on a machine without one
+        cases["no gpu"] = (hotpot_index_dir, ["--encoder-device cuda", "no CUDA device", "--encoder-device cpu"], ["--encoder-device", "cuda"])
     procs = {
         name: subprocess.Popen(
-            [sys.executable, "-m", "retriever_server.app", "--index", str(d), "--port", "0", "--ready-file", str(tmp_path / f"{name}.ready")],
+            [sys.executable, "-m", "retriever_server.app", "--index", str(d), "--port", "0", "--ready-file", str(tmp_path / f"{name}.ready"), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
-        for name, (d, _) in cases.items()
+        for name, (d, _, extra) in cases.items()
     }
     for name, proc in procs.items():
         try:
@@ -396,3 +403,35 @@ def test_refuses_index_that_does_not_match_its_corpus(hotpot_index_dir, tmp_path
         for words in cases[name][1]:
             assert words in err, err
         assert not (tmp_path / f"{name}.ready").exists()
+
+
+def test_packed_encoder_equals_transformers_forward():
+    """The packed BERT forward (real tokens only through the linears) gives transformers' padded
+    forward's embeddings: MiniLM with mean and CLS pooling on queries of very different lengths (one past
+    max_length, so truncated), and a random BERT with CLS pooling, token types and tanh GELU. A
+    BERT with relative positions is not packed and keeps transformers' forward."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from retriever_server.encoders import Encoder, PackedBert
+
+    texts = ["who", *_questions()[:13], "a much longer query " * 40, "x"]
+    packed, padded = Encoder(), Encoder(packed=False)
+    assert packed.packed is not None and padded.packed is None
+    for bs in (1, 5, 64):
+        got, want = packed.encode_queries(texts, bs), padded.encode_queries(texts, bs)
+        assert np.abs(got - want).max() < 1e-5
+    packed.pooling = padded.pooling = "cls"
+    assert np.abs(packed.encode_passages(texts, 8) - padded.encode_passages(texts, 8)).max() < 1e-5
+    torch.manual_seed(0)
+    bert = BertModel(BertConfig(vocab_size=300, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, hidden_act="gelu_new"), add_pooling_layer=False).eval()
+    assert PackedBert.supports(bert)
+    ids = torch.randint(1, 300, (3, 9))
+    mask = torch.tensor([[1] * 9, [1] * 4 + [0] * 5, [1] * 7 + [0] * 2])
+    types = torch.tensor([[0] * 5 + [1] * 4, [0] * 9, [0] * 3 + [1] * 6])
+    tokens, valid = PackedBert(bert)(ids, mask, types)
+    with torch.inference_mode():
+        ref = bert(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+    assert tokens.shape == (20, 48) and torch.allclose(tokens, ref[valid], atol=1e-5)
+    relative = BertModel(BertConfig(vocab_size=300, hidden_size=48, num_hidden_layers=1, num_attention_heads=4, intermediate_size=96, position_embedding_type="relative_key"))
+    assert not PackedBert.supports(relative)
