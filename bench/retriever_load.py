@@ -2,7 +2,9 @@
 
 Usage: .venv/bin/python bench/retriever_load.py [--index DIR] [--duration 8] [--concurrency 1,8,32] [--qpr 1,8]
 
-1. The in-process ceiling: `open_index(...).search` (encode + FAISS, no HTTP) at batch 1 and 32.
+1. The in-process ceiling: `open_index(...).search` (encode + FAISS, no HTTP) at batch 1 and 32,
+   and at batch 32 again right before and after each top-concurrency batching cell, which the
+   80% goal uses (this machine's speed drifts between minutes).
 2. A real server subprocess with batching + cache on (the defaults), then one with
    --no-batching --no-cache (one request at a time, Search-R1's behaviour), each driven by N
    concurrent clients (asyncio, one keep-alive connection each; `--client httpx` for httpx) for
@@ -83,17 +85,24 @@ def ensure_index(args) -> Path:
     return out
 
 
-def ceiling(index_dir: Path, queries: Queries, batch: int, duration: float, topk: int) -> float:
-    """Queries/s of encode + search in this process, no HTTP, at a fixed batch size."""
-    from retriever_server.indexes import open_index
+class Ceiling:
+    """Queries/s of encode + search in this process, no HTTP, at a fixed batch size. This shared
+    machine's speed drifts by tens of percent within minutes, so the goal compares each
+    batching cell at the top concurrency with the ceiling measured right before and right after it."""
 
-    _, _, index = open_index(index_dir)
-    index.search(queries.take(batch), topk)  # warm-up
-    n, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < duration:
-        index.search(queries.take(batch), topk)
-        n += batch
-    return n / (time.perf_counter() - t0)
+    def __init__(self, index_dir: Path, queries: Queries, topk: int):
+        from retriever_server.indexes import open_index
+
+        _, _, self.index = open_index(index_dir)
+        self.queries, self.topk = queries, topk
+        self.index.search(queries.take(32), topk)  # warm-up
+
+    def measure(self, batch: int, duration: float) -> float:
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < duration:
+            self.index.search(self.queries.take(batch), self.topk)
+            n += batch
+        return n / (time.perf_counter() - t0)
 
 
 def server_batches(url: str) -> tuple[float, float]:
@@ -217,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     index_dir = ensure_index(a)
     queries = Queries(a.questions, a.corpus)
     print(f"index {index_dir}; {os.cpu_count()} CPUs; {a.duration:.0f}s per cell; topk {a.topk}", flush=True)
-    ceil = {b: float("nan") if a.no_ceiling else ceiling(index_dir, queries, b, a.duration, a.topk) for b in (1, 32)}
+    ceiling = None if a.no_ceiling else Ceiling(index_dir, queries, a.topk)
+    ceil = {b: float("nan") if ceiling is None else ceiling.measure(b, a.duration) for b in (1, 32)}
     print(f"in-process ceiling (encode + search, no HTTP): batch 1 {ceil[1]:.1f} q/s, batch 32 {ceil[32]:.1f} q/s", flush=True)
+    beside: dict[int, tuple[float, float]] = {}  # qpr -> the batch-32 ceiling just before and after the top-concurrency cell
 
     header = f"{'server':<16} {'conc':>4} {'q/req':>5} {'queries/s':>9} {'req/s':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'batch':>6} {'fail':>4} {'srv CPU':>7} {'cli CPU':>7}"
     rows: list[str] = []
@@ -229,7 +240,11 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(drive(url, lambda: queries.take(1), 8, 2.0, 32, a.topk))  # warm-up
             for qpr in qprs:
                 for c in concurrencies:
+                    bracket = ceiling is not None and mode == "batching+cache" and c == max(concurrencies)
+                    before = ceiling.measure(32, a.duration / 2) if bracket else float("nan")
                     r = run_cell(url, functools.partial(queries.take, qpr), qpr, c, a, proc.pid)
+                    if bracket:
+                        beside[qpr] = (before, ceiling.measure(32, a.duration / 2))
                     results[(mode, c, qpr)] = r
                     rows.append(_row(mode, c, qpr, r))
                     print(rows[-1], flush=True)
@@ -247,8 +262,13 @@ def main(argv: list[str] | None = None) -> int:
     for qpr in qprs:
         on, off = results.get(("batching+cache", c, qpr)), results.get(("one-at-a-time", c, qpr))
         if on and off:
-            print(f"concurrency {c}, {qpr} q/request: batching on / off = {on['qps'] / off['qps']:.2f}x (goal >= 3x); "
-                  f"server / in-process ceiling at batch 32 = {on['qps'] / ceil[32]:.0%} (goal >= 80%)")
+            near = float(np.mean(beside[qpr])) if qpr in beside else float("nan")
+            # The 3x goal is for one query per request (one tool call per trajectory): with 8 per
+            # request, one-at-a-time already encodes batches of 8.
+            goal = " (goal >= 3x)" if qpr == 1 else f" (one-at-a-time already encodes {qpr} per batch)"
+            print(f"concurrency {c}, {qpr} q/request: batching on / off = {on['qps'] / off['qps']:.2f}x{goal}; "
+                  f"server / in-process ceiling at batch 32 = {on['qps'] / near:.0%} (goal >= 80%; ceiling {beside.get(qpr, (near, near))[0]:.1f} "
+                  f"before the cell, {beside.get(qpr, (near, near))[1]:.1f} after)")
     return 0
 
 
