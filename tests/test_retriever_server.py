@@ -435,3 +435,26 @@ def test_packed_encoder_equals_transformers_forward():
     assert tokens.shape == (20, 48) and torch.allclose(tokens, ref[valid], atol=1e-5)
     relative = BertModel(BertConfig(vocab_size=300, hidden_size=48, num_hidden_layers=1, num_attention_heads=4, intermediate_size=96, position_embedding_type="relative_key"))
     assert not PackedBert.supports(relative)
+
+
+def test_torch_exact_index_shards_merge_to_the_flat_answer(hotpot_index_dir):  # noqa: F811
+    """The exact torch search that serves a flat index on GPUs without faiss-gpu, run here on CPU
+    shards (the same code, devices named "cpu"): 1, 3 and 7 uneven shards give FAISS flat's ids and
+    scores; k past the corpus pads with -1; fp16 vectors keep the top hit."""
+    import faiss
+
+    from retriever_server.encoders import Encoder
+    from retriever_server.indexes import TorchExactIndex
+
+    flat = faiss.read_index(str(hotpot_index_dir / "index.faiss"))
+    vectors = flat.reconstruct_n(0, flat.ntotal)
+    q = Encoder().encode_queries(_questions()[:16])
+    want_s, want_i = flat.search(q, 10)
+    for shards in (1, 3, 7):
+        got_s, got_i = TorchExactIndex(vectors, ["cpu"] * shards).search(q, 10)
+        assert (got_i == want_i).all() and np.allclose(got_s, want_s, atol=1e-5)
+    small = TorchExactIndex(vectors[:5], ["cpu"] * 3)
+    s, i = small.search(q[:2], 8)
+    assert i.shape == (2, 8) and (i[:, 5:] == -1).all() and sorted(i[0, :5]) == [0, 1, 2, 3, 4] and np.isinf(s[:, 5:]).all()
+    s16, i16 = TorchExactIndex(vectors, ["cpu"] * 2, fp16=True).search(q, 10)
+    assert (i16[:, 0] == want_i[:, 0]).mean() >= 0.9 and np.allclose(s16, want_s, atol=5e-3)
