@@ -1,0 +1,163 @@
+"""Atomic checkpoints: write `root/.tmp_step_N`, then rename to `root/step_N`; keep the last K.
+
+A checkpoint holds the model (`model/`, safetensors through `save_pretrained`, so a checkpoint
+is also a loadable Hugging Face model dir), the optimizer and scheduler states, every RNG state
+(python, numpy, torch CPU and CUDA), the caller's extra state (step, data cursor, ...) and the
+config. A run killed mid-save leaves only a `.tmp_*` directory, which `latest_checkpoint`
+ignores, so the previous checkpoint stays usable. Tensors are written file by file (model
+shards by safetensors, optimizer state with torch.save) so saving does not build a second
+full copy of the model in host memory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def checkpoints(root: Path) -> list[Path]:
+    """Finished checkpoints under root, oldest first."""
+    if not root.exists():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP.match(p.name)) and (p / "state.pt").exists()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = checkpoints(Path(root))
+    return found[-1] if found else None
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(root: Path, step: int, model, optimizer, scheduler, extra_state: dict, config_dict: dict, keep_last: int) -> Path:
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp_step_{step}"
+    final = root / f"step_{step}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    if hasattr(model, "save_pretrained"):
+        model.save_pretrained(tmp / "model", safe_serialization=True)
+    else:
+        torch.save(model.state_dict(), tmp / "model.pt")
+    torch.save({"optimizer": optimizer.state_dict() if optimizer is not None else None, "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / "optim.pt")
+    torch.save({"rng": _rng_state(), "extra": extra_state, "step": step}, tmp / "state.pt")
+    (tmp / "config.json").write_text(json.dumps(config_dict, indent=1, default=str))
+    _fsync_tree(tmp)  # make the bytes durable before the rename publishes them
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in checkpoints(root)[:-keep_last] if keep_last > 0 else []:
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
+    """Restore model, optimizer, scheduler and RNG states; returns the extra state."""
+    path = Path(path)
+    if (path / "model").exists():
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        files = sorted((path / "model").glob("*.safetensors"))
+        if hasattr(model, "peft_config"):  # peft saves adapters only, with its own key names
+            from peft import set_peft_model_state_dict
+
+            state = {}
+            for f in files:
+                state.update(load_file(f))
+            set_peft_model_state_dict(model, state)
+        else:
+            # Tensor by tensor into the live parameters: the host never holds a second full copy.
+            target = model.state_dict()
+            seen: set[str] = set()
+            unexpected = []
+            with torch.no_grad():
+                for f in files:
+                    with safe_open(f, framework="pt", device="cpu") as fh:
+                        for key in fh.keys():
+                            if key not in target:
+                                unexpected.append(key)
+                                continue
+                            target[key].copy_(fh.get_tensor(key))
+                            seen.add(key)
+            real_missing = [k for k in target if k not in seen and not k.endswith("lm_head.weight")]  # tied embeddings
+            if real_missing or unexpected:
+                raise RuntimeError(f"checkpoint {path} does not match the model: missing {real_missing[:5]}, unexpected {unexpected[:5]}")
+    else:
+        model.load_state_dict(torch.load(path / "model.pt", map_location="cpu"))
+    optim = torch.load(path / "optim.pt", map_location="cpu", weights_only=False, mmap=True)  # mmap: no second in-RAM copy of the Adam moments
+    if optimizer is not None and optim["optimizer"] is not None:
+        optimizer.load_state_dict(optim["optimizer"])
+    if scheduler is not None and optim["scheduler"] is not None:
+        scheduler.load_state_dict(optim["scheduler"])
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    _set_rng_state(state["rng"])
+    return state["extra"]
+
+
+class StopFlag:
+    """Set by SIGTERM / SIGINT; the training loop checks it, saves and exits cleanly."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.signal: int | None = None
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def set(self, signum: int | None = None) -> None:
+        self.signal = signum
+        self._event.set()
+
+
+def install_signal_handlers() -> StopFlag:
+    """First SIGTERM/SIGINT: finish the step, save, exit. A second SIGINT interrupts at once."""
+    flag = StopFlag()
+
+    def handler(signum, frame):
+        if flag.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        flag.set(signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+    return flag

@@ -1,0 +1,267 @@
+"""`agent-rl`: one console script, one subcommand per job (DESIGN.md's command-line contract).
+
+Every subcommand on `configs/tiny_cpu_grpo.yaml` prepares what it lacks (toy world, tiny
+model, index) on first use, so each works on its own on a fresh checkout.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def _config(args):
+    from agent_rl.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def _with_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML config, e.g. configs/tiny_cpu_grpo.yaml")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. trainer.max_steps=10")
+
+
+def cmd_train(args) -> int:
+    from agent_rl.train import train
+
+    train(_config(args), resume=args.resume)
+    return 0
+
+
+def cmd_sft(args) -> int:
+    from agent_rl.sft import sft
+
+    sft(_config(args))
+    return 0
+
+
+def resolve_model_dir(path: str) -> str:
+    """A checkpoint `step_N/` holds the model in `model/`; a plain model dir is used as is."""
+    p = Path(path)
+    if (p / "config.json").exists() or (p / "adapter_config.json").exists():
+        return str(p)
+    if (p / "model" / "config.json").exists() or (p / "model" / "adapter_config.json").exists():
+        return str(p / "model")
+    raise FileNotFoundError(f"{path} holds no model (no config.json in it or in its model/ folder)")
+
+
+def _loop(cfg, model_path: str, url: str):
+    from agent_rl.budget import TokenBudget
+    from agent_rl.engines import HFEngine
+    from agent_rl.models import load_tokenizer
+    from agent_rl.retriever_client import RetrieverClient
+    from agent_rl.rollout import AgentLoop
+
+    tok_path = model_path if (Path(model_path) / "tokenizer_config.json").exists() else (cfg.model.warm_start or cfg.model.path)
+    tokenizer = load_tokenizer(tok_path)
+    from transformers import AutoModelForCausalLM
+
+    if (Path(model_path) / "adapter_config.json").exists():
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(model_path).to(cfg.rollout.device)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path).to(cfg.rollout.device)
+    engine = HFEngine(model, tokenizer, cfg.rollout.device, cfg.rollout.generation_batch_size, cfg.trainer.seed, cfg.rollout.fast_decode)
+    client = RetrieverClient.from_config(cfg.retriever, url)
+    budget = TokenBudget.from_config(cfg.budget)
+    return AgentLoop(engine, tokenizer, client, budget, cfg.retriever.topk), tokenizer, budget
+
+
+def cmd_rollout(args) -> int:
+    from agent_rl.data import load_prompts
+    from agent_rl.prepare import local_retriever, prepare
+    from agent_rl.rewards import compute_reward
+    from agent_rl.rollout import rollout_metrics
+
+    cfg = _config(args)
+    prepare(cfg)
+    model_path = resolve_model_dir(args.checkpoint) if args.checkpoint else (cfg.model.warm_start if cfg.model.warm_start and Path(cfg.model.warm_start).exists() else cfg.model.path)
+    with local_retriever(cfg) as url:
+        loop, tokenizer, budget = _loop(cfg, model_path, url)
+        prompts = load_prompts(cfg.data.train_files, tokenizer, budget, args.num_prompts)
+        trajs = loop.run(prompts.items, cfg.algo.group_size if args.group_size is None else args.group_size, cfg.rollout.temperature, cfg.rollout.top_p)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as fh:
+        for t in trajs:
+            t.reward = compute_reward(cfg.reward.name, t.response_text, t.golden_answers, cfg.reward.format_coef)
+            fh.write(json.dumps(t.to_record()) + "\n")
+    m = rollout_metrics(trajs, loop.counters)
+    print(json.dumps({k: round(v, 4) for k, v in m.items()}, indent=1))
+    print(f"wrote {len(trajs)} trajectories to {out}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from agent_rl.data import load_prompts
+    from agent_rl.prepare import local_retriever, prepare
+    from agent_rl.train import evaluate
+
+    cfg = _config(args)
+    if args.retriever_url:
+        cfg.retriever.url = args.retriever_url
+    prepare(cfg, need_index=not args.retriever_url)
+    model_path = resolve_model_dir(args.checkpoint)
+    data = [args.data] if args.data else cfg.data.test_files
+    with local_retriever(cfg) as url:
+        loop, tokenizer, budget = _loop(cfg, model_path, url)
+        prompts = load_prompts(data, tokenizer, budget, args.max_samples)
+        metrics = evaluate(loop, prompts, cfg)
+    sources = sorted({k.split("/")[1] for k in metrics if k.count("/") == 2})
+    print(f"{'data_source':<20} {'EM':>7} {'F1':>7}")
+    for s in sources:
+        print(f"{s:<20} {metrics[f'eval/{s}/em']:>7.3f} {metrics[f'eval/{s}/f1']:>7.3f}")
+    print(f"{'all':<20} {metrics['eval/em']:>7.3f} {metrics['eval/f1']:>7.3f}   (n={int(metrics['eval/n'])})")
+    out = Path(args.out or Path(cfg.trainer.output_dir) / "eval.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"checkpoint": args.checkpoint, "data": data, **metrics}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    """Write a checkpoint's model as a plain Hugging Face directory; LoRA adapters merged with --merge."""
+    cfg = _config(args)
+    src = resolve_model_dir(args.checkpoint)
+    tokenizer_src = src if (Path(src) / "tokenizer_config.json").exists() else (cfg.model.warm_start or cfg.model.path)
+    from agent_rl.models import load_tokenizer
+
+    out = Path(args.out)
+    if (Path(src) / "adapter_config.json").exists():
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(src)
+        if args.merge:
+            model = model.merge_and_unload()
+        elif not args.merge:
+            print("exporting the LoRA adapters only (add --merge for a full model)")
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(src)
+    model.save_pretrained(out)
+    load_tokenizer(tokenizer_src).save_pretrained(out)
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from agent_rl.plot import plot_run
+
+    for p in plot_run(Path(args.run_dir)):
+        print(p)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """The embedded default end to end: prepare, evaluate the base model, SFT warm start, GRPO,
+    evaluate, plot, and print test EM at each stage."""
+    from agent_rl.data import load_prompts
+    from agent_rl.plot import plot_run
+    from agent_rl.prepare import local_retriever, prepare
+    from agent_rl.train import evaluate_all, train
+
+    cfg = _config(args)
+    prepare(cfg)
+    base: dict[str, float] = {}
+    if cfg.data.test_files:
+        with local_retriever(cfg) as url:
+            loop, tokenizer, budget = _loop(cfg, cfg.model.path, url)
+            base = evaluate_all(loop, load_prompts(cfg.data.test_files, tokenizer, budget, cfg.trainer.eval_max_samples), cfg)
+    final = train(cfg)
+    out = Path(cfg.trainer.output_dir)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [m for m in metrics if m.get("eval/em") is not None]
+    rewards = [m["reward/mean"] for m in metrics if "reward/mean" in m]
+    plots = plot_run(out)
+    print("\n=== agent-rl demo finished ===")
+    for key, what in (("eval/em", "greedy"), ("eval_sampled/em", f"one sample at T={cfg.rollout.temperature:g}")):
+        if evals and key in evals[0]:
+            stages = [f"base model {base[key]:.3f}"] if key in base else []
+            stages += [f"after the SFT warm start {evals[0][key]:.3f}", f"after GRPO {final.get(key, evals[-1][key]):.3f}"]
+            print(f"test EM ({what}): " + " -> ".join(stages))
+    if len(rewards) >= 10:
+        k = max(1, len(rewards) // 4)
+        print(f"train reward (sampled): {sum(rewards[:k]) / k:.3f} over the first {k} steps -> {sum(rewards[-k:]) / k:.3f} over the last {k}")
+    print(f"metrics:     {out / 'metrics.jsonl'}")
+    print(f"tensorboard: tensorboard --logdir {out / 'tb'}")
+    print(f"checkpoints: {out / 'checkpoints'}")
+    print(f"plots:       {', '.join(str(p) for p in plots)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="agent-rl", description="Search-augmented agentic RL: PPO/GRPO over multi-turn retrieval trajectories.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    from agent_rl import model_init
+
+    model_init.add_cli(sub)
+    from agent_rl import plan
+
+    plan.add_cli(sub)
+
+    p = sub.add_parser("train", help="train with PPO or GRPO (prepares what the config lacks)")
+    _with_config(p)
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in OUTPUT_DIR/checkpoints")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("sft", help="supervised warm start on scripted demonstrations (saved to model.warm_start)")
+    _with_config(p)
+    p.set_defaults(func=cmd_sft)
+
+    p = sub.add_parser("rollout", help="run rollouts only and write one JSON line per trajectory")
+    _with_config(p)
+    p.add_argument("--num-prompts", type=int, required=True, help="number of training prompts to roll out")
+    p.add_argument("--out", required=True, help="output JSONL")
+    p.add_argument("--checkpoint", help="model or checkpoint dir (default: the warm start or model.path)")
+    p.add_argument("--group-size", type=int, help="samples per prompt (default algo.group_size)")
+    p.set_defaults(func=cmd_rollout)
+
+    p = sub.add_parser("eval", help="greedy multi-turn evaluation: EM/F1 per data_source")
+    _with_config(p)
+    p.add_argument("--checkpoint", required=True, help="checkpoint dir (step_N) or model dir")
+    p.add_argument("--data", help="parquet of test prompts (default data.test_files)")
+    p.add_argument("--retriever-url", help="use this running retriever instead of starting one")
+    p.add_argument("--max-samples", type=int, default=0, help="evaluate at most N prompts (0 = all)")
+    p.add_argument("--out", help="JSON output (default OUTPUT_DIR/eval.json)")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model dir (--merge folds LoRA adapters in)")
+    _with_config(p)
+    p.add_argument("--checkpoint", required=True, help="checkpoint dir (step_N) or model dir")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--merge", action="store_true", help="merge LoRA adapters into the base weights")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("plot", help="write PNG curves of reward, EM, response length and budget hits")
+    p.add_argument("run_dir", help="a run's output_dir (holds metrics.jsonl)")
+    p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("demo", help="the embedded default end to end (what `make demo` runs)")
+    _with_config(p)
+    p.set_defaults(func=cmd_demo)
+
+    # key=value overrides may also follow the options (`rollout CONFIG --out F key=value`).
+    args, extra = parser.parse_known_args(argv)
+    stray = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    from agent_rl.config import ConfigError
+
+    try:
+        return int(args.func(args) or 0)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"agent-rl {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

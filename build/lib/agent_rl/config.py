@@ -1,0 +1,389 @@
+"""The typed configuration tree, loaded from YAML with `key=value` overrides.
+
+Every field carries its documentation in `field(metadata={"help": ...})`; a test fails when one
+does not. An unknown key, a wrong type or a bad combination fails at load time with a message
+naming the key and the fix. Departure from Search-R1: its scripts let the prompt plus
+`max_turns` turns overflow the context and then cut the prompt from the left; here the token
+budget is validated up front (`BudgetConfig.validate`) and the prompt is never truncated.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key is unknown, mistyped, or combined with another in a way that cannot work."""
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class TrainerConfig:
+    output_dir: str = _f("runs/tiny_cpu_grpo", "Directory for metrics.jsonl, TensorBoard events, checkpoints/ and plots/.")
+    max_steps: int = _f(60, "Number of RL steps (one rollout batch + its update epochs each).")
+    save_every: int = _f(20, "Save a checkpoint every N steps (and always at the end or on SIGTERM/SIGINT).")
+    keep_last: int = _f(2, "How many checkpoints to keep under OUTPUT_DIR/checkpoints.")
+    seed: int = _f(0, "Seed for python, numpy and torch; rollouts and updates are reproducible on CPU.")
+    eval_every: int = _f(0, "Evaluate on data.test_files every N steps (0 = only at the start and the end).")
+    eval_max_samples: int = _f(200, "At most this many test prompts per evaluation (0 = all).")
+    eval_sampled: bool = _f(False, "Also evaluate one sample per prompt at rollout.temperature (logged as eval_sampled/em).")
+    log_every: int = _f(1, "Print a progress line every N steps.")
+    tensorboard: bool = _f(True, "Also write TensorBoard events under OUTPUT_DIR/tb.")
+    preflight: bool = _f(True, "Before step 1 run one forward+backward at the largest admissible micro-batch.")
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = _f(False, "Train LoRA adapters only (peft); the frozen base doubles as the reference model.")
+    rank: int = _f(8, "LoRA rank r.")
+    alpha: int = _f(16, "LoRA scaling alpha.")
+    dropout: float = _f(0.0, "Dropout on the LoRA branch.")
+    target_modules: list = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "Module names that get adapters.")
+
+
+@dataclass
+class ModelConfig:
+    path: str = _f(".cache/tiny_model", "Hugging Face model directory or hub id (policy and reference start from it).")
+    init_size: str = _f("", "When set (tiny|small|medium) and `path` does not exist, `agent-rl init-model` builds it first.")
+    dtype: str = _f("float32", "Parameter dtype for training: float32 | bfloat16 (bf16 is for GPUs).")
+    warm_start: str = _f("", "Directory of a supervised warm start (`agent-rl sft`); when set, training starts from it, running `sft` first if it is missing.")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
+    lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA adapters (see model.lora.*)."})
+
+
+@dataclass
+class DataConfig:
+    train_files: list = _f([".cache/toy_world/train.parquet"], "Parquet files written by `data-prep qa` / `toy-world` for training.")
+    test_files: list = _f([".cache/toy_world/test.parquet"], "Parquet files for evaluation (EM per data_source).")
+    toy_world: str = _f("", "When set, `data-prep toy-world` writes the toy world to this directory on first use.")
+    toy_entities: int = _f(1000, "Entities in the toy world (when data.toy_world is set).")
+    shuffle: bool = _f(True, "Shuffle the training prompts each epoch (seeded).")
+
+
+@dataclass
+class RetrieverConfig:
+    url: str | None = _f(None, "URL of a running retriever (Search-R1 /retrieve API). Unset: start one locally on 127.0.0.1 for `index_dir`.")
+    index_dir: str = _f(".cache/toy_index", "Index directory served when `url` is unset (built on first use from `corpus`).")
+    corpus: str = _f(".cache/toy_world/corpus.jsonl", "Corpus JSONL used to build `index_dir` when it is missing.")
+    kind: str = _f("flat", "Index kind built on first use: flat | hnsw | bm25.")
+    topk: int = _f(3, "Documents per search inserted into the observation.")
+    timeout_s: float = _f(10.0, "Per-request timeout of the HTTP client.")
+    max_retries: int = _f(3, "Retries (with exponential backoff) before a search counts as failed.")
+    backoff_s: float = _f(0.2, "First backoff delay; doubles each retry.")
+    api_key: str | None = _f(None, "Bearer token sent to the retriever, if it requires one.")
+    max_queries_per_request: int = _f(128, "Most queries in one /retrieve request; larger batches are split (our server refuses > 256).")
+
+
+@dataclass
+class RolloutConfig:
+    engine: str = _f("hf", "Generation engine: hf (transformers, CPU or one GPU) | vllm (GPU, optional extra).")
+    device: str = _f("cpu", "Device the rollout engine runs on (cpu, cuda:0, ...).")
+    prompts_per_step: int = _f(16, "Distinct prompts per RL step; each is sampled algo.group_size times.")
+    temperature: float = _f(1.0, "Sampling temperature for training rollouts.")
+    top_p: float = _f(1.0, "Nucleus sampling for training rollouts.")
+    eval_temperature: float = _f(0.0, "Temperature for evaluation (0 = greedy).")
+    generation_batch_size: int = _f(128, "Most sequences generated at once by the HF engine.")
+    fast_decode: bool = _f(True, "HF engine on CPU: decode Qwen2/Llama models with agent-rl's own one-token step (same math and weights, reserved KV buffers, ~30% faster on the tiny model); other models and devices always use transformers' forward.")
+    gpu_memory_utilization: float = _f(0.4, "vLLM: fraction of GPU memory it reserves (weights + KV cache).")
+    tensor_parallel_size: int = _f(1, "vLLM: tensor-parallel degree.")
+    max_num_seqs: int = _f(256, "vLLM: most sequences in flight.")
+    enforce_eager: bool = _f(True, "vLLM: skip CUDA graph capture (faster start, slower decode).")
+
+
+@dataclass
+class BudgetConfig:
+    max_turns: int = _f(2, "Search turns per trajectory; after them one last turn without search forces an answer.")
+    max_prompt_tokens: int = _f(256, "Longest admissible prompt; longer prompts are dropped at data loading (counted), never cut.")
+    max_tokens_per_turn: int = _f(32, "Most tokens the policy may generate in one turn (the engine's max_new_tokens).")
+    max_obs_tokens: int = _f(160, "Most tokens of one inserted <information> observation (cut at document boundaries first).")
+    max_total_tokens: int = _f(700, "Hard cap on prompt + response tokens of a trajectory.")
+
+    def worst_case_total(self) -> int:
+        """Prompt + max_turns x (turn + observation) + the final forced-answer turn."""
+        return self.max_prompt_tokens + self.max_turns * (self.max_tokens_per_turn + self.max_obs_tokens) + self.max_tokens_per_turn
+
+    def validate(self) -> None:
+        for key in ("max_turns", "max_prompt_tokens", "max_tokens_per_turn", "max_obs_tokens", "max_total_tokens"):
+            if getattr(self, key) < (0 if key == "max_turns" else 1):
+                raise ConfigError(f"budget.{key} must be positive, got {getattr(self, key)}")
+        need = self.worst_case_total()
+        if need > self.max_total_tokens:
+            raise ConfigError(
+                f"token budget cannot hold a full trajectory: budget.max_prompt_tokens ({self.max_prompt_tokens}) + "
+                f"budget.max_turns ({self.max_turns}) x (budget.max_tokens_per_turn ({self.max_tokens_per_turn}) + "
+                f"budget.max_obs_tokens ({self.max_obs_tokens})) + a final answer turn ({self.max_tokens_per_turn}) = {need} "
+                f"> budget.max_total_tokens ({self.max_total_tokens}). Raise budget.max_total_tokens to >= {need}, or lower "
+                "budget.max_turns / budget.max_tokens_per_turn / budget.max_obs_tokens / budget.max_prompt_tokens."
+            )
+
+
+@dataclass
+class AlgoConfig:
+    name: str = _f("grpo", "grpo (group-normalised advantages, no critic) | ppo (critic + GAE).")
+    group_size: int = _f(8, "Samples per prompt (GRPO's n). PPO uses it too when > 1.")
+    norm_adv_by_std: bool = _f(True, "GRPO: divide by the group std (False = Dr. GRPO).")
+    gamma: float = _f(1.0, "PPO: discount.")
+    lam: float = _f(1.0, "PPO: GAE lambda.")
+    clip_ratio_low: float = _f(0.2, "Lower clip of the probability ratio (1 - low).")
+    clip_ratio_high: float = _f(0.2, "Upper clip of the probability ratio (1 + high).")
+    loss_agg: str = _f("token-mean", "Loss aggregation: token-mean | seq-mean-token-mean.")
+    kl_coef: float = _f(0.0, "Coefficient of the KL to the frozen reference (0 = no reference model is kept).")
+    kl_type: str = _f("low_var_kl", "low_var_kl (k3, as a loss term) | k1 (subtracted from the token rewards, PPO style).")
+    entropy_coef: float = _f(0.0, "Entropy bonus coefficient.")
+    ppo_epochs: int = _f(1, "Update epochs over each rollout batch.")
+    mini_batch_size: int = _f(0, "Trajectories per optimizer step (0 = the whole rollout batch in one step).")
+    value_clip: float = _f(0.2, "PPO: clip range of the value loss (0 = unclipped).")
+    critic_lr: float = _f(1e-4, "PPO: learning rate of the critic.")
+
+
+@dataclass
+class TrainConfig:
+    device: str = _f("cpu", "Device that holds the trained weights, gradients and optimizer state.")
+    lr: float = _f(3e-4, "Peak learning rate of AdamW.")
+    weight_decay: float = _f(0.0, "AdamW weight decay.")
+    betas: list = _f([0.9, 0.999], "AdamW betas.")
+    warmup_steps: int = _f(0, "Linear warmup steps.")
+    lr_schedule: str = _f("constant", "constant | cosine (after warmup).")
+    max_grad_norm: float = _f(1.0, "Gradient clipping norm (0 = off).")
+    max_tokens_per_microbatch: int = _f(8192, "Hard cap on padded tokens (rows x longest row) in one forward/backward.")
+    share_prompt_prefix: bool = _f(True, "Run a GRPO group's common prompt through the model once per micro-batch (its KV cache, with gradient, serves every response); same loss and gradient up to float rounding. Not used under torchrun or with gradient checkpointing.")
+    offload_optimizer: bool = _f(False, "Keep AdamW states in host RAM (a no-op on CPU-only runs, which says so).")
+    offload_params: bool = _f(False, "FSDP: keep parameters in host RAM between uses (torchrun/GPU only).")
+    bf16: bool = _f(False, "Autocast to bfloat16 on CUDA.")
+
+
+@dataclass
+class RewardConfig:
+    name: str = _f("em", "Reward on the last <answer> of the response: em | f1.")
+    format_coef: float = _f(0.0, "Bonus for a well-formed response (0 = off).")
+
+
+@dataclass
+class BufferConfig:
+    max_tokens: int = _f(2_000_000, "Most tokens (prompt + response) the trajectory buffer holds.")
+    max_trajectories: int = _f(100_000, "Most trajectories the buffer holds.")
+
+
+@dataclass
+class SftConfig:
+    steps: int = _f(800, "Optimizer steps of the supervised warm start on scripted demonstrations.")
+    batch_size: int = _f(32, "Demonstrations per step.")
+    lr: float = _f(2e-3, "Learning rate of the warm start.")
+    wrong_fraction: float = _f(0.5, "Chance that a drawn demonstration ends with a wrong answer, redrawn on every draw (keeps RL headroom).")
+
+
+@dataclass
+class GuardConfig:
+    action: str = _f("warn", "Collapse guard: off | warn | stop | rollback.")
+    window: int = _f(10, "Steps in the moving window the guard compares against.")
+    length_factor: float = _f(3.0, "Trigger when mean response length exceeds this factor times the window median.")
+    budget_hit_frac: float = _f(0.3, "Trigger when more than this share of trajectories ends on budget_total.")
+    invalid_frac: float = _f(0.9, "Trigger when more than this share of actions is invalid.")
+    lr_factor: float = _f(0.5, "rollback: multiply the learning rate by this.")
+    kl_factor: float = _f(2.0, "rollback: multiply the KL coefficient by this (set 0.001 when it was 0).")
+    max_rollbacks: int = _f(3, "rollback: give up (stop) after this many rollbacks.")
+
+
+@dataclass
+class MemoryConfig:
+    host_mem_gib: float = _f(0.0, "Host RAM budget checked by `agent-rl plan` and at start-up (0 = this machine's RAM).")
+    gpu_mem_gib: float = _f(0.0, "GPU memory per device for `agent-rl plan` (0 = the visible device's).")
+    retriever_on_gpu_gib: float = _f(0.0, "GPU memory a retriever index takes on the training GPUs (Search-R1's flat wiki-18 is ~65).")
+
+
+@dataclass
+class Config:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig, metadata={"help": "Run control: steps, checkpoints, evaluation."})
+    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Policy model."})
+    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Training and test prompts."})
+    retriever: RetrieverConfig = field(default_factory=RetrieverConfig, metadata={"help": "Retrieval server and client."})
+    rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"help": "Generation engine and sampling."})
+    budget: BudgetConfig = field(default_factory=BudgetConfig, metadata={"help": "Hard token budgets of a trajectory."})
+    algo: AlgoConfig = field(default_factory=AlgoConfig, metadata={"help": "PPO / GRPO."})
+    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Optimisation."})
+    reward: RewardConfig = field(default_factory=RewardConfig, metadata={"help": "Reward function."})
+    buffer: BufferConfig = field(default_factory=BufferConfig, metadata={"help": "Trajectory buffer bounds."})
+    sft: SftConfig = field(default_factory=SftConfig, metadata={"help": "Supervised warm start (`agent-rl sft`)."})
+    guard: GuardConfig = field(default_factory=GuardConfig, metadata={"help": "Collapse guard."})
+    memory: MemoryConfig = field(default_factory=MemoryConfig, metadata={"help": "Memory budgets for the planner."})
+
+    def validate(self) -> None:
+        """Reject bad combinations with the key's name and the fix."""
+        self.budget.validate()
+        choices = {
+            ("algo", "name"): ("grpo", "ppo"),
+            ("algo", "loss_agg"): ("token-mean", "seq-mean-token-mean"),
+            ("algo", "kl_type"): ("low_var_kl", "k1"),
+            ("rollout", "engine"): ("hf", "vllm"),
+            ("retriever", "kind"): ("flat", "hnsw", "bm25"),
+            ("reward", "name"): ("em", "f1"),
+            ("guard", "action"): ("off", "warn", "stop", "rollback"),
+            ("train", "lr_schedule"): ("constant", "cosine"),
+            ("model", "dtype"): ("float32", "bfloat16", "float16"),
+        }
+        for (section, key), allowed in choices.items():
+            value = getattr(getattr(self, section), key)
+            if value not in allowed:
+                raise ConfigError(f"{section}.{key} = {value!r} is not one of {', '.join(allowed)}")
+        if self.model.init_size not in ("", "tiny", "small", "medium"):
+            raise ConfigError(f"model.init_size = {self.model.init_size!r}: use tiny, small, medium or leave it empty")
+        if self.algo.name == "grpo" and self.algo.kl_type == "k1" and self.algo.kl_coef > 0:
+            raise ConfigError(
+                "algo.kl_type=k1 puts the KL into per-token rewards, which only PPO's GAE uses; GRPO would ignore it. "
+                "Set algo.kl_type=low_var_kl (KL as a loss term, as Search-R1's GRPO runs do) or algo.name=ppo"
+            )
+        if self.algo.name == "grpo" and self.algo.group_size < 2:
+            raise ConfigError("algo.group_size must be >= 2 for GRPO (advantages are relative to the group); set algo.group_size=5 or more")
+        if self.algo.group_size < 1 or self.rollout.prompts_per_step < 1:
+            raise ConfigError("algo.group_size and rollout.prompts_per_step must be >= 1")
+        for key in ("topk", "max_queries_per_request"):
+            if getattr(self.retriever, key) < 1:
+                raise ConfigError(f"retriever.{key} must be >= 1, got {getattr(self.retriever, key)}")
+        if self.train.max_tokens_per_microbatch < self.budget.max_total_tokens:
+            raise ConfigError(
+                f"train.max_tokens_per_microbatch ({self.train.max_tokens_per_microbatch}) < budget.max_total_tokens "
+                f"({self.budget.max_total_tokens}): one maximal trajectory would not fit in a micro-batch. Raise "
+                f"train.max_tokens_per_microbatch to >= {self.budget.max_total_tokens} or lower budget.max_total_tokens."
+            )
+        if self.buffer.max_tokens < self.budget.max_total_tokens * self.algo.group_size:
+            raise ConfigError(
+                f"buffer.max_tokens ({self.buffer.max_tokens}) cannot hold one group of maximal trajectories "
+                f"({self.algo.group_size} x {self.budget.max_total_tokens}); raise buffer.max_tokens"
+            )
+        batch = self.rollout.prompts_per_step * self.algo.group_size
+        if self.algo.mini_batch_size and batch % self.algo.mini_batch_size:
+            raise ConfigError(
+                f"algo.mini_batch_size ({self.algo.mini_batch_size}) must divide rollout.prompts_per_step x algo.group_size ({batch})"
+            )
+        if self.rollout.temperature <= 0:
+            raise ConfigError("rollout.temperature must be > 0 for training rollouts (use rollout.eval_temperature=0 for greedy eval)")
+        if self.train.bf16 and not self.train.device.startswith("cuda"):
+            raise ConfigError("train.bf16 needs a CUDA train.device; set train.bf16=false on CPU")
+        if self.rollout.engine == "vllm" and not self.rollout.device.startswith("cuda"):
+            raise ConfigError("rollout.engine=vllm needs a CUDA rollout.device (e.g. cuda:0); use rollout.engine=hf on CPU")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
+    """Check (and gently coerce) a YAML value against a field's type hint."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return True, None
+        for arg in args:
+            if arg is type(None):
+                continue
+            ok, coerced = _type_ok(value, arg)
+            if ok:
+                return True, coerced
+        return False, value
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return True, float(value)
+        if isinstance(value, str):  # YAML 1.1 reads "1e-5" as a string
+            try:
+                return True, float(value)
+            except ValueError:
+                return False, value
+        return False, value
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return True, str(value)
+        return False, value
+    if hint is list or origin is list:
+        return isinstance(value, list), value
+    return True, value
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in fields:
+            close = [k for k in fields if k.startswith(key[:3])]
+            hint = f" Did you mean {', '.join(prefix + k for k in close)}?" if close else ""
+            raise ConfigError(f"unknown config key '{prefix}{key}'. Valid keys here: {', '.join(sorted(fields))}.{hint}")
+        hint_t = hints[key]
+        if dataclasses.is_dataclass(hint_t):
+            kwargs[key] = _build(hint_t, value or {}, f"{prefix}{key}.")
+            continue
+        ok, coerced = _type_ok(value, hint_t)
+        if not ok:
+            raise ConfigError(f"config key '{prefix}{key}' expects {getattr(hint_t, '__name__', hint_t)}, got {value!r}")
+        kwargs[key] = coerced
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{dotted}': '{part}' is not a section")
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    """`['algo.group_size=4', 'retriever.url=null']` -> nested dict (values parsed as YAML scalars)."""
+    tree: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like section.key=value (e.g. trainer.max_steps=10)")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML config (None = all defaults), apply overrides, validate."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path} (the shipped configs are in configs/, e.g. configs/tiny_cpu_grpo.yaml)")
+        data = yaml.safe_load(path.read_text()) or {}
+    data = _merge(data, parse_overrides(overrides or []))
+    cfg = _build(Config, data, "")
+    cfg.validate()
+    return cfg
+
+
+def iter_fields(cls: type = Config, prefix: str = ""):
+    """Yield (dotted_key, dataclass field) for every leaf and section, for docs and tests."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        yield prefix + f.name, f
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from iter_fields(hints[f.name], prefix + f.name + ".")

@@ -1,0 +1,318 @@
+"""Generation engines behind one small interface: token ids in, token ids + log-probs out.
+
+Both engines stop each row at the first stop token (`</search>`, `</answer>`, eos) or stop
+string, so no token is generated past a tag (Search-R1 lets every turn run to its length
+limit, #151). They return the sampled ids and their log-probs under the sampling
+distribution; nothing here decodes and re-tokenizes what will be trained.
+
+`HFEngine` is a plain batched, left-padded, KV-cached sampling loop over a transformers causal
+LM (CPU or one GPU). It shares the module with the trainer when both sit on one device, so no
+weight sync is needed. `VLLMEngine` wraps vLLM's offline `LLM` (GPU only, imported lazily),
+sleeps while the trainer runs, and takes weights from the trainer after each update.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from agent_rl.buffer import distinct, left_pad
+
+STOP_TAGS = ("</search>", "</answer>")
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (a stop tag / eos) | "length" (hit its allowance)
+
+
+class Engine(Protocol):
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, top_p: float = 1.0
+    ) -> list[Generation]: ...
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """Ids of the stop tags when the tokenizer has them as single tokens, plus eos."""
+    ids = []
+    for tag in STOP_TAGS:
+        tok = tokenizer.convert_tokens_to_ids(tag)
+        if isinstance(tok, int) and tok != tokenizer.unk_token_id and tok is not None and tok >= 0:
+            if tokenizer.decode([tok]) == tag:
+                ids.append(tok)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
+    """logits: (B, V) -> (token ids (B,), log-probs (B,)) under the sampling distribution."""
+    logits = logits.float()
+    if temperature <= 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        ids = logits.argmax(dim=-1)
+        return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    probs = logp.exp()
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    # Inverse-CDF sampling: one uniform per row, where torch.multinomial draws one per vocabulary
+    # entry (20x slower for 64 rows x 689 tokens, a tenth of a decode step on CPU).
+    cdf = probs.cumsum(-1)
+    u = torch.rand((probs.shape[0], 1), generator=generator, dtype=cdf.dtype).to(cdf.device) * cdf[:, -1:]
+    ids = torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1).squeeze(-1)  # first entry with cdf > u: never a 0-probability token
+    return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+
+
+class _LlamaDecoder:
+    """One-token decode steps for Qwen2 / Llama models on CPU, without transformers' forward.
+
+    The same math as the model's own forward (RMSNorm in float32, default RoPE, grouped-query
+    attention, SiLU MLP), with the module's own weights, but keys and values go into buffers
+    reserved for the whole generation, and attention for one query is two small matmuls. On CPU a
+    transformers decode step of the tiny model spends ~70% of its time outside the linears
+    (modules, mask building, cache concatenation, the SDPA kernel); this step is ~30% faster
+    (bench/train_vs_trl.py). Models it does not cover use transformers' forward
+    (`supports`), and `rollout.fast_decode=false` turns it off.
+    """
+
+    ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+
+    @classmethod
+    def supports(cls, model, device: torch.device) -> bool:
+        if device.type != "cpu" or type(model).__name__ not in cls.ARCHITECTURES:
+            return False
+        inner, cfg = model.model, model.config
+        rope = inner.rotary_emb
+        return (
+            getattr(rope, "rope_type", None) == "default" and float(getattr(rope, "attention_scaling", 1.0)) == 1.0
+            and cfg.hidden_act == "silu" and not getattr(cfg, "mlp_bias", False)
+            and all(getattr(layer.self_attn, "sliding_window", None) is None for layer in inner.layers)
+        )
+
+    def __init__(self, model, past, capacity: int):
+        self.model, self.inner = model, model.model
+        attn = self.inner.layers[0].self_attn
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.heads, self.kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+        self.keys, self.values = [], []
+        for layer in past.layers:  # the prefill's cache, copied into room for the whole generation
+            b, h, n, d = layer.keys.shape
+            k, v = layer.keys.new_empty((b, h, capacity, d)), layer.values.new_empty((b, h, capacity, d))
+            k[:, :, :n], v[:, :, :n] = layer.keys, layer.values
+            self.keys.append(k)
+            self.values.append(v)
+        self.length = n
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.keys = [k[rows] for k in self.keys]
+        self.values = [v[rows] for v in self.values]
+
+    @staticmethod
+    def _norm(x: torch.Tensor, norm) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+        return norm.weight * h.to(x.dtype)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = self.head_dim // 2
+        return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """ids, positions: (B,); attention: (B, length + 1) with the new token's column -> logits (B, V)."""
+        F = torch.nn.functional
+        B, t, d, kvh = ids.shape[0], self.length, self.head_dim, self.kv_heads
+        x = self.inner.embed_tokens(ids)
+        freqs = positions[:, None].float() * self.inner.rotary_emb.inv_freq[None].float()
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
+        bias = torch.zeros(attention.shape, dtype=x.dtype, device=x.device).masked_fill(attention == 0, float("-inf"))[:, None, None]
+        for i, layer in enumerate(self.inner.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            h = self._norm(x, layer.input_layernorm)
+            q = self._rope(F.linear(h, a.q_proj.weight, a.q_proj.bias).view(B, self.heads, d), cos, sin)
+            self.keys[i][:, :, t] = self._rope(F.linear(h, a.k_proj.weight, a.k_proj.bias).view(B, kvh, d), cos, sin)
+            self.values[i][:, :, t] = F.linear(h, a.v_proj.weight, a.v_proj.bias).view(B, kvh, d)
+            k, v = self.keys[i][:, :, : t + 1], self.values[i][:, :, : t + 1]
+            scores = torch.matmul(q.view(B, kvh, self.heads // kvh, d), k.transpose(-1, -2)) * self.scaling + bias
+            o = torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v).reshape(B, self.heads * d)
+            x = x + F.linear(o, a.o_proj.weight, a.o_proj.bias)
+            h = self._norm(x, layer.post_attention_layernorm)
+            x = x + F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight), mlp.down_proj.weight)
+        self.length = t + 1
+        return self.model.lm_head(self._norm(x, self.inner.norm))
+
+
+class HFEngine:
+    """Batched sampling with a KV cache over a transformers causal LM."""
+
+    def __init__(self, model, tokenizer, device: str = "cpu", batch_size: int = 128, seed: int = 0, fast_decode: bool = True):
+        self.model = model
+        self.fast_decode = fast_decode  # `_LlamaDecoder` for the models it supports
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.batch_size = batch_size
+        self.stop_ids = stop_token_ids(tokenizer)
+        # Multi-token tags (real hub tokenizers) are caught as stop strings on the decoded tail.
+        single = {tokenizer.decode([i]) for i in self.stop_ids}
+        self.stop_strings = [t for t in STOP_TAGS if t not in single]
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.stats = {"generated_tokens": 0, "wasted_tokens": 0, "generate_s": 0.0}
+
+    @torch.no_grad()
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, top_p: float = 1.0
+    ) -> list[Generation]:
+        out: list[Generation] = []
+        start = time.perf_counter()
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for lo in range(0, len(prompts), self.batch_size):
+                out.extend(self._generate_batch(prompts[lo : lo + self.batch_size], max_new_tokens[lo : lo + self.batch_size], temperature, top_p))
+        finally:
+            self.model.train(was_training)
+        self.stats["generate_s"] += time.perf_counter() - start
+        return out
+
+    def _generate_batch(self, prompts, max_new, temperature, top_p) -> list[Generation]:
+        bsz = len(prompts)
+        tokens: list[list[int]] = [[] for _ in range(bsz)]
+        logps: list[list[float]] = [[] for _ in range(bsz)]
+        finish = ["length"] * bsz
+        rows = torch.tensor([i for i in range(bsz) if max_new[i] > 0], dtype=torch.long)  # original index of each live row
+        if len(rows) == 0:
+            return [Generation([], [], "length") for _ in range(bsz)]
+        # A GRPO group repeats its prompt: prefill each distinct prompt once, then copy its cache rows.
+        unique, copy_of = distinct(prompts[i] for i in rows.tolist())
+        input_ids, attention, positions = left_pad(unique, self.pad_id, self.device)
+        width = input_ids.shape[1]
+        limits = torch.tensor(max_new, dtype=torch.long)
+        stop_ids = torch.tensor(self.stop_ids, dtype=torch.long)
+        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+        past = out.past_key_values
+        logits = out.logits[:, -1, :]
+        if len(unique) < len(rows):
+            copy_of = torch.tensor(copy_of, dtype=torch.long, device=self.device)
+            past.batch_select_indices(copy_of)
+            logits, attention, positions = logits[copy_of], attention[copy_of], positions[copy_of]
+        last_pos = positions[:, -1]
+        fast = _LlamaDecoder(self.model, past, width + int(limits.max())) if self.fast_decode and _LlamaDecoder.supports(self.model, self.device) else None
+        active = torch.ones(len(rows), dtype=torch.bool)
+        for _ in range(int(limits.max().item())):
+            ids, lp = _sample(logits, temperature, top_p, self.generator)
+            ids, lp = ids.cpu(), lp.cpu()
+            live, ids_l, lp_l = rows.tolist(), ids.tolist(), lp.tolist()
+            for r in torch.nonzero(active).flatten().tolist():
+                tokens[live[r]].append(ids_l[r])
+                logps[live[r]].append(lp_l[r])
+            hit_stop = torch.isin(ids, stop_ids) & active
+            if self.stop_strings:
+                for r in torch.nonzero(active & ~hit_stop).flatten().tolist():
+                    tail = self.tokenizer.decode(tokens[live[r]][-8:], skip_special_tokens=False)
+                    if any(s in tail for s in self.stop_strings):
+                        hit_stop[r] = True
+            for r in torch.nonzero(hit_stop).flatten().tolist():
+                finish[live[r]] = "stop"
+            reached = torch.tensor([len(tokens[i]) for i in live]) >= limits[rows]
+            active = active & ~hit_stop & ~reached
+            if not bool(active.any()):
+                break
+            if int((~active).sum()) * 4 >= len(rows):
+                # A quarter of the rows are done: drop them from the batch and the KV cache, so
+                # one long row does not keep paying for the finished ones.
+                keep = torch.nonzero(active).flatten()
+                if fast is not None:
+                    fast.select(keep.to(self.device))
+                else:
+                    past.batch_select_indices(keep.to(self.device))
+                rows, ids, active = rows[keep], ids[keep], active[keep]
+                keep = keep.to(self.device)
+                attention, last_pos = attention[keep], last_pos[keep]
+            # Finished rows not yet dropped keep feeding a pad with attention 0.
+            feed = torch.where(active, ids, torch.full_like(ids, self.pad_id)).to(self.device)
+            attention = torch.cat([attention, active.long().to(self.device)[:, None]], dim=1)
+            last_pos = last_pos + 1
+            if fast is not None:
+                logits = fast.step(feed, last_pos, attention)
+            else:
+                out = self.model(
+                    input_ids=feed[:, None], attention_mask=attention, position_ids=last_pos[:, None], past_key_values=past, use_cache=True
+                )
+                past, logits = out.past_key_values, out.logits[:, -1, :]
+        self.stats["generated_tokens"] += sum(len(t) for t in tokens)
+        return [Generation(tokens[i], logps[i], finish[i]) for i in range(bsz)]
+
+
+class VLLMEngine:
+    """vLLM offline engine on a GPU; imported lazily so CPU installs never touch vLLM."""
+
+    def __init__(self, model_path: str, tokenizer, cfg, seed: int = 0):
+        try:
+            from vllm import LLM, SamplingParams  # noqa: F401
+        except ImportError as err:  # pragma: no cover - needs the gpu extra
+            raise RuntimeError("rollout.engine=vllm needs vLLM: pip install 'agent-rl[gpu]' on a CUDA machine") from err
+        self._sampling_cls = SamplingParams
+        self.tokenizer = tokenizer
+        self.llm = LLM(
+            model=model_path,
+            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+            tensor_parallel_size=cfg.rollout.tensor_parallel_size,
+            max_num_seqs=cfg.rollout.max_num_seqs,
+            max_model_len=cfg.budget.max_total_tokens,
+            enforce_eager=cfg.rollout.enforce_eager,
+            enable_sleep_mode=True,
+            seed=seed,
+            dtype="bfloat16" if cfg.model.dtype == "bfloat16" else "auto",
+        )
+        self.stop_ids = stop_token_ids(tokenizer)
+        self.stats = {"generated_tokens": 0, "wasted_tokens": 0, "generate_s": 0.0}
+        self.asleep = False
+
+    def generate(self, prompts, max_new_tokens, temperature, top_p=1.0) -> list[Generation]:  # pragma: no cover - GPU
+        from vllm.inputs import TokensPrompt
+
+        self.wake()
+        start = time.perf_counter()
+        params = [
+            self._sampling_cls(
+                max_tokens=max(1, n), temperature=temperature, top_p=top_p, stop=list(STOP_TAGS),
+                stop_token_ids=self.stop_ids, include_stop_str_in_output=True, logprobs=0,
+            )
+            for n in max_new_tokens
+        ]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        gens = []
+        for o in outs:
+            c = o.outputs[0]
+            lps = [float(next(iter(d.values())).logprob) if d else 0.0 for d in (c.logprobs or [])]
+            gens.append(Generation(list(c.token_ids), lps or [0.0] * len(c.token_ids), "stop" if c.finish_reason == "stop" else "length"))
+        self.stats["generated_tokens"] += sum(len(g.token_ids) for g in gens)
+        self.stats["generate_s"] += time.perf_counter() - start
+        return gens
+
+    def sleep(self) -> None:  # pragma: no cover - GPU
+        """Free the KV cache and offload weights while the trainer uses the GPU."""
+        if not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:  # pragma: no cover - GPU
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def load_weights(self, named_tensors) -> None:  # pragma: no cover - GPU
+        """Push the trainer's weights (name, tensor) into vLLM's model after an update."""
+        self.wake()
+        model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        model.load_weights(named_tensors)

@@ -1,0 +1,123 @@
+"""Loss math as small pure functions (shapes in docstrings; names as in the PPO/GRPO papers).
+
+Every term is multiplied by `loss_mask`, so inserted observation tokens get exactly zero
+gradient from the policy, KL, entropy and value terms. The KL estimators follow verl's
+`core_algos.kl_penalty` (k1 and the low-variance k3, clamped to [-10, 10]).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean")
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of x over mask==1 entries (over all, or along `dim`)."""
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1.0)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
+
+
+def aggregate(loss_mat: torch.Tensor, loss_mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """loss_mat, loss_mask: (B, T) -> scalar.
+
+    token-mean: sum over masked tokens / number of masked tokens (long answers weigh more).
+    seq-mean-token-mean: mean over tokens per sequence, then mean over sequences with tokens.
+    """
+    if mode == "token-mean":
+        return masked_mean(loss_mat, loss_mask)
+    if mode == "seq-mean-token-mean":
+        per_seq = masked_mean(loss_mat, loss_mask, dim=-1)
+        has = (loss_mask.sum(-1) > 0).float()
+        return (per_seq * has).sum() / has.sum().clamp(min=1.0)
+    raise ValueError(f"unknown loss aggregation {mode!r}; use one of {AGG_MODES}")
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """logits: (B, T, V), labels: (B, T) -> log p(labels) (B, T), chunked over T to bound memory."""
+    out = []
+    for lo in range(0, logits.shape[1], chunk):
+        lg = logits[:, lo : lo + chunk].float()
+        lp = torch.log_softmax(lg, dim=-1)
+        out.append(lp.gather(-1, labels[:, lo : lo + chunk, None]).squeeze(-1))
+    return torch.cat(out, dim=1) if out else logits.new_zeros(labels.shape, dtype=torch.float32)
+
+
+def entropy_from_logits(logits: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """logits: (B, T, V) -> entropy of the softmax (B, T), chunked over T."""
+    out = []
+    for lo in range(0, logits.shape[1], chunk):
+        lg = logits[:, lo : lo + chunk].float()
+        logp = torch.log_softmax(lg, dim=-1)
+        out.append(-(logp.exp() * logp).sum(-1))
+    return torch.cat(out, dim=1)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    agg: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped PPO surrogate with separate low/high clip (DAPO's clip-higher when high > low).
+
+    logprobs, old_logprobs, loss_mask: (B, T); advantages: (B, T) or (B,) (broadcast over T).
+    loss = agg(max(-A * r, -A * clip(r, 1 - low, 1 + high))), r = exp(logprobs - old_logprobs).
+    """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(logprobs)
+    log_ratio = (logprobs - old_logprobs) * loss_mask
+    ratio = torch.exp(log_ratio)
+    surr1 = -advantages * ratio
+    surr2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_mat = torch.maximum(surr1, surr2) * loss_mask
+    loss = aggregate(loss_mat, loss_mask, agg)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((surr2 > surr1).float(), loss_mask).item(),
+            "approx_kl": masked_mean(-log_ratio, loss_mask).item(),
+            "ratio_mean": masked_mean(ratio, loss_mask).item(),
+        }
+    return loss, stats
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token KL estimate (B, T) of the policy from the reference.
+
+    k1: logp - ref_logp.  low_var_kl / k3: exp(ref - logp) - (ref - logp) - 1, clamped to [-10, 10].
+    """
+    if kind == "k1":
+        return logprobs - ref_logprobs
+    if kind in ("low_var_kl", "k3"):
+        d = ref_logprobs - logprobs
+        return torch.clamp(torch.exp(d) - d - 1.0, min=-10.0, max=10.0)
+    raise ValueError(f"unknown KL estimator {kind!r}; use k1 or low_var_kl")
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    loss_mask: torch.Tensor,
+    clip_range: float | None,
+    agg: str = "token-mean",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped value loss 0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2); all (B, T)."""
+    err = (values - returns) ** 2
+    if clip_range:
+        clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
+        err = torch.maximum(err, (clipped - returns) ** 2)
+    loss = 0.5 * aggregate(err * loss_mask, loss_mask, agg)
+    with torch.no_grad():
+        stats = {"value_mean": masked_mean(values, loss_mask).item(), "return_mean": masked_mean(returns, loss_mask).item()}
+    return loss, stats
+
+
+def sft_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Token-mean cross-entropy over mask-1 tokens; logits (B, T, V), labels/mask (B, T)."""
+    nll = F.cross_entropy(logits.float().transpose(1, 2), labels, reduction="none")
+    return masked_mean(nll, loss_mask)

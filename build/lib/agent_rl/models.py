@@ -1,0 +1,166 @@
+"""Policy, reference and critic modules, and the forward passes the update needs.
+
+Devices are explicit: every module is placed with `.to(device)` from config; nothing is ever
+wrapped in `nn.DataParallel` (TRL's auto-wrap spreads training onto the generation GPU).
+With LoRA the frozen base doubles as the reference model (adapters disabled), so no second
+copy is held.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from agent_rl.buffer import MicroBatch, distinct, left_pad
+from agent_rl.config import Config
+from agent_rl.losses import entropy_from_logits, token_logprobs
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_policy(cfg: Config, path: str, device: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.model.dtype]).to(device)
+    if cfg.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    if cfg.model.lora.enabled:
+        from peft import LoraConfig, get_peft_model
+
+        lora = cfg.model.lora
+        model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
+    return model
+
+
+def frozen_copy(model: nn.Module, device: str) -> nn.Module:
+    import copy
+
+    ref = copy.deepcopy(model).to(device)
+    ref.eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
+@contextlib.contextmanager
+def reference_mode(policy: nn.Module, ref: nn.Module | None):
+    """Yield the module that computes reference log-probs: the frozen copy, or the LoRA base."""
+    if ref is not None:
+        yield ref
+    elif hasattr(policy, "disable_adapter"):
+        with policy.disable_adapter():
+            yield policy
+    else:
+        raise RuntimeError("no reference model: algo.kl_coef > 0 needs a frozen copy or LoRA")
+
+
+class ValueModel(nn.Module):
+    """The PPO critic: the policy's backbone (its own copy) plus a scalar head."""
+
+    def __init__(self, causal_lm: nn.Module):
+        super().__init__()
+        self.backbone = causal_lm.get_decoder() if hasattr(causal_lm, "get_decoder") else causal_lm.model
+        hidden = causal_lm.config.hidden_size
+        self.head = nn.Linear(hidden, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """values: (B, T); column t is the value of the state before token t (hidden of t-1)."""
+        hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        v = self.head(hidden.float()).squeeze(-1)
+        return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
+
+
+def forward_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False, share_prefix: bool = False):
+    """Token log-probs (B, T) aligned so column t scores token t (column 0 is 0).
+
+    Logits are divided by the sampling temperature, as the engine sampled them (verl does the same).
+    With `share_prefix`, rows with the same prompt (a GRPO group) run that prompt through the model
+    once (`_shared_prefix_logits`) when that saves at least a quarter of the padded tokens; prompt
+    columns are then 0 (every caller masks them out). Returns (logprobs, entropy or None).
+    """
+    plan = _prefix_plan(mb) if share_prefix else None
+    if plan is None:
+        logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[:, :-1]
+        labels, cols, valid = mb.input_ids[:, 1:], None, None
+    else:
+        logits, labels, cols, valid = _shared_prefix_logits(model, mb, *plan)
+    logits = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        logits = logits / temperature
+    lp = token_logprobs(logits, labels)
+    ent = entropy_from_logits(logits) if with_entropy else None
+    if plan is None:
+        logprobs = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+        entropy = None if ent is None else torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
+    else:
+        logprobs = lp.gather(1, cols) * valid
+        entropy = None if ent is None else ent.gather(1, cols) * valid
+    return logprobs, entropy
+
+
+def _prefix_plan(mb: MicroBatch):
+    """(group of each row, unique prompts) when sharing prompts saves >= 25% of the tokens, else None."""
+    if not mb.prompt_lengths:
+        return None
+    prompts, groups = distinct(mb.input_ids[r, :n].tolist() for r, n in enumerate(mb.prompt_lengths))
+    lengths = mb.attention_mask.sum(-1).tolist()
+    suffix = max(int(n) - p for n, p in zip(lengths, mb.prompt_lengths))
+    shared = len(prompts) * max(len(p) for p in prompts) + len(groups) * suffix
+    if len(prompts) == len(groups) or suffix < 1 or shared > 0.75 * mb.num_tokens:
+        return None
+    return groups, prompts
+
+
+def _shared_prefix_logits(model: nn.Module, mb: MicroBatch, groups: list[int], prompts: list[tuple]):
+    """Logits scoring every response token, the prompt run once per unique prompt.
+
+    The unique prompts go through the model left-padded, with a KV cache; the cache is gathered to
+    one row per trajectory and the responses (right-padded) attend to it. Gradients flow back
+    through the gathered cache into the prompt pass, so loss and gradient equal those of the full
+    pass up to float rounding. Returns logits (B, S, V) and labels (B, S) over response columns,
+    plus `cols` / `valid` (B, T) that map them back to the full layout.
+    """
+    device = mb.input_ids.device
+    pad = 0  # any id: padded positions are masked out of attention and of the result
+    p_ids, p_attn, p_pos = left_pad(prompts, pad, device)
+    head = model(input_ids=p_ids, attention_mask=p_attn, position_ids=p_pos, use_cache=True)
+    g = torch.tensor(groups, dtype=torch.long, device=device)
+    cache = head.past_key_values
+    cache.batch_select_indices(g)  # one cache row per trajectory; indexing keeps the autograd graph
+    starts = torch.tensor(mb.prompt_lengths, dtype=torch.long, device=device)
+    ends = mb.attention_mask.sum(-1)
+    suffix = int((ends - starts).max())
+    T = mb.input_ids.shape[1]
+    cols = starts[:, None] + torch.arange(suffix, device=device)[None]  # full-layout column of each response slot
+    s_valid = cols < ends[:, None]
+    s_ids = torch.where(s_valid, mb.input_ids.gather(1, cols.clamp(max=T - 1)), torch.full_like(cols, pad))
+    tail = model(
+        input_ids=s_ids, attention_mask=torch.cat([p_attn[g], s_valid.long()], dim=1),
+        position_ids=cols, past_key_values=cache, use_cache=True,
+    )
+    logits = torch.cat([head.logits[g, -1:], tail.logits[:, :-1]], dim=1)
+    back = torch.arange(T, device=device)[None] - starts[:, None]
+    valid = ((back >= 0) & (back < (ends - starts)[:, None])).float()
+    return logits, s_ids, back.clamp(0, suffix - 1), valid
+
+
+def assert_no_data_parallel(*modules: nn.Module | None) -> None:
+    for m in modules:
+        if m is None:
+            continue
+        for sub in m.modules():
+            if isinstance(sub, nn.DataParallel):
+                raise RuntimeError("nn.DataParallel found in the trainer; devices must be explicit")

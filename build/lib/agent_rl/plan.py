@@ -1,0 +1,296 @@
+"""`agent-rl plan`: will this config fit? GPU memory per device and host RAM, before launch.
+
+The estimate adds up what the trainer holds (parameters, gradients, AdamW states, a reference
+copy, a critic), the activations and logits of the largest micro-batch (its token cap, which is
+a hard cap), the rollout engine (vLLM's reserved fraction, or the KV cache of the HF engine),
+the trajectory buffer and a retriever index on the same GPUs. No peer estimates this; users of
+verl (#1964) and EasyR1 (#50, #260) find out by crashing. The architecture comes from the
+model's `config.json`, or from a built-in table of common shapes for hub ids it cannot read.
+
+Activation model (per token, per layer, bytes at the training dtype `b`), for a transformer
+with hidden h, intermediate f, heads a, kv heads g, head dim d:
+  saved for backward ~ b * (10 h + 4 f + 2 g d)
+Attention is SDPA (transformers' default, and what the trainer loads): its fused kernels keep no
+L x L probabilities, only the padding mask transformers expands to rows x L x L (~10 bytes per
+entry measured, once, not per layer). Eager attention would add a * L * (b + 1) per token and
+layer, which at 7k tokens is 5x the rest (bench/memory_runaway.py).
+With gradient checkpointing only the layer inputs (b * h) stay, plus one layer's worth in
+flight during recompute. Logits: tokens x vocab in fp32, plus log_softmax and its gradient
+(3 copies). These constants were measured on CPU against `ru_maxrss` (tests/test_memory_safety.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from agent_rl.config import Config
+
+GIB = 2**30
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# hidden, layers, heads, kv heads, intermediate, vocab, tied embeddings
+KNOWN_SHAPES = {
+    "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936, True),
+    "qwen2.5-1.5b": (1536, 28, 12, 2, 8960, 151936, True),
+    "qwen2.5-3b": (2048, 36, 16, 2, 11008, 151936, True),
+    "qwen2.5-7b": (3584, 28, 28, 4, 18944, 152064, False),
+    "qwen2.5-14b": (5120, 48, 40, 8, 13824, 152064, False),
+    "qwen2.5-32b": (5120, 64, 40, 8, 27648, 152064, False),
+    "qwen2.5-72b": (8192, 80, 64, 8, 29568, 152064, False),
+    "llama-3-8b": (4096, 32, 32, 8, 14336, 128256, False),
+    "llama-3-70b": (8192, 80, 64, 8, 28672, 128256, False),
+}
+# python + torch + transformers model code + tokenizer + agent_rl's imports: ru_maxrss of a
+# trainer process before its weights, measured on CPU (torch 2.13, transformers 5.23).
+BASELINE_HOST_BYTES = int(0.45 * GIB)
+# `import peft` (0.21) on top of that: 138 MiB of RSS measured here, whatever the model size.
+PEFT_HOST_BYTES = int(0.135 * GIB)
+
+
+@dataclass
+class Arch:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tied: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def params(self) -> int:
+        d = self.head_dim
+        attn = self.hidden * (self.heads * d) * 2 + self.hidden * (self.kv_heads * d) * 2 + (self.heads + 2 * self.kv_heads) * d
+        mlp = 3 * self.hidden * self.intermediate
+        per_layer = attn + mlp + 2 * self.hidden
+        emb = self.vocab * self.hidden
+        return self.layers * per_layer + emb * (1 if self.tied else 2) + self.hidden
+
+    def lora_params(self, rank: int, targets: list[str]) -> int:
+        d = self.head_dim
+        shapes = {
+            "q_proj": (self.hidden, self.heads * d), "k_proj": (self.hidden, self.kv_heads * d), "v_proj": (self.hidden, self.kv_heads * d),
+            "o_proj": (self.heads * d, self.hidden), "gate_proj": (self.hidden, self.intermediate), "up_proj": (self.hidden, self.intermediate),
+            "down_proj": (self.intermediate, self.hidden),
+        }
+        return self.layers * sum(rank * (i + o) for name, (i, o) in shapes.items() if name in targets)
+
+
+def read_arch(model_path: str) -> Arch:
+    """From `config.json` in a local dir, else from the built-in table by hub id or basename."""
+    cfg_path = Path(model_path) / "config.json"
+    if cfg_path.exists():
+        c = json.loads(cfg_path.read_text())
+        heads = c["num_attention_heads"]
+        return Arch(c["hidden_size"], c["num_hidden_layers"], heads, c.get("num_key_value_heads", heads), c["intermediate_size"], c["vocab_size"], bool(c.get("tie_word_embeddings", False)))
+    key = model_path.rstrip("/").split("/")[-1].lower().replace("meta-", "").replace("-instruct", "").replace("-base", "")
+    key = key.replace("llama-3.1", "llama-3").replace("meta-llama-3", "llama-3")
+    if key in KNOWN_SHAPES:
+        return Arch(*KNOWN_SHAPES[key])
+    raise ValueError(f"cannot read the architecture of {model_path!r}: no config.json there and not one of {sorted(KNOWN_SHAPES)}")
+
+
+def activation_bytes(arch: Arch, tokens: int, rows: int, seq: int, dtype_bytes: int, checkpointing: bool) -> int:
+    """Activations kept for backward of one micro-batch (tokens = rows x seq)."""
+    h, f, g, d = arch.hidden, arch.intermediate, arch.kv_heads, arch.head_dim
+    per_tok_layer = dtype_bytes * (10 * h + 4 * f + 2 * g * d)
+    mask = rows * seq * seq * 10  # SDPA: the expanded padding mask, once per forward
+    full_layer = tokens * per_tok_layer
+    if checkpointing:
+        return arch.layers * tokens * h * dtype_bytes + full_layer + mask
+    return arch.layers * full_layer + mask
+
+
+@dataclass
+class PlanResult:
+    fits: bool
+    gpu_peak_bytes_per_device: int
+    host_peak_bytes: int
+    components: dict = field(default_factory=dict)
+    fixes: list = field(default_factory=list)
+    device_class: str = "cpu"
+    gpu_budget_bytes: int = 0
+    host_budget_bytes: int = 0
+
+    def to_json(self) -> dict:
+        return {"fits": self.fits, "gpu_peak_bytes_per_device": self.gpu_peak_bytes_per_device, "host_peak_bytes": self.host_peak_bytes, "components": self.components, "fixes": self.fixes}
+
+
+def _host_ram() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 16 * GIB
+
+
+def _estimate(cfg: Config, gpus: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(gpu components per device, host components)."""
+    arch = read_arch(cfg.model.warm_start if cfg.model.warm_start and Path(cfg.model.warm_start, "config.json").exists() else cfg.model.path)
+    on_gpu = cfg.train.device.startswith("cuda")
+    b = _DTYPE_BYTES[cfg.model.dtype]
+    P = arch.params()
+    shard = max(1, gpus) if on_gpu else 1
+    lora = cfg.model.lora.enabled
+    trainable = arch.lora_params(cfg.model.lora.rank, list(cfg.model.lora.target_modules)) if lora else P
+    train_c: dict[str, int] = {}
+    train_c["params"] = P * b // shard
+    train_c["grads"] = trainable * b // shard
+    opt = trainable * 8 // shard  # AdamW exp_avg + exp_avg_sq in fp32
+    if cfg.train.bf16 or b == 2:
+        opt += trainable * 4 // shard  # fp32 master copy under mixed precision
+    train_c["optimizer"] = opt
+    if cfg.algo.kl_coef > 0 and not lora:
+        train_c["reference"] = P * b // shard
+    if cfg.algo.name == "ppo":
+        train_c["critic"] = (P - arch.vocab * arch.hidden * (0 if arch.tied else 1)) * (b + b + 8) // shard
+    cap = cfg.train.max_tokens_per_microbatch
+    seq = min(cfg.budget.max_total_tokens, cap)
+    rows = max(1, cap // seq)
+    tokens = rows * seq
+    train_c["activations"] = activation_bytes(arch, tokens, rows, seq, b, cfg.model.gradient_checkpointing)
+    train_c["logits"] = tokens * arch.vocab * 4 * 3
+    if cfg.algo.name == "ppo":
+        train_c["activations"] *= 2 if not cfg.model.gradient_checkpointing else 1
+    host: dict[str, int] = {"baseline": BASELINE_HOST_BYTES}
+    if lora:
+        host["peft_runtime"] = PEFT_HOST_BYTES
+    batch_tokens = cfg.rollout.prompts_per_step * cfg.algo.group_size * cfg.budget.max_total_tokens
+    host["trajectory_buffer"] = min(cfg.buffer.max_tokens, batch_tokens) * 64  # ids, masks, logprobs, python objects
+    if cfg.train.offload_optimizer and on_gpu:
+        host["optimizer_offload"] = train_c.pop("optimizer") * shard // max(1, gpus)
+    if cfg.train.offload_params and on_gpu:
+        host["params_offload"] = train_c.pop("params") * shard // max(1, gpus)
+    if on_gpu:
+        # One full host copy while from_pretrained materialises the weights before `.to(cuda)`.
+        # On CPU that copy *is* the trained parameters (safetensors pages are mapped, not
+        # duplicated), already counted under `params`.
+        host["model_load"] = P * b
+    rollout_c: dict[str, int] = {}
+    if cfg.rollout.engine == "vllm":
+        rollout_c["vllm_reserved"] = -1  # filled in from the device memory below
+    elif cfg.rollout.device != cfg.train.device:
+        rollout_c["rollout_copy"] = P * b
+    kv = 2 * arch.layers * arch.kv_heads * arch.head_dim * b
+    seqs = min(cfg.rollout.generation_batch_size, cfg.rollout.prompts_per_step * cfg.algo.group_size)
+    if cfg.rollout.engine == "hf":
+        rollout_c["kv_cache"] = seqs * cfg.budget.max_total_tokens * kv + seqs * arch.vocab * 4 * 2
+    if cfg.memory.retriever_on_gpu_gib and on_gpu:
+        rollout_c["retriever_index"] = int(cfg.memory.retriever_on_gpu_gib * GIB)
+    if on_gpu:
+        return {**train_c, **rollout_c}, host
+    host.update(train_c)
+    host.update({k: v for k, v in rollout_c.items() if v >= 0})
+    return {}, host
+
+
+def plan(cfg: Config, gpus: int | None = None, gpu_mem_gib: float | None = None, host_mem_gib: float | None = None) -> PlanResult:
+    """Estimate peak memory, decide whether it fits, and rank fixes by what they save."""
+    gpus = gpus or 1
+    gpu_budget = int((gpu_mem_gib or cfg.memory.gpu_mem_gib or 80) * GIB)
+    host_budget = int((host_mem_gib or cfg.memory.host_mem_gib or _host_ram() / GIB) * GIB)
+    gpu_c, host_c = _estimate(cfg, gpus)
+    if gpu_c.get("vllm_reserved") == -1:
+        # Counted whole: with sleep level 1 vLLM frees its KV cache while training, but the
+        # reservation comes back at wake-up, so the rollout phase peaks at this fraction.
+        gpu_c["vllm_reserved"] = int(cfg.rollout.gpu_memory_utilization * gpu_budget)
+    gpu_peak = sum(gpu_c.values())
+    host_peak = sum(host_c.values())
+    fits = gpu_peak <= gpu_budget and host_peak <= host_budget
+    res = PlanResult(fits, gpu_peak, host_peak, {**{f"gpu/{k}": v for k, v in gpu_c.items()}, **{f"host/{k}": v for k, v in host_c.items()}},
+                     device_class="gpu" if gpu_c else "cpu", gpu_budget_bytes=gpu_budget if gpu_c else 0, host_budget_bytes=host_budget)
+    res.fixes = _fixes(cfg, gpus, gpu_peak, host_peak, gpu_budget, host_budget, bool(gpu_c))
+    return res
+
+
+def _fixes(cfg: Config, gpus: int, gpu_peak: int, host_peak: int, gpu_budget: int, host_budget: int, on_gpu: bool) -> list[dict]:
+    """Try each lever on a copy of the config; rank by the bytes it saves on the binding limit."""
+    import copy
+
+    candidates: list[tuple[str, list[tuple[str, str, object]]]] = []
+    cap = cfg.train.max_tokens_per_microbatch
+    if cap // 2 >= cfg.budget.max_total_tokens:
+        candidates.append((f"train.max_tokens_per_microbatch={cap // 2}", [("train", "max_tokens_per_microbatch", cap // 2)]))
+    if not cfg.model.gradient_checkpointing:
+        candidates.append(("model.gradient_checkpointing=true", [("model", "gradient_checkpointing", True)]))
+    if not cfg.model.lora.enabled:
+        candidates.append(("model.lora.enabled=true", [("model", "lora", None)]))
+    if cfg.algo.group_size > 2:
+        candidates.append((f"algo.group_size={max(2, cfg.algo.group_size // 2)}", [("algo", "group_size", max(2, cfg.algo.group_size // 2))]))
+    if on_gpu:
+        if cfg.memory.retriever_on_gpu_gib:
+            candidates.append(("serve the retriever as HNSW on CPU (memory.retriever_on_gpu_gib=0)", [("memory", "retriever_on_gpu_gib", 0.0)]))
+        if cfg.rollout.engine == "vllm" and cfg.rollout.gpu_memory_utilization > 0.3:
+            candidates.append((f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization - 0.2:.1f}", [("rollout", "gpu_memory_utilization", round(cfg.rollout.gpu_memory_utilization - 0.2, 2))]))
+        if not cfg.train.offload_optimizer:
+            candidates.append(("train.offload_optimizer=true", [("train", "offload_optimizer", True)]))
+        if cfg.train.offload_optimizer and host_peak > host_budget:
+            candidates.append(("train.offload_optimizer=false (host RAM is the limit)", [("train", "offload_optimizer", False)]))
+        if cfg.train.offload_params and host_peak > host_budget:
+            candidates.append(("train.offload_params=false (host RAM is the limit)", [("train", "offload_params", False)]))
+        candidates.append((f"--gpus {gpus * 2} (FSDP shards params, grads, optimizer)", [("__gpus__", "", gpus * 2)]))
+    out = []
+    for label, changes in candidates:
+        c = copy.deepcopy(cfg)
+        g = gpus
+        for section, key, value in changes:
+            if section == "__gpus__":
+                g = value
+            elif section == "model" and key == "lora":
+                c.model.lora.enabled = True
+            else:
+                setattr(getattr(c, section), key, value)
+        gc, hc = _estimate(c, g)
+        if gc.get("vllm_reserved") == -1:
+            gc["vllm_reserved"] = int(c.rollout.gpu_memory_utilization * gpu_budget)
+        gpu_saved = gpu_peak - sum(gc.values()) if on_gpu else 0
+        host_saved = host_peak - sum(hc.values())
+        saved = gpu_saved if on_gpu and gpu_peak > gpu_budget else host_saved if host_peak > host_budget else max(gpu_saved, host_saved)
+        if saved > 0:
+            out.append({"fix": label, "saves_bytes": int(saved)})
+    return sorted(out, key=lambda f: -f["saves_bytes"])
+
+
+def render(res: PlanResult) -> str:
+    lines = []
+    for cls, budget, prefix in (("GPU (per device)", res.gpu_budget_bytes, "gpu/"), ("host RAM", res.host_budget_bytes, "host/")):
+        items = {k[len(prefix):]: v for k, v in res.components.items() if k.startswith(prefix)}
+        if not items:
+            continue
+        lines.append(f"{cls}")
+        for k, v in sorted(items.items(), key=lambda kv: -kv[1]):
+            lines.append(f"  {k:<22} {v / GIB:>9.3f} GiB")
+        total = sum(items.values())
+        lines.append(f"  {'total':<22} {total / GIB:>9.3f} GiB of {budget / GIB:.1f} GiB  {'ok' if total <= budget else 'DOES NOT FIT'}")
+    lines.append(f"verdict: {'fits' if res.fits else 'does not fit'}")
+    if res.fixes:
+        lines.append("fixes, most effective first:")
+        for f in res.fixes[:6]:
+            lines.append(f"  {f['fix']:<60} saves {f['saves_bytes'] / GIB:.3f} GiB")
+    return "\n".join(lines)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    from agent_rl.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    res = plan(cfg, args.gpus, args.gpu_mem, args.host_mem)
+    print(json.dumps(res.to_json()) if args.json else render(res))
+    return 0 if res.fits else 1
+
+
+def add_cli(subparsers) -> None:
+    p = subparsers.add_parser("plan", help="estimate peak GPU memory per device and host RAM for a config, before launch")
+    p.add_argument("config")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    p.add_argument("--gpus", type=int, help="GPUs the trainer shards over (FSDP)")
+    p.add_argument("--gpu-mem", type=float, help="GiB per GPU (default memory.gpu_mem_gib or 80)")
+    p.add_argument("--host-mem", type=float, help="GiB of host RAM (default memory.host_mem_gib or this machine's)")
+    p.add_argument("--json", action="store_true", help="print the JSON verdict only")
+    p.set_defaults(func=_cmd)
+

@@ -1,0 +1,81 @@
+"""Preflight, largest first: one forward + backward at the largest admissible micro-batch.
+
+Before step 1 the trainer runs the worst case the budgets allow (rows = cap // max_total_tokens,
+each max_total_tokens long), so a run that will run out of memory fails in its first minute
+with the planner's advice, not hours later when the longest sample finally appears.
+"""
+from __future__ import annotations
+
+import resource
+import time
+
+import torch
+
+from agent_rl.config import Config
+
+
+class PreflightError(RuntimeError):
+    pass
+
+
+def proc_status_bytes(key: str) -> int | None:
+    """A memory line of /proc/self/status (VmRSS, VmHWM, RssAnon, ...) in bytes; None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory since it started (VmHWM on Linux).
+
+    Not ru_maxrss: Linux carries the parent's high-water mark into a child across exec (Python's
+    subprocess uses vfork), so a run launched from a large process would report the parent's peak.
+    """
+    hwm = proc_status_bytes("VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _is_oom(err: BaseException) -> bool:
+    """CUDA raises torch.OutOfMemoryError; the CPU allocator raises a plain RuntimeError."""
+    if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("can't allocate memory" in text or "not enough memory" in text or "out of memory" in text.lower())
+
+
+def run_preflight(model, cfg: Config, device: str) -> dict:
+    rows = max(1, cfg.train.max_tokens_per_microbatch // cfg.budget.max_total_tokens)
+    length = cfg.budget.max_total_tokens
+    vocab = model.config.vocab_size if hasattr(model, "config") else 1000
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (rows, length), generator=gen).to(device)
+    start = time.perf_counter()
+    if torch.cuda.is_available() and str(device).startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[:, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+        lp.mean().backward()
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
+        if not _is_oom(err):
+            raise
+        advice = ""
+        try:
+            from agent_rl.plan import plan
+
+            res = plan(cfg)
+            advice = "; ".join(f["fix"] for f in res.fixes[:3])
+        except Exception:  # the advice is best effort; the OOM is the message
+            pass
+        raise PreflightError(f"preflight at the largest micro-batch ({rows} x {length} tokens) ran out of memory: {err}. Try: {advice or 'lower train.max_tokens_per_microbatch or budget.max_total_tokens, or turn on model.gradient_checkpointing'}") from err
+    finally:
+        model.zero_grad(set_to_none=True)
+    report = {"rows": rows, "tokens": rows * length, "seconds": round(time.perf_counter() - start, 2), "peak_rss_gib": round(peak_rss_bytes() / 2**30, 3)}
+    if torch.cuda.is_available() and str(device).startswith("cuda"):
+        report["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+    return report

@@ -1,0 +1,159 @@
+"""First-use preparation and the local retriever: every command works on a fresh checkout.
+
+When a config names a toy world, a model size to initialise, or an index that does not exist
+yet, they are built here (toy world -> tiny model trained on its text -> dense index), each
+written to a temporary directory and renamed, so a killed build never leaves a half file.
+When `retriever.url` is unset, `local_retriever` starts `retriever-server` on 127.0.0.1 on an
+ephemeral port as a subprocess (the trainer only ever talks to it over HTTP) and stops it.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from agent_rl.config import Config
+
+
+def _log(msg: str) -> None:
+    print(f"[prepare] {msg}", file=sys.stderr, flush=True)
+
+
+def _die_with_parent() -> None:
+    """Linux: the server gets SIGTERM when the trainer dies, even by SIGKILL (no orphans)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def ensure_toy_world(cfg: Config) -> None:
+    if not cfg.data.toy_world:
+        return
+    out = Path(cfg.data.toy_world)
+    if (out / "corpus.jsonl").exists() and (out / "train.parquet").exists():
+        return
+    from data_prep.toy_world import build_toy_world
+
+    _log(f"building the toy world in {out} (seed {cfg.trainer.seed}, {cfg.data.toy_entities} entities)")
+    tmp = Path(tempfile.mkdtemp(prefix=".toy_", dir=out.parent if out.parent.exists() else None))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    build_toy_world(tmp, seed=0, num_entities=cfg.data.toy_entities)
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def _training_texts(cfg: Config) -> Iterator[str]:
+    import pyarrow.parquet as pq
+
+    corpus = Path(cfg.retriever.corpus)
+    if corpus.exists():
+        with corpus.open() as fh:
+            for line in fh:
+                yield json.loads(line)["contents"]
+    for f in cfg.data.train_files:
+        if Path(f).exists():
+            yield from pq.read_table(f, columns=["prompt"]).column("prompt").to_pylist()
+
+
+def ensure_model(cfg: Config) -> None:
+    path = Path(cfg.model.path)
+    if path.exists() or not cfg.model.init_size:
+        if not path.exists() and not ("/" in cfg.model.path and not cfg.model.path.startswith((".", "/"))):
+            raise FileNotFoundError(f"model.path {path} does not exist; set model.init_size=tiny to build one, or point model.path at a model")
+        return
+    from agent_rl.model_init import init_model
+
+    _log(f"initialising a {cfg.model.init_size} model with a locally trained tokenizer in {path}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".model_", dir=path.parent))
+    init_model(tmp, size=cfg.model.init_size, texts=_training_texts(cfg), seed=cfg.trainer.seed)
+    os.replace(tmp, path)
+
+
+def ensure_index(cfg: Config) -> None:
+    if cfg.retriever.url:
+        return
+    index = Path(cfg.retriever.index_dir)
+    if (index / "manifest.json").exists():
+        return
+    corpus = Path(cfg.retriever.corpus)
+    if not corpus.exists():
+        raise FileNotFoundError(f"retriever.corpus {corpus} does not exist and retriever.index_dir {index} has no index; build one with retriever-build or set retriever.url")
+    _log(f"building a {cfg.retriever.kind} index of {corpus} in {index}")
+    index.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".index_", dir=index.parent))
+    cmd = [sys.executable, "-m", "retriever_server.build", "--corpus", str(corpus), "--out", str(tmp), "--kind", cfg.retriever.kind]
+    subprocess.run(cmd, check=True)
+    # The manifest records the corpus path, not the index path, so the rename keeps it valid.
+    os.replace(tmp, index)
+
+
+def prepare(cfg: Config, need_index: bool = True) -> None:
+    """Build whatever the config names and lacks: toy world, model, index."""
+    ensure_toy_world(cfg)
+    ensure_model(cfg)
+    if need_index:
+        ensure_index(cfg)
+
+
+def spawn_retriever(index_dir: str | Path, ready: Path, log: Path, *extra_args: str) -> subprocess.Popen:
+    """`python -m retriever_server.app` on an ephemeral 127.0.0.1 port, output to `log`; it writes
+    `ready` (atomically) once listening and gets SIGTERM if this process dies."""
+    cmd = [sys.executable, "-m", "retriever_server.app", "--index", str(index_dir), "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready), *extra_args]
+    with log.open("w") as log_fh:
+        return subprocess.Popen(cmd, stdout=log_fh, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+
+
+def wait_ready(proc: subprocess.Popen, ready: Path, log: Path, timeout_s: float, name: str = "retriever-server") -> str:
+    """The server's URL once its ready file exists; RuntimeError / TimeoutError with the log's tail
+    if it exits or is not ready within timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not ready.exists():
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with code {proc.returncode}:\n{log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{name} did not start within {timeout_s:.0f}s; log:\n{log.read_text()[-3000:]}")
+        time.sleep(0.1)
+    return json.loads(ready.read_text())["url"]
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited after timeout_s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def local_retriever(cfg: Config, timeout_s: float = 180.0) -> Iterator[str]:
+    """Yield the retriever URL: `retriever.url` if set, else a server started here and stopped after."""
+    if cfg.retriever.url:
+        yield cfg.retriever.url
+        return
+    ensure_index(cfg)
+    work = Path(tempfile.mkdtemp(prefix="retriever_"))
+    ready, log = work / "ready.json", work / "server.log"
+    proc = spawn_retriever(cfg.retriever.index_dir, ready, log, "--topk", str(cfg.retriever.topk))
+    try:
+        url = wait_ready(proc, ready, log, timeout_s)
+        _log(f"retriever listening on {url} (index {cfg.retriever.index_dir})")
+        yield url
+    finally:
+        stop_process(proc)
+        shutil.rmtree(work, ignore_errors=True)

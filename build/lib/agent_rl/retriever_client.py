@@ -1,0 +1,93 @@
+"""HTTP client for any server speaking Search-R1's `/retrieve` API (ours, Search-R1's, verl's).
+
+One batched request per rollout turn (split into requests of at most `max_queries_per_request`,
+under the server's per-request limit: ours refuses more than 256 with a 413), a pooled
+connection, a timeout, retries with exponential backoff. When the server stays down the caller
+gets a `RetrievalError` per call, and the rollout turns it into an observation saying retrieval
+failed: it never crashes a run.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+
+class RetrievalError(RuntimeError):
+    """The retriever did not answer after all retries."""
+
+
+class RetrieverClient:
+    def __init__(self, url: str, topk: int = 3, timeout_s: float = 10.0, max_retries: int = 3, backoff_s: float = 0.2, api_key: str | None = None, max_queries_per_request: int = 128):
+        if max_queries_per_request < 1:
+            raise ValueError(f"max_queries_per_request must be >= 1, got {max_queries_per_request}")
+        self.url = url.rstrip("/")
+        self.topk = topk
+        self.max_queries_per_request = max_queries_per_request
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.Client(timeout=timeout_s, headers=headers, limits=httpx.Limits(max_connections=8))
+        self.stats = {"requests": 0, "queries": 0, "errors": 0, "retries": 0, "latency_s": 0.0}
+        self._lock = threading.Lock()  # split batches run in threads
+
+    def _count(self, key: str, value: float) -> None:
+        with self._lock:
+            self.stats[key] += value
+
+    @classmethod
+    def from_config(cls, rc, url: str) -> RetrieverClient:
+        """The client a `retriever:` config section describes, for the server at `url`."""
+        return cls(url, rc.topk, rc.timeout_s, rc.max_retries, rc.backoff_s, rc.api_key, rc.max_queries_per_request)
+
+    def retrieve(self, queries: list[str], topk: int | None = None) -> list[list[dict]]:
+        """Documents `{"id", "contents"}` per query, in order. Raises RetrievalError at last."""
+        chunks = [queries[lo : lo + self.max_queries_per_request] for lo in range(0, len(queries), self.max_queries_per_request)]
+        if len(chunks) <= 1:
+            return self._retrieve_chunk(queries, topk) if queries else []
+        # The chunks go out concurrently so the server can batch them together; order is kept.
+        with ThreadPoolExecutor(max_workers=min(4, len(chunks))) as pool:
+            results = list(pool.map(lambda c: self._retrieve_chunk(c, topk), chunks))
+        return [docs for result in results for docs in result]
+
+    def _retrieve_chunk(self, queries: list[str], topk: int | None) -> list[list[dict]]:
+        payload = {"queries": queries, "topk": topk or self.topk, "return_scores": False}
+        last_err: Exception | None = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                self._count("retries", 1)
+                time.sleep(self.backoff_s * 2 ** (attempt - 1))
+            start = time.perf_counter()
+            try:
+                resp = self._http.post(f"{self.url}/retrieve", json=payload)
+                if resp.status_code >= 500 or resp.status_code == 429:
+                    raise httpx.HTTPStatusError(f"server answered {resp.status_code}", request=resp.request, response=resp)
+                if resp.status_code >= 400:  # our own request is wrong: retrying will not help
+                    self._count("errors", 1)
+                    raise RetrievalError(f"retriever rejected the request ({resp.status_code}): {resp.text[:300]}")
+                result = resp.json()["result"]
+                self._count("requests", 1)
+                self._count("queries", len(queries))
+                self._count("latency_s", time.perf_counter() - start)
+                return [[item["document"] if "document" in item else item for item in docs] for docs in result]
+            except RetrievalError:
+                raise
+            except (httpx.HTTPError, ValueError, KeyError) as err:
+                last_err = err
+        self._count("errors", 1)
+        raise RetrievalError(f"retriever at {self.url} failed after {self.max_retries + 1} attempts: {last_err}")
+
+    def close(self) -> None:
+        self._http.close()
+
+
+def format_documents(docs: list[dict]) -> list[str]:
+    """Search-R1's passage format: `Doc i(Title: T) text`, one string per document."""
+    out = []
+    for i, doc in enumerate(docs, 1):
+        contents = doc.get("contents", "")
+        title, _, text = contents.partition("\n")
+        out.append(f"Doc {i}(Title: {title}) {text}")
+    return out

@@ -1,0 +1,62 @@
+"""Rewards by name: exact match or F1 on the last `<answer>` of the *response* (never the prompt).
+
+Only the policy's own text is scored: inserted observations (`<information>...</information>`)
+and the corrective message (which itself says "between <answer> and </answer>") are removed
+first, so they can never be read as an answer or break the format check.
+Normalisation is SQuAD's (`retriever_server.answers`), shared with retrieval evaluation. The
+optional format reward adds `format_coef` when the response is well formed: every `<search>`
+is closed, it ends with exactly one `<answer>...</answer>` and nothing after it; the total is
+capped at 1. It is off by default (Search-R1's format variant can pay for well-formed wrong
+answers).
+"""
+from __future__ import annotations
+
+import re
+
+from agent_rl.rollout import INVALID_MESSAGE
+from retriever_server.answers import exact_match, f1_score
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_OBSERVATION = re.compile(r"<information>.*?</information>", re.DOTALL)
+
+
+def policy_text(response_text: str) -> str:
+    """The response without the environment's inserted text (observations, corrective message)."""
+    return _OBSERVATION.sub(" ", response_text).replace(INVALID_MESSAGE.strip(), " ")
+
+
+def extract_answer(response_text: str) -> str | None:
+    """The content of the last complete `<answer>...</answer>` in the response, stripped."""
+    found = _ANSWER.findall(response_text)
+    return found[-1].strip() if found else None
+
+
+def well_formed(response_text: str) -> bool:
+    text = response_text.replace("<|endoftext|>", "").rstrip()
+    if text.count("<search>") != text.count("</search>"):
+        return False
+    if len(_ANSWER.findall(text)) != 1:
+        return False
+    return text.endswith("</answer>")
+
+
+def _em(answer: str, golden: list[str]) -> float:
+    return exact_match(answer, golden)
+
+
+def _f1(answer: str, golden: list[str]) -> float:
+    return f1_score(answer, golden)
+
+
+REWARDS = {"em": _em, "f1": _f1}
+
+
+def compute_reward(name: str, response_text: str, golden_answers: list[str], format_coef: float = 0.0) -> float:
+    if name not in REWARDS:
+        raise ValueError(f"unknown reward {name!r}; choose one of {sorted(REWARDS)}")
+    text = policy_text(response_text)
+    answer = extract_answer(text)
+    score = REWARDS[name](answer, golden_answers) if answer is not None else 0.0
+    if format_coef > 0 and well_formed(text):
+        score = min(1.0, score + format_coef)
+    return float(score)

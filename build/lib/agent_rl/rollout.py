@@ -1,0 +1,213 @@
+"""The multi-turn agent loop: generate, parse the action, search, insert the observation.
+
+Each turn generates for the active trajectories only, sends all of the turn's queries to the
+retriever in one batched request, and inserts `\n\n<information>Doc 1(Title: T) ...</information>\n\n`
+(Search-R1's format) with loss mask 0. The token budget is asked before anything is appended.
+After `max_turns` search turns one last turn is generated whose searches are not run: the
+policy must answer (as Search-R1's final rollout). An invalid action gets Search-R1's
+corrective message. A dead retriever gives an observation saying retrieval failed.
+Departure from Search-R1: no decode/re-tokenize of sampled text, stop at tags, hard budgets.
+"""
+from __future__ import annotations
+
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+from agent_rl.budget import TokenBudget
+from agent_rl.engines import Engine
+from agent_rl.retriever_client import RetrievalError, RetrieverClient, format_documents
+from agent_rl.trajectory import Trajectory, Turn
+
+INVALID_MESSAGE = (
+    "\nMy previous action is invalid. If I want to search, I should put the query between <search> and </search>. "
+    "If I want to give the final answer, I should put the answer between <answer> and </answer>. Let me try again.\n"
+)
+TRUNCATION_MARKER = " ...[truncated]"
+_SEARCH = re.compile(r"<search>(.*?)</search>", re.DOTALL)
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
+@dataclass
+class PromptItem:
+    """One training or test prompt, already tokenized (never truncated)."""
+
+    prompt_id: str
+    data_source: str
+    prompt_ids: list[int]
+    golden_answers: list[str]
+
+
+def parse_action(text: str) -> tuple[str, str | None]:
+    """The first complete `<search>` or `<answer>` of a turn wins: ("search"|"answer"|"invalid", content)."""
+    search, answer = _SEARCH.search(text), _ANSWER.search(text)
+    if answer and (not search or answer.start() < search.start()):
+        return "answer", answer.group(1).strip()
+    if search:
+        query = search.group(1).strip()
+        return ("search", query) if query else ("invalid", None)
+    return "invalid", None
+
+
+class ObservationBuilder:
+    """Turns retrieved documents into observation token ids that fit an allowance."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.head = self._ids("\n\n<information>")
+        self.tail = self._ids("</information>\n\n")
+        self.marker = self._ids(TRUNCATION_MARKER)
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def min_tokens(self) -> int:
+        return len(self.head) + len(self.tail) + len(self.marker) + 1
+
+    def build(self, body_parts: list[str], allowance: int) -> tuple[list[int], bool]:
+        """Whole documents first; if even one does not fit, cut it by tokens with a visible marker."""
+        frame = len(self.head) + len(self.tail)
+        for k in range(len(body_parts), 0, -1):
+            body = self._ids("\n".join(body_parts[:k]))
+            if frame + len(body) <= allowance:
+                return self.head + body + self.tail, k < len(body_parts)
+        body = self._ids(body_parts[0]) if body_parts else []
+        room = allowance - frame - len(self.marker)
+        return self.head + body[: max(0, room)] + self.marker + self.tail, True
+
+
+class AgentLoop:
+    """Runs batched multi-turn rollouts for a list of prompts."""
+
+    def __init__(self, engine: Engine, tokenizer, client: RetrieverClient | None, budget: TokenBudget, topk: int = 3):
+        self.engine = engine
+        self.tok = tokenizer
+        self.client = client
+        self.budget = budget
+        self.topk = topk
+        self.obs = ObservationBuilder(tokenizer)
+        self.invalid_ids = self.obs._ids(INVALID_MESSAGE)
+        self.counters: Counter = Counter()
+
+    def run(self, items: list[PromptItem], group_size: int = 1, temperature: float = 1.0, top_p: float = 1.0) -> list[Trajectory]:
+        trajs = [
+            Trajectory(prompt_id=it.prompt_id, data_source=it.data_source, prompt_ids=list(it.prompt_ids), golden_answers=list(it.golden_answers), sample_idx=j)
+            for it in items
+            for j in range(group_size)
+        ]
+        for t in trajs:
+            if not self.budget.admits_prompt(t.prompt_tokens):
+                raise ValueError(
+                    f"prompt {t.prompt_id} has {t.prompt_tokens} tokens > budget.max_prompt_tokens ({self.budget.max_prompt_tokens}); "
+                    "prompts are filtered at data loading, never truncated"
+                )
+        turn = 0
+        while True:
+            active = [t for t in trajs if not t.done]
+            if not active:
+                break
+            final = self.budget.is_final_turn(turn)
+            allow = [self.budget.turn_allowance(t.total_tokens) for t in active]
+            for t, a in zip(active, allow):
+                if a <= 0:
+                    self._end(t, "budget_total")
+            pairs = [(t, a) for t, a in zip(active, allow) if a > 0]
+            if not pairs:
+                break
+            gens = self.engine.generate([t.prompt_ids + t.response_ids for t, _ in pairs], [a for _, a in pairs], temperature, top_p)
+            searches: list[tuple[Trajectory, str]] = []
+            for (t, _), g in zip(pairs, gens):
+                t.append(g.token_ids, sampled=True, logprobs=g.logprobs)
+                text = self.tok.decode(g.token_ids, skip_special_tokens=False)
+                action, content = parse_action(text)
+                truncated = g.finish_reason == "length"
+                t.turns.append(Turn(action=action, gen_tokens=len(g.token_ids), truncated=truncated, query=content if action == "search" else None))
+                self.counters["rollout/turns"] += 1
+                self.counters[f"rollout/action_{action}"] += 1
+                if truncated:
+                    self.counters["budget/turn_truncated"] += 1
+                if action == "answer":
+                    self._end(t, "answer")
+                elif final:
+                    last_err = len(t.turns) > 1 and t.turns[-2].retriever_error is not None
+                    self._end(t, "invalid" if action == "invalid" else ("retriever_error" if last_err else "max_turns"))
+                elif action == "search":
+                    searches.append((t, content))
+                else:
+                    self._insert(t, self.invalid_ids, corrective=True)
+            if searches:
+                self._search_and_insert(searches)
+            turn += 1
+        for t in trajs:
+            t.response_text = self.tok.decode(t.response_ids, skip_special_tokens=False)
+        return trajs
+
+    def _end(self, t: Trajectory, reason: str) -> None:
+        t.end_reason = reason
+        self.counters[f"budget/end_{reason}"] += 1
+
+    def _insert(self, t: Trajectory, ids: list[int], corrective: bool = False) -> None:
+        allowance = self.budget.obs_allowance(t.total_tokens)
+        if allowance < len(ids):
+            self.counters["budget/obs_no_room"] += 1
+            self._end(t, "budget_total")
+            return
+        t.append(ids, sampled=False)
+        t.turns[-1].obs_tokens = len(ids)
+
+    def _search_and_insert(self, searches: list[tuple[Trajectory, str]]) -> None:
+        queries = [q for _, q in searches]
+        start = time.perf_counter()
+        error = None
+        try:
+            if self.client is None:
+                raise RetrievalError("no retriever configured")
+            results = self.client.retrieve(queries, self.topk)
+        except RetrievalError as err:
+            error, results = str(err), [None] * len(queries)
+            self.counters["retriever/errors"] += len(queries)
+        ms = (time.perf_counter() - start) * 1000.0
+        self.counters["retriever/queries"] += len(queries)
+        for (t, _), docs in zip(searches, results):
+            turn = t.turns[-1]
+            turn.retrieval_ms = ms
+            if docs is None:
+                turn.retriever_error = error
+                parts = ["Retrieval failed: the search engine did not answer. Try again or answer from what you know."]
+            else:
+                parts = format_documents(docs) or ["No documents found."]
+            allowance = self.budget.obs_allowance(t.total_tokens)
+            if allowance < self.obs.min_tokens():
+                self.counters["budget/obs_no_room"] += 1
+                self._end(t, "budget_total")
+                continue
+            ids, cut = self.obs.build(parts, allowance)
+            if cut:
+                self.counters["budget/obs_truncated"] += 1
+            turn.obs_truncated = cut
+            turn.obs_tokens = len(ids)
+            t.append(ids, sampled=False)
+
+
+def rollout_metrics(trajs: list[Trajectory], counters: Counter) -> dict[str, float]:
+    """Namespaced rollout/budget/retriever metrics for one batch."""
+    n = max(1, len(trajs))
+    resp = [t.response_tokens for t in trajs]
+    gen = [sum(t.loss_mask) for t in trajs]
+    m: dict[str, float] = {
+        "rollout/trajectories": float(len(trajs)),
+        "rollout/response_length_mean": sum(resp) / n,
+        "rollout/response_length_max": float(max(resp, default=0)),
+        "rollout/generated_tokens_mean": sum(gen) / n,
+        "rollout/turns_mean": sum(len(t.turns) for t in trajs) / n,
+        "rollout/searches_mean": sum(sum(1 for x in t.turns if x.action == "search") for t in trajs) / n,
+        "rollout/invalid_frac": sum(sum(1 for x in t.turns if x.action == "invalid") for t in trajs) / max(1, sum(len(t.turns) for t in trajs)),
+        "rollout/total_tokens_max": float(max((t.total_tokens for t in trajs), default=0)),
+    }
+    reasons = Counter(t.end_reason for t in trajs)
+    for reason in ("answer", "max_turns", "budget_total", "invalid", "retriever_error"):
+        m[f"budget/end_{reason}_frac"] = reasons.get(reason, 0) / n
+    for key, value in counters.items():
+        m[key] = float(value)
+    return m

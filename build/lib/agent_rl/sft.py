@@ -1,0 +1,125 @@
+"""`agent-rl sft`: a supervised warm start on scripted demonstration trajectories.
+
+A demonstration follows the row's `metadata.queries` (the natural query per hop, as the toy
+world writes it): `<search> q </search>` + the real observation from the retriever (loss
+mask 0, exactly as in RL) ... `<answer> a </answer>`. Each time a demonstration is drawn into a
+batch, with probability `sft.wrong_fraction` it ends with a wrong answer drawn afresh from the
+answer pool, so SFT teaches the format and the search habit without saturating EM and RL has
+headroom. The wrong answer is redrawn on every draw, never fixed per demonstration: a fixed
+wrong answer can only be learnt by memorising the entity, which pulls the policy away from
+reading the passage.
+"""
+from __future__ import annotations
+
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from agent_rl.budget import TokenBudget
+from agent_rl.buffer import collate, pack_microbatches
+from agent_rl.config import Config
+from agent_rl.data import load_prompts
+from agent_rl.models import load_policy, load_tokenizer
+from agent_rl.retriever_client import RetrieverClient, format_documents
+from agent_rl.rollout import ObservationBuilder
+from agent_rl.trajectory import Trajectory
+
+
+def build_demonstrations(cfg: Config, tokenizer, client: RetrieverClient) -> Demonstrations:
+    """The scripted prefix of every demonstration (prompt, searches, observations) and the answer pool."""
+    budget = TokenBudget.from_config(cfg.budget)
+    prompts = load_prompts(cfg.data.train_files, tokenizer, budget)
+    obs = ObservationBuilder(tokenizer)
+    answers_pool = sorted({a for it in prompts.items for a in it.golden_answers[:1]})
+    rows = [(it, meta) for it, meta in zip(prompts.items, prompts.metadata) if meta.get("queries")]
+    if not rows:
+        raise ValueError("no training row carries metadata.queries: scripted demonstrations need the toy world (data.toy_world)")
+    unique = sorted({q for _, m in rows for q in m["queries"][: cfg.budget.max_turns]})
+    cache: dict[str, list[dict]] = {}
+    for lo in range(0, len(unique), 64):
+        chunk = unique[lo : lo + 64]
+        for q, docs in zip(chunk, client.retrieve(chunk, cfg.retriever.topk)):
+            cache[q] = docs
+    demos = []
+    enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    for it, meta in rows:
+        t = Trajectory(it.prompt_id, it.data_source, list(it.prompt_ids), list(it.golden_answers))
+        for q in meta["queries"][: cfg.budget.max_turns]:
+            t.append(enc(f"<search> {q} </search>"), sampled=True)
+            ids, _ = obs.build(format_documents(cache[q]), budget.obs_allowance(t.total_tokens))
+            t.append(ids, sampled=False)
+        demos.append(t)  # the prefix: prompt, searches and observations; the answer is added per draw
+    answer_ids = {a: enc(f"<answer> {a} </answer>") for a in answers_pool + [it.golden_answers[0] for it, _ in rows]}
+    longest = max(len(v) for v in answer_ids.values())
+    return Demonstrations([t for t in demos if t.total_tokens + longest <= budget.max_total_tokens], answers_pool, answer_ids)
+
+
+class Demonstrations:
+    """Scripted prefixes plus the answer pool; `draw` appends the golden answer or, with probability
+    wrong_fraction, a wrong one drawn afresh."""
+
+    def __init__(self, prefixes: list[Trajectory], pool: list[str], answer_ids: dict[str, list[int]]):
+        self.prefixes, self.pool, self.answer_ids = prefixes, pool, answer_ids
+
+    def __len__(self) -> int:
+        return len(self.prefixes)
+
+    def draw(self, index: int, wrong_fraction: float, rng: random.Random) -> Trajectory:
+        prefix = self.prefixes[index]
+        answer = prefix.golden_answers[0]
+        if rng.random() < wrong_fraction:
+            wrong = [a for a in self.pool if a not in prefix.golden_answers]
+            answer = rng.choice(wrong) if wrong else answer
+        t = Trajectory(prefix.prompt_id, prefix.data_source, prefix.prompt_ids, prefix.golden_answers)
+        t.response_ids, t.loss_mask, t.logprobs = list(prefix.response_ids), list(prefix.loss_mask), list(prefix.logprobs)
+        t.append(self.answer_ids[answer], sampled=True)
+        return t
+
+
+def sft(cfg: Config) -> Path:
+    """Train on scripted demonstrations; save to `model.warm_start` (or OUTPUT_DIR/sft)."""
+    from agent_rl.prepare import local_retriever, prepare
+
+    prepare(cfg)
+    out = Path(cfg.model.warm_start or Path(cfg.trainer.output_dir) / "sft")
+    torch.manual_seed(cfg.trainer.seed)
+    rng = random.Random(cfg.trainer.seed)
+    tokenizer = load_tokenizer(cfg.model.path)
+    model = load_policy(cfg, cfg.model.path, cfg.train.device)
+    with local_retriever(cfg) as url:
+        client = RetrieverClient.from_config(cfg.retriever, url)
+        demos = build_demonstrations(cfg, tokenizer, client)
+        client.close()
+    print(f"[sft] {len(demos)} scripted demonstrations; {cfg.sft.steps} steps of batch {cfg.sft.batch_size}", file=sys.stderr)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.sft.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / max(1, cfg.sft.steps)))
+    model.train()
+    start = time.perf_counter()
+    for step in range(1, cfg.sft.steps + 1):
+        batch = [demos.draw(rng.randrange(len(demos)), cfg.sft.wrong_fraction, rng) for _ in range(cfg.sft.batch_size)]
+        mask_tokens = sum(sum(t.loss_mask) for t in batch)
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for index in pack_microbatches([t.total_tokens for t in batch], cfg.train.max_tokens_per_microbatch):
+            mb = collate(batch, index, tokenizer.pad_token_id, cfg.train.device)
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[:, :-1].float()
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), mb.input_ids[:, 1:], reduction="none")
+            loss = (nll * mb.loss_mask[:, 1:]).sum() / max(1, mask_tokens)  # observations get no gradient
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        sched.step()
+        if step % 100 == 0 or step == cfg.sft.steps:
+            print(f"[sft] step {step}/{cfg.sft.steps} loss {total:.4f} ({time.perf_counter() - start:.0f}s)", flush=True)
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    tmp = out.with_name(out.name + ".tmp")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.replace(out) if not out.exists() else (__import__("shutil").rmtree(out), tmp.replace(out))
+    print(f"[sft] saved the warm start to {out}", file=sys.stderr)
+    return out

@@ -1,0 +1,159 @@
+"""Search indexes behind one interface: `search(queries, k) -> (scores (n,k), rows (n,k))`.
+
+rows index the document store; -1 marks a missing hit (fewer than k documents). Kinds:
+- `flat`: exact inner product (faiss IndexFlatIP); with `device="cuda"` it is served on the
+  GPU(s): faiss-gpu when importable, else exact search in torch, fp16 optional, sharded across
+  the visible GPUs (Search-R1's flat wiki-18 index needs ~65 GB; shard it or use HNSW on CPU).
+- `hnsw`: faiss IndexHNSWFlat (M=64 default, efConstruction/efSearch recorded): the CPU default.
+- `bm25`: Lucene through pyserini (`retriever_server.bm25`).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from retriever_server.encoders import Encoder
+from retriever_server.store import DocStore
+
+
+class TorchExactIndex:
+    """Exact inner-product search with torch, sharded row-wise across devices (GPU or CPU)."""
+
+    def __init__(self, vectors: np.ndarray, devices: list[str], fp16: bool = False):
+        import torch
+
+        self.torch = torch
+        dtype = torch.float16 if fp16 else torch.float32
+        parts = np.array_split(np.arange(len(vectors)), len(devices))
+        self.shards = [(int(p[0]) if len(p) else 0, torch.from_numpy(np.ascontiguousarray(vectors[p])).to(d, dtype=dtype)) for p, d in zip(parts, devices)]
+        self.ntotal = len(vectors)
+
+    def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        torch = self.torch
+        all_s, all_i = [], []
+        for offset, shard in self.shards:
+            if shard.shape[0] == 0:
+                continue
+            qs = torch.from_numpy(q).to(shard.device, dtype=shard.dtype)
+            s = (qs @ shard.T).float()
+            kk = min(k, shard.shape[0])
+            top_s, top_i = s.topk(kk, dim=1)
+            all_s.append(top_s.cpu())
+            all_i.append(top_i.cpu() + offset)
+        s = torch.cat(all_s, 1)
+        i = torch.cat(all_i, 1)
+        kk = min(k, s.shape[1])
+        top_s, pos = s.topk(kk, dim=1)
+        rows = i.gather(1, pos)
+        return _pad(top_s.numpy().astype(np.float32), rows.numpy().astype(np.int64), k)
+
+
+def _pad(scores: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    if scores.shape[1] >= k:
+        return scores, rows
+    n, have = scores.shape
+    s = np.full((n, k), -np.inf, dtype=np.float32)
+    r = np.full((n, k), -1, dtype=np.int64)
+    s[:, :have], r[:, :have] = scores, rows
+    return s, r
+
+
+class DenseIndex:
+    def __init__(self, index_dir: Path, manifest: dict, device: str = "cpu", fp16: bool = False, ef_search: int | None = None, encoder_device: str | None = None, packed: bool = True):
+        import faiss
+
+        self.kind = manifest["kind"]
+        encoder_device = encoder_device or ("cuda" if device.startswith("cuda") else "cpu")
+        if encoder_device.startswith("cuda"):
+            _need_cuda("--encoder-device cuda")
+        self.encoder = Encoder(manifest["encoder"], manifest["pooling"], manifest["query_prefix"], manifest["passage_prefix"], device=encoder_device, fp16=fp16, packed=packed)
+        index = faiss.read_index(str(Path(index_dir) / "index.faiss"))
+        if self.kind == "hnsw":
+            index.hnsw.efSearch = ef_search or manifest["build"].get("ef_search", 128)
+        self.index = index
+        self.ntotal = index.ntotal
+        if device.startswith("cuda"):
+            if self.kind != "flat":
+                raise ValueError("--device cuda serves the flat index only; HNSW runs on the CPU")
+            self.index = _gpu_flat(index, fp16)
+
+    def search(self, queries: list[str], k: int) -> tuple[np.ndarray, np.ndarray]:
+        q = self.encoder.encode_queries(queries)
+        scores, rows = self.index.search(q, k)
+        return scores.astype(np.float32), rows.astype(np.int64)
+
+
+def _need_cuda(flag: str) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"{flag} but no CUDA device is visible; serve with --device cpu --encoder-device cpu")
+
+
+def _gpu_flat(index, fp16: bool):
+    """faiss-gpu when installed (all GPUs, sharded), else torch exact search over the GPUs."""
+    import torch
+
+    _need_cuda("--device cuda")
+    vectors = index.reconstruct_n(0, index.ntotal)
+    try:
+        import faiss
+
+        if hasattr(faiss, "index_cpu_to_all_gpus"):
+            co = faiss.GpuMultipleClonerOptions()
+            co.shard = True
+            co.useFloat16 = fp16
+            return faiss.index_cpu_to_all_gpus(index, co=co)
+    except (ImportError, AttributeError, RuntimeError):
+        pass
+    return TorchExactIndex(vectors, [f"cuda:{i}" for i in range(torch.cuda.device_count())], fp16=fp16)
+
+
+class BM25Index:
+    def __init__(self, index_dir: Path, manifest: dict, store: DocStore):
+        from retriever_server.bm25 import BM25Searcher
+
+        b = manifest["build"]
+        self.searcher = BM25Searcher(Path(index_dir), k1=b.get("k1", 0.9), b=b.get("b", 0.4))
+        self.store = store
+        self.ntotal = len(store)
+        self.encoder = None
+
+    def search(self, queries: list[str], k: int) -> tuple[np.ndarray, np.ndarray]:
+        scores, doc_ids = self.searcher.search(queries, k)
+        rows = np.full((len(queries), k), -1, dtype=np.int64)
+        for i, ids in enumerate(doc_ids):
+            rows[i, : len(ids)] = self.store.row_of(ids)
+        return np.asarray(scores, dtype=np.float32), rows
+
+
+def load_manifest(index_dir: Path) -> dict:
+    path = Path(index_dir) / "manifest.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: {index_dir} is not an index built by retriever-build")
+    return json.loads(path.read_text())
+
+
+def open_index(index_dir: Path, device: str = "cpu", fp16: bool = False, ef_search: int | None = None, verify: bool = True, encoder_device: str | None = None, packed: bool = True):
+    """(manifest, store, index) for an index dir; refuses a manifest that does not match its data.
+    The query encoder runs on `encoder_device` (default: cuda when the index is on cuda, else cpu);
+    `packed=False` keeps transformers' padded forward on CPU."""
+    from retriever_server.store import file_sha256
+
+    index_dir = Path(index_dir)
+    manifest = load_manifest(index_dir)
+    store = DocStore(index_dir)
+    if len(store) != manifest["count"]:
+        raise ValueError(f"index {index_dir}: manifest says {manifest['count']} documents but the store holds {len(store)}; rebuild with retriever-build")
+    corpus = Path(manifest.get("corpus", ""))
+    if verify and corpus.is_file() and manifest.get("corpus_sha256") and file_sha256(corpus) != manifest["corpus_sha256"]:
+        raise ValueError(f"index {index_dir} was built from {corpus}, which has changed since (checksum differs); rebuild the index with retriever-build")
+    if manifest["kind"] == "bm25":
+        index = BM25Index(index_dir, manifest, store)
+    else:
+        index = DenseIndex(index_dir, manifest, device, fp16, ef_search, encoder_device, packed)
+        if index.ntotal != manifest["count"]:
+            raise ValueError(f"index {index_dir}: the FAISS index holds {index.ntotal} vectors but the manifest says {manifest['count']}; rebuild it")
+    return manifest, store, index
