@@ -251,13 +251,13 @@ def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: b
         async def __call__(self, scope, receive, send):
             if scope["type"] != "http":
                 return await self.app(scope, receive, send)
+            headers = dict(scope["headers"])
             if settings.api_key and scope["path"] == "/retrieve":
-                auth = dict(scope["headers"]).get(b"authorization", b"")
-                if auth != f"Bearer {settings.api_key}".encode():
+                if headers.get(b"authorization", b"") != f"Bearer {settings.api_key}".encode():
                     return await error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")(scope, receive, send)
             if scope["method"] != "POST":
                 return await self.app(scope, receive, send)
-            length = dict(scope["headers"]).get(b"content-length", b"")
+            length = headers.get(b"content-length", b"")
             if length.isdigit() and int(length) > settings.max_body_bytes:
                 return await error(413, f"request body of {length.decode()} bytes exceeds the limit of {settings.max_body_bytes} bytes (--max-body-bytes)")(scope, receive, send)
             chunks, size, more = [], 0, True

@@ -36,7 +36,7 @@ class PackedBert:
 
     def __init__(self, model):
         c = model.config
-        self.emb, self.hidden, self.heads, self.eps = model.embeddings, c.hidden_size, c.num_attention_heads, c.layer_norm_eps
+        self.emb, self.hidden, self.heads = model.embeddings, c.hidden_size, c.num_attention_heads
         self.act = _ACTIVATIONS[c.hidden_act]
         self.layers = []
         for layer in model.encoder.layer:
@@ -61,7 +61,7 @@ class PackedBert:
         types = token_type_ids[valid] if token_type_ids is not None else torch.zeros_like(positions)
         e = self.emb
         x = e.word_embeddings(input_ids[valid]) + e.position_embeddings(positions) + e.token_type_embeddings(types)
-        x = F.layer_norm(x, (self.hidden,), e.LayerNorm.weight, e.LayerNorm.bias, self.eps)
+        x = F.layer_norm(x, (self.hidden,), e.LayerNorm.weight, e.LayerNorm.bias, e.LayerNorm.eps)
         head_dim = self.hidden // self.heads
         key_mask = valid[:, None, None, :]
         padded = x.new_zeros(n, width, 3 * self.hidden)
@@ -102,12 +102,12 @@ class Encoder:
             batch = self.tokenizer([texts[i] for i in idx], padding=True, truncation=True, max_length=self.max_length, return_tensors="pt").to(self.device)
             if self.packed is not None:
                 tokens, valid = self.packed(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
+                lengths = valid.sum(1)
                 if self.pooling == "cls":
-                    starts = torch.cumsum(valid.sum(1), 0) - valid.sum(1)
-                    emb = tokens[starts]
+                    emb = tokens[torch.cumsum(lengths, 0) - lengths]  # each row's first token
                 else:
-                    seq = torch.arange(valid.shape[0]).repeat_interleave(valid.sum(1))
-                    emb = torch.zeros(valid.shape[0], self.dim, dtype=tokens.dtype).index_add_(0, seq, tokens) / valid.sum(1, keepdim=True).clamp(min=1)
+                    rows = torch.arange(len(lengths)).repeat_interleave(lengths)
+                    emb = tokens.new_zeros(len(lengths), self.dim).index_add_(0, rows, tokens) / lengths.clamp(min=1).unsqueeze(1)
             else:
                 hidden = self.model(**batch).last_hidden_state
                 if self.pooling == "cls":
