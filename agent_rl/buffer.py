@@ -91,6 +91,7 @@ class MicroBatch:
     attention_mask: torch.Tensor  # (B, T)
     loss_mask: torch.Tensor  # (B, T) float
     prompt_lengths: list[int] = field(default_factory=list)  # per row; lets the forward share a group's prompt
+    rollout_logprobs: torch.Tensor | None = None  # (B, T) the engine's log-probs of the sampled tokens, 0 elsewhere
 
     @property
     def num_tokens(self) -> int:
@@ -103,14 +104,16 @@ def collate(trajs: list[Trajectory], index: list[int], pad_id: int, device: torc
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     attn = torch.zeros((len(rows), width), dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.float32)
+    engine_lp = torch.zeros((len(rows), width), dtype=torch.float32)
     for r, t in enumerate(rows):
         seq = t.prompt_ids + t.response_ids
         ids[r, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         attn[r, : len(seq)] = 1
         mask[r, t.prompt_tokens : len(seq)] = torch.tensor(t.loss_mask, dtype=torch.float32)
+        engine_lp[r, t.prompt_tokens : len(seq)] = torch.tensor(t.logprobs, dtype=torch.float32)
     return MicroBatch(
         index=list(index), input_ids=ids.to(device), attention_mask=attn.to(device), loss_mask=mask.to(device),
-        prompt_lengths=[t.prompt_tokens for t in rows],
+        prompt_lengths=[t.prompt_tokens for t in rows], rollout_logprobs=engine_lp.to(device),
     )
 
 

@@ -60,6 +60,18 @@ def _loop(cfg, model_path: str, url: str):
     tokenizer = load_tokenizer(tok_path)
     from transformers import AutoModelForCausalLM
 
+    if cfg.rollout.engine == "vllm":
+        from agent_rl.engines import VLLMEngine
+
+        if (Path(model_path) / "adapter_config.json").exists():
+            raise SystemExit(
+                f"{model_path} holds LoRA adapters; vLLM here serves plain weights. Merge them first: "
+                f"agent-rl export CONFIG --checkpoint {model_path} --out DIR --merge, then pass --checkpoint DIR"
+            )
+        engine = VLLMEngine(model_path, tokenizer, cfg, seed=cfg.trainer.seed)
+        client = RetrieverClient.from_config(cfg.retriever, url)
+        budget = TokenBudget.from_config(cfg.budget)
+        return AgentLoop(engine, tokenizer, client, budget, cfg.retriever.topk), tokenizer, budget
     if (Path(model_path) / "adapter_config.json").exists():
         from peft import AutoPeftModelForCausalLM
 

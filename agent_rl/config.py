@@ -98,7 +98,9 @@ class RolloutConfig:
     gpu_memory_utilization: float = _f(0.4, "vLLM: fraction of GPU memory it reserves (weights + KV cache).")
     tensor_parallel_size: int = _f(1, "vLLM: tensor-parallel degree.")
     max_num_seqs: int = _f(256, "vLLM: most sequences in flight.")
-    enforce_eager: bool = _f(True, "vLLM: skip CUDA graph capture (faster start, slower decode).")
+    enforce_eager: bool = _f(True, "vLLM: skip CUDA graph capture / torch.compile (start in seconds; the compiled start takes minutes on CPU).")
+    vllm_in_process: bool = _f(True, "vLLM: run the engine core in the trainer's process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so weight sync hands tensors over; false sends them as safetensors bytes to vLLM's own process.")
+    cpu_kv_cache_gib: float = _f(1.0, "vLLM on CPU: GiB reserved for the KV cache (VLLM_CPU_KVCACHE_SPACE).")
 
 
 @dataclass
@@ -143,6 +145,7 @@ class AlgoConfig:
     entropy_coef: float = _f(0.0, "Entropy bonus coefficient.")
     ppo_epochs: int = _f(1, "Update epochs over each rollout batch.")
     mini_batch_size: int = _f(0, "Trajectories per optimizer step (0 = the whole rollout batch in one step).")
+    tis_cap: float = _f(0.0, "Truncated importance sampling: weight each token's surrogate by min(pi_old / pi_engine, tis_cap) to correct the engine-trainer mismatch (verl, OpenRLHF; 2.0 is common). 0 = off.")
     value_clip: float = _f(0.2, "PPO: clip range of the value loss (0 = unclipped).")
     critic_lr: float = _f(1e-4, "PPO: learning rate of the critic.")
 
@@ -270,8 +273,19 @@ class Config:
             raise ConfigError("rollout.temperature must be > 0 for training rollouts (use rollout.eval_temperature=0 for greedy eval)")
         if self.train.bf16 and not self.train.device.startswith("cuda"):
             raise ConfigError("train.bf16 needs a CUDA train.device; set train.bf16=false on CPU")
-        if self.rollout.engine == "vllm" and not self.rollout.device.startswith("cuda"):
-            raise ConfigError("rollout.engine=vllm needs a CUDA rollout.device (e.g. cuda:0); use rollout.engine=hf on CPU")
+        if self.rollout.engine == "vllm":
+            dev = self.rollout.device
+            if dev != "cpu" and not dev.startswith("cuda"):
+                raise ConfigError(f"rollout.device={dev!r} with rollout.engine=vllm: use cpu (vllm-cpu) or cuda")
+            if dev.startswith("cuda:") and dev != "cuda:0":
+                raise ConfigError(
+                    f"rollout.device={dev}: vLLM in one process runs on the first visible GPU. Set rollout.device=cuda:0 and "
+                    "choose the GPU with CUDA_VISIBLE_DEVICES, or run under torchrun (each rank's engine takes the rank's GPU)"
+                )
+        if self.algo.tis_cap < 0 or 0 < self.algo.tis_cap < 1:
+            raise ConfigError(f"algo.tis_cap={self.algo.tis_cap}: use 0 (off) or a cap >= 1 (2.0 is common)")
+        if self.rollout.cpu_kv_cache_gib <= 0:
+            raise ConfigError("rollout.cpu_kv_cache_gib must be > 0 (vLLM on CPU reserves it for the KV cache)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -309,10 +309,8 @@ def sync_vllm_weights(engine, model: nn.Module) -> None:
     peak extra GPU memory is one gathered parameter, cast to the engine's dtype.
     """
     if hasattr(model, "peft_config"):
-        raise NotImplementedError("weight sync of LoRA adapters into vLLM is not supported: vLLM needs merged weights; use rollout.engine=hf with model.lora.enabled")
-    dtype = getattr(getattr(engine, "llm", None), "llm_engine", None)
-    dtype = getattr(getattr(dtype, "model_config", None), "dtype", None)
-    engine.load_weights(iter_full_params(model, dtype=dtype))
+        raise NotImplementedError("LoRA under torchrun is refused at start-up; train LoRA in one process (its weights reach vLLM merged)")
+    engine.load_weights(iter_full_params(model, dtype=getattr(torch, engine.dtype)))
 
 
 def sync_rollout_weights(engine, model: nn.Module) -> float:
@@ -322,8 +320,10 @@ def sync_rollout_weights(engine, model: nn.Module) -> float:
     `frozen_copy` made before `shard_model`): generating with the sharded policy would make
     ranks that sample different lengths wait forever in FSDP's per-forward all-gathers.
     """
+    from agent_rl.engines import VLLMEngine
+
     start = time.perf_counter()
-    if hasattr(engine, "load_weights"):
+    if isinstance(engine, VLLMEngine):
         sync_vllm_weights(engine, model)
     elif engine.model is model:
         raise RuntimeError(

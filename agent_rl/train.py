@@ -26,7 +26,7 @@ from agent_rl.checkpoint import install_signal_handlers, latest_checkpoint, load
 from agent_rl.config import Config
 from agent_rl.data import PromptSet, load_prompts
 from agent_rl.distributed import even_microbatches
-from agent_rl.engines import HFEngine
+from agent_rl.engines import HFEngine, VLLMEngine, hf_named_weights
 from agent_rl.logger import MetricsLogger
 from agent_rl.models import ValueModel, assert_no_data_parallel, forward_logprobs, frozen_copy, load_policy, load_tokenizer, reference_mode
 from agent_rl.preflight import peak_rss_bytes
@@ -67,14 +67,17 @@ class PromptStream:
         return out
 
 
-def build_engine(cfg: Config, policy, tokenizer, seed: int | None = None, own_copy: bool = False):
-    """The rollout engine on `rollout.device`; it shares the policy module when devices match
-    (and `own_copy` is off: under FSDP the engine needs its own unsharded copy)."""
+def build_engine(cfg: Config, policy, tokenizer, seed: int | None = None, own_copy: bool = False, distributed: bool = False):
+    """The rollout engine on `rollout.device`. The HF engine shares the policy module when devices
+    match (and `own_copy` is off: under FSDP the engine needs its own unsharded copy); vLLM loads
+    the start weights itself (`policy` may be None: build it before the trainer's modules)."""
     seed = cfg.trainer.seed if seed is None else seed
     if cfg.rollout.engine == "vllm":
         from agent_rl.engines import VLLMEngine
 
-        return VLLMEngine(cfg.model.warm_start or cfg.model.path, tokenizer, cfg, seed=seed)
+        if distributed and cfg.rollout.tensor_parallel_size > 1:
+            raise ValueError("rollout.tensor_parallel_size > 1 under torchrun is not supported yet: each rank runs its own engine (set it to 1)")
+        return VLLMEngine(cfg.model.warm_start or cfg.model.path, tokenizer, cfg, seed=seed, distributed=distributed)
     if cfg.rollout.device == cfg.train.device and not own_copy:
         module = policy
     else:
@@ -85,10 +88,10 @@ def build_engine(cfg: Config, policy, tokenizer, seed: int | None = None, own_co
 def sync_weights(engine, policy) -> float:
     """Push updated weights to the rollout engine when it holds its own copy; returns seconds."""
     start = time.perf_counter()
-    if hasattr(engine, "load_weights"):  # vLLM
-        engine.load_weights(((n, p.detach()) for n, p in policy.state_dict().items()))
+    if isinstance(engine, VLLMEngine):
+        engine.load_weights(hf_named_weights(policy))  # LoRA merged under the base names
     elif engine.model is not policy:
-        engine.model.load_state_dict(policy.state_dict())
+        engine.load_weights(policy.state_dict().items())
     return time.perf_counter() - start
 
 
@@ -243,6 +246,7 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Traje
     on_policy = batch["old"][0] is None  # one epoch, one mini-batch: old == current, detached
     share = _share_prefix(cfg, dist)
     stats: dict[str, list[float]] = {}
+    agree = [0.0, 0.0, 0.0]  # |trainer - engine| log-prob over sampled tokens: sum, max, count (first epoch)
 
     def keep(key: str, value: float) -> None:
         stats.setdefault(key, []).append(float(value))
@@ -250,7 +254,7 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Traje
     add = keep
 
     policy.train()
-    for _ in range(cfg.algo.ppo_epochs):
+    for epoch in range(cfg.algo.ppo_epochs):
         order = list(range(n))
         rng.shuffle(order)
         for lo in range(0, n, mini):
@@ -274,10 +278,16 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Traje
                     add = _discard
                 logprobs, entropy = forward_logprobs(policy, mb, cfg.rollout.temperature, with_entropy=cfg.algo.entropy_coef > 0, share_prefix=share)
                 old = logprobs.detach() if on_policy else _rows(batch["old"], index, width).to(device)
+                if epoch == 0 and real:  # old = the weights the engine sampled with
+                    total, worst, count = losses.logprob_diff(old, mb.rollout_logprobs, mb.loss_mask)
+                    agree[0], agree[1], agree[2] = agree[0] + total, max(agree[1], worst), agree[2] + count
+                tis = losses.tis_weights(old, mb.rollout_logprobs, mb.loss_mask, cfg.algo.tis_cap) if cfg.algo.tis_cap > 0 else None
                 advantages = _rows(batch["advantages"], index, width).to(device)
                 pg_loss, pg_stats = losses.policy_loss(
-                    logprobs, old, advantages, mb.loss_mask, cfg.algo.clip_ratio_low, cfg.algo.clip_ratio_high, cfg.algo.loss_agg
+                    logprobs, old, advantages, mb.loss_mask, cfg.algo.clip_ratio_low, cfg.algo.clip_ratio_high, cfg.algo.loss_agg, is_weights=tis
                 )
+                if tis is not None:
+                    add("actor/tis_weight_mean", float((tis * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1)))
                 loss = pg_loss
                 if cfg.algo.kl_coef > 0 and cfg.algo.kl_type == "low_var_kl":
                     ref_lp = _rows(batch["ref"], index, width).to(device)
@@ -311,6 +321,10 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Traje
             if critic_opt is not None:
                 critic_opt.step()
     out = {k: sum(v) / len(v) for k, v in stats.items()}
+    if dist is not None:
+        agree = [dist.all_reduce_sum(agree[0]), dist.all_reduce_max(agree[1]), dist.all_reduce_sum(agree[2])]
+    out["rollout/logprob_diff_mean"] = agree[0] / max(1.0, agree[2])
+    out["rollout/logprob_diff_max"] = agree[1]
     out["train/microbatch_tokens_max"] = max(stats.get("train/microbatch_tokens", [0]))
     out["train/microbatches"] = float(len(stats.get("train/microbatch_tokens", [])))
     return out
@@ -345,6 +359,9 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
     start_path = cfg.model.warm_start or cfg.model.path
     tokenizer = load_tokenizer(start_path)
     pad_id = tokenizer.pad_token_id
+    engine_seed = cfg.trainer.seed + (dist.rank if dist is not None else 0)
+    # vLLM first, before the trainer's modules take device memory (its reservation is a fraction of what is free).
+    engine = build_engine(cfg, None, tokenizer, seed=engine_seed, distributed=dist is not None) if cfg.rollout.engine == "vllm" else None
     policy = load_policy(cfg, start_path, cfg.train.device)
     ref = frozen_copy(policy, cfg.train.device) if cfg.algo.kl_coef > 0 and not cfg.model.lora.enabled else None
     critic = ValueModel(frozen_copy(policy, cfg.train.device)).to(cfg.train.device) if cfg.algo.name == "ppo" else None
@@ -352,13 +369,13 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
         for p in critic.parameters():
             p.requires_grad_(True)
     assert_no_data_parallel(policy, ref, critic)
-    engine_seed = cfg.trainer.seed + (dist.rank if dist is not None else 0)
     if dist is not None:
         if cfg.model.lora.enabled:
             raise ValueError("model.lora.enabled under torchrun is not supported yet: train LoRA in one process, or full weights with FSDP")
         # The HF engine generates with its own unsharded copy: ranks sample different lengths,
         # and a sharded forward would wait on the other ranks' all-gathers.
-        engine = build_engine(cfg, policy, tokenizer, seed=engine_seed, own_copy=True)
+        if engine is None:
+            engine = build_engine(cfg, policy, tokenizer, seed=engine_seed, own_copy=True)
         for module in (policy, ref, critic):
             if module is not None:
                 dist_lib.shard_model(module, dist, cfg)
@@ -372,7 +389,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
     train_set = load_prompts(cfg.data.train_files, tokenizer, budget)
     test_set = load_prompts(cfg.data.test_files, tokenizer, budget, cfg.trainer.eval_max_samples) if cfg.data.test_files else None
     stream = PromptStream(len(train_set.items), cfg.trainer.seed, cfg.data.shuffle)
-    if dist is None:
+    if engine is None:
         engine = build_engine(cfg, policy, tokenizer, seed=engine_seed)
     buffer = TrajectoryBuffer(cfg.buffer.max_tokens, cfg.buffer.max_trajectories)
     logger = MetricsLogger(out_dir, cfg.trainer.tensorboard, enabled=main)  # only rank 0 writes
@@ -469,7 +486,8 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             for g in range(0, len(trajs), cfg.algo.group_size):
                 buffer.add_group(trajs[g : g + cfg.algo.group_size])
             trajs = buffer.drain()
-            # 4. old / reference log-probs, values, advantages
+            # 4. old / reference log-probs, values, advantages (the engine sleeps where it can: weights offloaded, KV freed)
+            engine.sleep()
             t1 = time.perf_counter()
             world = dist.world_size if dist is not None else 1
             single_pass = cfg.algo.ppo_epochs == 1 and (cfg.algo.mini_batch_size == 0 or cfg.algo.mini_batch_size // world >= len(trajs))
