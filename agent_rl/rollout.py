@@ -16,7 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from agent_rl.budget import TokenBudget
-from agent_rl.engines import Engine
+from agent_rl.engines import Engine, Generation
 from agent_rl.retriever_client import RetrievalError, RetrieverClient, format_documents
 from agent_rl.trajectory import Trajectory, Turn
 
@@ -91,17 +91,7 @@ class AgentLoop:
         self.counters: Counter = Counter()
 
     def run(self, items: list[PromptItem], group_size: int = 1, temperature: float = 1.0, top_p: float = 1.0) -> list[Trajectory]:
-        trajs = [
-            Trajectory(prompt_id=it.prompt_id, data_source=it.data_source, prompt_ids=list(it.prompt_ids), golden_answers=list(it.golden_answers), sample_idx=j)
-            for it in items
-            for j in range(group_size)
-        ]
-        for t in trajs:
-            if not self.budget.admits_prompt(t.prompt_tokens):
-                raise ValueError(
-                    f"prompt {t.prompt_id} has {t.prompt_tokens} tokens > budget.max_prompt_tokens ({self.budget.max_prompt_tokens}); "
-                    "prompts are filtered at data loading, never truncated"
-                )
+        trajs = self.new_trajectories(items, group_size)
         turn = 0
         while True:
             active = [t for t in trajs if not t.done]
@@ -118,30 +108,56 @@ class AgentLoop:
             gens = self.engine.generate([t.prompt_ids + t.response_ids for t, _ in pairs], [a for _, a in pairs], temperature, top_p)
             searches: list[tuple[Trajectory, str]] = []
             for (t, _), g in zip(pairs, gens):
-                t.append(g.token_ids, sampled=True, logprobs=g.logprobs)
-                text = self.tok.decode(g.token_ids, skip_special_tokens=False)
-                action, content = parse_action(text)
-                truncated = g.finish_reason == "length"
-                t.turns.append(Turn(action=action, gen_tokens=len(g.token_ids), truncated=truncated, query=content if action == "search" else None))
-                self.counters["rollout/turns"] += 1
-                self.counters[f"rollout/action_{action}"] += 1
-                if truncated:
-                    self.counters["budget/turn_truncated"] += 1
-                if action == "answer":
-                    self._end(t, "answer")
-                elif final:
-                    last_err = len(t.turns) > 1 and t.turns[-2].retriever_error is not None
-                    self._end(t, "invalid" if action == "invalid" else ("retriever_error" if last_err else "max_turns"))
-                elif action == "search":
-                    searches.append((t, content))
-                else:
-                    self._insert(t, self.invalid_ids, corrective=True)
+                query = self.take_turn(t, g, final)
+                if query is not None:
+                    searches.append((t, query))
             if searches:
                 self._search_and_insert(searches)
             turn += 1
+        self.finish(trajs)
+        return trajs
+
+    def new_trajectories(self, items: list[PromptItem], group_size: int) -> list[Trajectory]:
+        """`group_size` empty trajectories per prompt (a GRPO group's rows are adjacent)."""
+        trajs = [
+            Trajectory(prompt_id=it.prompt_id, data_source=it.data_source, prompt_ids=list(it.prompt_ids), golden_answers=list(it.golden_answers), sample_idx=j)
+            for it in items
+            for j in range(group_size)
+        ]
+        for t in trajs:
+            if not self.budget.admits_prompt(t.prompt_tokens):
+                raise ValueError(
+                    f"prompt {t.prompt_id} has {t.prompt_tokens} tokens > budget.max_prompt_tokens ({self.budget.max_prompt_tokens}); "
+                    "prompts are filtered at data loading, never truncated"
+                )
+        return trajs
+
+    def take_turn(self, t: Trajectory, g: Generation, final: bool) -> str | None:
+        """Append a generated turn and act on it: end the trajectory, insert the corrective
+        message, or return the query to search (the caller searches and calls `observe`)."""
+        t.append(g.token_ids, sampled=True, logprobs=g.logprobs)
+        text = self.tok.decode(g.token_ids, skip_special_tokens=False)
+        action, content = parse_action(text)
+        truncated = g.finish_reason == "length"
+        t.turns.append(Turn(action=action, gen_tokens=len(g.token_ids), truncated=truncated, query=content if action == "search" else None))
+        self.counters["rollout/turns"] += 1
+        self.counters[f"rollout/action_{action}"] += 1
+        if truncated:
+            self.counters["budget/turn_truncated"] += 1
+        if action == "answer":
+            self._end(t, "answer")
+        elif final:
+            last_err = len(t.turns) > 1 and t.turns[-2].retriever_error is not None
+            self._end(t, "invalid" if action == "invalid" else ("retriever_error" if last_err else "max_turns"))
+        elif action == "search":
+            return content
+        else:
+            self._insert(t, self.invalid_ids, corrective=True)
+        return None
+
+    def finish(self, trajs: list[Trajectory]) -> None:
         for t in trajs:
             t.response_text = self.tok.decode(t.response_ids, skip_special_tokens=False)
-        return trajs
 
     def _end(self, t: Trajectory, reason: str) -> None:
         t.end_reason = reason
@@ -170,24 +186,28 @@ class AgentLoop:
         ms = (time.perf_counter() - start) * 1000.0
         self.counters["retriever/queries"] += len(queries)
         for (t, _), docs in zip(searches, results):
-            turn = t.turns[-1]
-            turn.retrieval_ms = ms
-            if docs is None:
-                turn.retriever_error = error
-                parts = ["Retrieval failed: the search engine did not answer. Try again or answer from what you know."]
-            else:
-                parts = format_documents(docs) or ["No documents found."]
-            allowance = self.budget.obs_allowance(t.total_tokens)
-            if allowance < self.obs.min_tokens():
-                self.counters["budget/obs_no_room"] += 1
-                self._end(t, "budget_total")
-                continue
-            ids, cut = self.obs.build(parts, allowance)
-            if cut:
-                self.counters["budget/obs_truncated"] += 1
-            turn.obs_truncated = cut
-            turn.obs_tokens = len(ids)
-            t.append(ids, sampled=False)
+            self.observe(t, docs, error, ms)
+
+    def observe(self, t: Trajectory, docs: list[dict] | None, error: str | None, ms: float) -> None:
+        """Insert the observation for the last turn's search (`docs` None: retrieval failed)."""
+        turn = t.turns[-1]
+        turn.retrieval_ms = ms
+        if docs is None:
+            turn.retriever_error = error
+            parts = ["Retrieval failed: the search engine did not answer. Try again or answer from what you know."]
+        else:
+            parts = format_documents(docs) or ["No documents found."]
+        allowance = self.budget.obs_allowance(t.total_tokens)
+        if allowance < self.obs.min_tokens():
+            self.counters["budget/obs_no_room"] += 1
+            self._end(t, "budget_total")
+            return
+        ids, cut = self.obs.build(parts, allowance)
+        if cut:
+            self.counters["budget/obs_truncated"] += 1
+        turn.obs_truncated = cut
+        turn.obs_tokens = len(ids)
+        t.append(ids, sampled=False)
 
 
 def rollout_metrics(trajs: list[Trajectory], counters: Counter) -> dict[str, float]:
