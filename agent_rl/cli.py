@@ -71,7 +71,7 @@ def _loop(cfg, model_path: str, url: str):
         engine = VLLMEngine(model_path, tokenizer, cfg, seed=cfg.trainer.seed)
         client = RetrieverClient.from_config(cfg.retriever, url)
         budget = TokenBudget.from_config(cfg.budget)
-        return AgentLoop(engine, tokenizer, client, budget, cfg.retriever.topk), tokenizer, budget
+        return AgentLoop(engine, tokenizer, client, budget, cfg.retriever.topk, cfg.rollout.mode, cfg.rollout.max_inflight), tokenizer, budget
     if (Path(model_path) / "adapter_config.json").exists():
         from peft import AutoPeftModelForCausalLM
 
@@ -81,7 +81,7 @@ def _loop(cfg, model_path: str, url: str):
     engine = HFEngine(model, tokenizer, cfg.rollout.device, cfg.rollout.generation_batch_size, cfg.trainer.seed, cfg.rollout.fast_decode)
     client = RetrieverClient.from_config(cfg.retriever, url)
     budget = TokenBudget.from_config(cfg.budget)
-    return AgentLoop(engine, tokenizer, client, budget, cfg.retriever.topk), tokenizer, budget
+    return AgentLoop(engine, tokenizer, client, budget, cfg.retriever.topk, cfg.rollout.mode, cfg.rollout.max_inflight), tokenizer, budget
 
 
 def cmd_rollout(args) -> int:

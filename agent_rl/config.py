@@ -93,6 +93,8 @@ class RolloutConfig:
     temperature: float = _f(1.0, "Sampling temperature for training rollouts.")
     top_p: float = _f(1.0, "Nucleus sampling for training rollouts.")
     eval_temperature: float = _f(0.0, "Temperature for evaluation (0 = greedy).")
+    mode: str = _f("sync", "sync: Search-R1's turn-synchronous loop (every row generates its turn, then one batched search) | async: each trajectory runs its own turn loop, its searches overlapping other rows' generation (agent_rl/async_rollout.py).")
+    max_inflight: int = _f(0, "async mode: most trajectories in flight at once (0 = all of the step's).")
     generation_batch_size: int = _f(128, "Most sequences generated at once by the HF engine.")
     fast_decode: bool = _f(True, "HF engine on CPU: decode Qwen2/Llama models with agent-rl's own one-token step (same math and weights, reserved KV buffers, ~30% faster on the tiny model); other models and devices always use transformers' forward.")
     gpu_memory_utilization: float = _f(0.4, "vLLM: fraction of GPU memory it reserves (weights + KV cache).")
@@ -229,6 +231,7 @@ class Config:
             ("algo", "loss_agg"): ("token-mean", "seq-mean-token-mean"),
             ("algo", "kl_type"): ("low_var_kl", "k1"),
             ("rollout", "engine"): ("hf", "vllm"),
+            ("rollout", "mode"): ("sync", "async"),
             ("retriever", "kind"): ("flat", "hnsw", "bm25"),
             ("reward", "name"): ("em", "f1"),
             ("guard", "action"): ("off", "warn", "stop", "rollback"),

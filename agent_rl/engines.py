@@ -31,9 +31,25 @@ class Generation:
 
 
 class Engine(Protocol):
+    """What the agent loop and the trainer use of a rollout engine.
+
+    `seeds` (one per prompt) makes each row's draws its own: the same seed gives the same tokens
+    whatever else is in the batch (the asynchronous loop batches whatever is ready). Without
+    seeds the engine draws from its own `generator`, which checkpoints save.
+    """
+
+    generator: torch.Generator
+    stats: dict
+
     def generate(
-        self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, top_p: float = 1.0
+        self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, top_p: float = 1.0, seeds: list[int] | None = None
     ) -> list[Generation]: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+    def load_weights(self, named_tensors) -> int: ...
 
 
 def stop_token_ids(tokenizer) -> list[int]:
@@ -49,8 +65,10 @@ def stop_token_ids(tokenizer) -> list[int]:
     return sorted(set(ids))
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None):
-    """logits: (B, V) -> (token ids (B,), log-probs (B,)) under the sampling distribution."""
+def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | list[torch.Generator] | None):
+    """logits: (B, V) -> (token ids (B,), log-probs (B,)) under the sampling distribution.
+
+    `generator` is one generator for the batch, or one per row (each row's draws its own)."""
     logits = logits.float()
     if temperature <= 0:
         logp = torch.log_softmax(logits, dim=-1)
@@ -67,7 +85,10 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: t
     # Inverse-CDF sampling: one uniform per row, where torch.multinomial draws one per vocabulary
     # entry (20x slower for 64 rows x 689 tokens, a tenth of a decode step on CPU).
     cdf = probs.cumsum(-1)
-    u = torch.rand((probs.shape[0], 1), generator=generator, dtype=cdf.dtype).to(cdf.device) * cdf[:, -1:]
+    if isinstance(generator, list):
+        u = torch.cat([torch.rand((1, 1), generator=g, dtype=cdf.dtype) for g in generator]).to(cdf.device) * cdf[:, -1:]
+    else:
+        u = torch.rand((probs.shape[0], 1), generator=generator, dtype=cdf.dtype).to(cdf.device) * cdf[:, -1:]
     ids = torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1).squeeze(-1)  # first entry with cdf > u: never a 0-probability token
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
 
@@ -188,7 +209,7 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, top_p: float = 1.0
+        self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, top_p: float = 1.0, seeds: list[int] | None = None
     ) -> list[Generation]:
         out: list[Generation] = []
         start = time.perf_counter()
@@ -196,13 +217,16 @@ class HFEngine:
         self.model.eval()
         try:
             for lo in range(0, len(prompts), self.batch_size):
-                out.extend(self._generate_batch(prompts[lo : lo + self.batch_size], max_new_tokens[lo : lo + self.batch_size], temperature, top_p))
+                out.extend(self._generate_batch(
+                    prompts[lo : lo + self.batch_size], max_new_tokens[lo : lo + self.batch_size], temperature, top_p,
+                    None if seeds is None else seeds[lo : lo + self.batch_size],
+                ))
         finally:
             self.model.train(was_training)
         self.stats["generate_s"] += time.perf_counter() - start
         return out
 
-    def _generate_batch(self, prompts, max_new, temperature, top_p) -> list[Generation]:
+    def _generate_batch(self, prompts, max_new, temperature, top_p, seeds=None) -> list[Generation]:
         bsz = len(prompts)
         tokens: list[list[int]] = [[] for _ in range(bsz)]
         logps: list[list[float]] = [[] for _ in range(bsz)]
@@ -226,8 +250,9 @@ class HFEngine:
         last_pos = positions[:, -1]
         fast = _LlamaDecoder(self.model, past, width + int(limits.max())) if self.fast_decode and _LlamaDecoder.supports(self.model, self.device) else None
         active = torch.ones(len(rows), dtype=torch.bool)
+        row_gens = None if seeds is None else [torch.Generator(device="cpu").manual_seed(int(seeds[i])) for i in rows.tolist()]
         for _ in range(int(limits.max().item())):
-            ids, lp = _sample(logits, temperature, top_p, self.generator)
+            ids, lp = _sample(logits, temperature, top_p, self.generator if row_gens is None else row_gens)
             ids, lp = ids.cpu(), lp.cpu()
             live, ids_l, lp_l = rows.tolist(), ids.tolist(), lp.tolist()
             for r in torch.nonzero(active).flatten().tolist():
@@ -254,6 +279,8 @@ class HFEngine:
                 else:
                     past.batch_select_indices(keep.to(self.device))
                 rows, ids, active = rows[keep], ids[keep], active[keep]
+                if row_gens is not None:
+                    row_gens = [row_gens[i] for i in keep.tolist()]
                 keep = keep.to(self.device)
                 attention, last_pos = attention[keep], last_pos[keep]
             # Finished rows not yet dropped keep feeding a pad with attention 0.
@@ -403,11 +430,12 @@ class VLLMEngine:
         self._said_no_sleep = False
 
     def generate(
-        self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, top_p: float = 1.0
+        self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, top_p: float = 1.0, seeds: list[int] | None = None
     ) -> list[Generation]:
         self.wake()
         start = time.perf_counter()
-        seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=self.generator).tolist()
+        if seeds is None:
+            seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=self.generator).tolist()
         live = [i for i, n in enumerate(max_new_tokens) if n > 0]
         params = [
             self._sampling_cls(

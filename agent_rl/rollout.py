@@ -80,7 +80,13 @@ class ObservationBuilder:
 class AgentLoop:
     """Runs batched multi-turn rollouts for a list of prompts."""
 
-    def __init__(self, engine: Engine, tokenizer, client: RetrieverClient | None, budget: TokenBudget, topk: int = 3):
+    def __init__(
+        self, engine: Engine, tokenizer, client: RetrieverClient | None, budget: TokenBudget, topk: int = 3, mode: str = "sync", max_inflight: int = 0
+    ):
+        if mode not in ("sync", "async"):
+            raise ValueError(f"rollout mode {mode!r}: use sync or async")
+        self.mode = mode  # async: each trajectory runs its own turn loop (agent_rl.async_rollout)
+        self.max_inflight = max_inflight
         self.engine = engine
         self.tok = tokenizer
         self.client = client
@@ -91,6 +97,15 @@ class AgentLoop:
         self.counters: Counter = Counter()
 
     def run(self, items: list[PromptItem], group_size: int = 1, temperature: float = 1.0, top_p: float = 1.0) -> list[Trajectory]:
+        """`group_size` trajectories per prompt, by `self.mode`: turn-synchronous or per-trajectory async."""
+        if self.mode == "async":
+            from agent_rl.async_rollout import run_async
+
+            return run_async(self, items, group_size, temperature, top_p)
+        return self.run_sync(items, group_size, temperature, top_p)
+
+    def run_sync(self, items: list[PromptItem], group_size: int = 1, temperature: float = 1.0, top_p: float = 1.0) -> list[Trajectory]:
+        """Search-R1's loop: every active trajectory generates its turn, then one batched search."""
         trajs = self.new_trajectories(items, group_size)
         turn = 0
         while True:

@@ -459,7 +459,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
         if dist is not None:
             url = dist.broadcast_object(url)  # the server rank 0 started, or retriever.url
         client = RetrieverClient.from_config(cfg.retriever, url)
-        loop = AgentLoop(engine, tokenizer, client, budget, cfg.retriever.topk)
+        loop = AgentLoop(engine, tokenizer, client, budget, cfg.retriever.topk, cfg.rollout.mode, cfg.rollout.max_inflight)
         if test_set is not None and step == 0:
             last_eval = run_eval()
             logger.log(0, last_eval)

@@ -61,3 +61,52 @@ def start_server(index_dir: Path, *extra_args: str, ready_timeout: float = 120) 
     """One server, as `start_servers`: yields (proc, url)."""
     with start_servers({"server": (index_dir, *extra_args)}, ready_timeout) as servers:
         yield servers["server"]
+
+
+@contextmanager
+def delaying_proxy(upstream: str, delay_s: float) -> Iterator[str]:
+    """A loopback HTTP proxy that holds every POST for `delay_s` seconds before forwarding it to
+    `upstream` (a retriever under load, or far away); yields its URL. Threaded, so delays of
+    concurrent requests overlap as a real slow server's would."""
+    import http.server
+    import threading
+    import time as _time
+
+    import httpx
+
+    client = httpx.Client(timeout=60)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:
+            pass
+
+        def _forward(self, method: str) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0))
+            if method == "POST":
+                _time.sleep(delay_s)
+            headers = {k: v for k, v in self.headers.items() if k.lower() in ("content-type", "authorization")}
+            resp = client.request(method, upstream.rstrip("/") + self.path, content=body, headers=headers)
+            self.send_response(resp.status_code)
+            self.send_header("Content-Type", resp.headers.get("content-type", "application/json"))
+            self.send_header("Content-Length", str(len(resp.content)))
+            self.end_headers()
+            self.wfile.write(resp.content)
+
+        def do_POST(self) -> None:
+            self._forward("POST")
+
+        def do_GET(self) -> None:
+            self._forward("GET")
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        client.close()

@@ -66,8 +66,10 @@ def test_bad_choices_and_combinations():
         load_config(None, ["algo.name=reinforce"])
     with pytest.raises(ConfigError, match="group_size"):
         load_config(None, ["algo.group_size=1"])
-    with pytest.raises(ConfigError, match="vllm"):
-        load_config(None, ["rollout.engine=vllm"])
+    with pytest.raises(ConfigError, match="rollout.device=cuda:0"):
+        load_config(None, ["rollout.engine=vllm", "rollout.device=cuda:2"])
+    with pytest.raises(ConfigError, match="rollout.mode"):
+        load_config(None, ["rollout.mode=parallel"])
     with pytest.raises(ConfigError, match="mini_batch_size"):
         load_config(None, ["algo.mini_batch_size=7"])
 

@@ -1,0 +1,170 @@
+"""Per-trajectory asynchronous rollout: each trajectory runs its own turn loop as an asyncio task.
+
+The turn-synchronous loop (Search-R1's, `AgentLoop.run_sync`) generates a turn for every active
+trajectory, waits for the slowest row, then runs one batched search while the engine idles. Here
+every trajectory advances on its own (generate -> parse -> search -> observe), so one
+trajectory's search overlaps other trajectories' generation, and a straggler holds up nobody.
+
+- Generation: `GenerationBatcher` gives the engine, one call at a time, every request that is
+  waiting (up to `rollout.generation_batch_size`); requests that arrive during a call form the
+  next one. Both engines are driven this way: vLLM (continuous batching inside a call) and the HF
+  engine (a call is one left-padded batch, so a row that arrives mid-call waits for it to end:
+  that wait is this engine's cost).
+- Search: `SearchBatcher` sends every query that is waiting as one `/retrieve` request (the
+  client splits over-limit batches), one request in flight at a time, so concurrent trajectories
+  still reach the server as few HTTP requests. Retries, timeouts and the error observation are
+  the client's and the loop's, as in the synchronous loop.
+- Budgets, the forced final turn, the loss mask and the corrective message are the same code as
+  the synchronous loop (`AgentLoop.take_turn`, `AgentLoop.observe`).
+- Determinism: each trajectory's turns draw with their own seeds, derived from one draw of the
+  engine's generator per `run` (which checkpoints save), so the result does not depend on
+  completion order or on what else shared a batch; `--resume` stays exact.
+- `rollout.max_inflight` bounds the trajectories in flight (0: all of the call's); nothing else
+  queues without bound (at most one pending request per in-flight trajectory).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from agent_rl.engines import Generation
+from agent_rl.retriever_client import RetrievalError
+from agent_rl.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from agent_rl.rollout import AgentLoop, PromptItem
+
+_SEED_MOD = 2**31 - 1
+
+
+def turn_seed(base: int, index: int, turn: int) -> int:
+    """The sampling seed of one trajectory's turn: a fixed function of the run's base seed."""
+    return (base * 1_000_003 + index * 10_007 + turn * 101 + 1) % _SEED_MOD
+
+
+class GenerationBatcher:
+    """Turns single generation requests into engine calls over everything that is waiting."""
+
+    def __init__(self, engine, temperature: float, top_p: float, max_batch: int):
+        self.engine, self.temperature, self.top_p, self.max_batch = engine, temperature, top_p, max(1, max_batch)
+        self.pending: list[tuple[list[int], int, int, asyncio.Future]] = []
+        self.busy = False
+        self.calls = 0
+
+    async def generate(self, prompt: list[int], max_new: int, seed: int) -> Generation:
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append((prompt, max_new, seed, future))
+        if not self.busy:
+            self.busy = True
+            asyncio.get_running_loop().create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        try:
+            while self.pending:
+                await asyncio.sleep(0)  # let every task that is ready queue its request first
+                batch, self.pending = self.pending[: self.max_batch], self.pending[self.max_batch :]
+                try:
+                    gens = await asyncio.to_thread(
+                        self.engine.generate, [b[0] for b in batch], [b[1] for b in batch], self.temperature, self.top_p, [b[2] for b in batch]
+                    )
+                except BaseException as err:  # the engine failed: every waiting trajectory sees it
+                    for *_, future in batch + self.pending:
+                        if not future.done():
+                            future.set_exception(err)
+                    self.pending = []
+                    raise
+                self.calls += 1
+                for (*_, future), g in zip(batch, gens):
+                    future.set_result(g)
+        finally:
+            self.busy = False
+
+
+class SearchBatcher:
+    """Turns single queries into `/retrieve` requests over every query that is waiting."""
+
+    def __init__(self, client, topk: int):
+        self.client, self.topk = client, topk
+        self.pending: list[tuple[str, asyncio.Future]] = []
+        self.busy = False
+        self.requests = 0
+
+    async def search(self, query: str) -> tuple[list[dict] | None, str | None, float]:
+        """(documents or None, error or None, milliseconds of the request that carried it)."""
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append((query, future))
+        if not self.busy:
+            self.busy = True
+            asyncio.get_running_loop().create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        try:
+            while self.pending:
+                await asyncio.sleep(0)
+                batch, self.pending = self.pending, []
+                queries = [q for q, _ in batch]
+                start = time.perf_counter()
+                error, results = None, None
+                try:
+                    if self.client is None:
+                        raise RetrievalError("no retriever configured")
+                    results = await asyncio.to_thread(self.client.retrieve, queries, self.topk)
+                except RetrievalError as err:
+                    error = str(err)
+                self.requests += 1
+                ms = (time.perf_counter() - start) * 1000.0
+                for i, (_, future) in enumerate(batch):
+                    if not future.done():
+                        future.set_result((None if results is None else results[i], error, ms))
+        finally:
+            self.busy = False
+
+
+async def _run_one(loop: AgentLoop, t: Trajectory, index: int, base: int, gen: GenerationBatcher, search: SearchBatcher, slots: asyncio.Semaphore) -> None:
+    async with slots:
+        turn = 0
+        while not t.done:
+            allowance = loop.budget.turn_allowance(t.total_tokens)
+            if allowance <= 0:
+                loop._end(t, "budget_total")
+                break
+            g = await gen.generate(t.prompt_ids + t.response_ids, allowance, turn_seed(base, index, turn))
+            query = loop.take_turn(t, g, loop.budget.is_final_turn(turn))
+            if query is not None:
+                docs, error, ms = await search.search(query)
+                loop.counters["retriever/queries"] += 1
+                if docs is None:
+                    loop.counters["retriever/errors"] += 1
+                loop.observe(t, docs, error, ms)
+            turn += 1
+
+
+async def _run_all(loop: AgentLoop, trajs: list[Trajectory], base: int, temperature: float, top_p: float) -> tuple[int, int]:
+    batch = getattr(loop.engine, "batch_size", 0) or max(1, len(trajs))
+    gen = GenerationBatcher(loop.engine, temperature, top_p, batch)
+    search = SearchBatcher(loop.client, loop.topk)
+    slots = asyncio.Semaphore(loop.max_inflight or max(1, len(trajs)))
+    tasks = [asyncio.create_task(_run_one(loop, t, i, base, gen, search, slots)) for i, t in enumerate(trajs)]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+    return gen.calls, search.requests
+
+
+def run_async(loop: AgentLoop, items: list[PromptItem], group_size: int, temperature: float, top_p: float) -> list[Trajectory]:
+    """`AgentLoop.run` in `rollout.mode=async`: the same trajectories' contract, each trajectory
+    advancing on its own."""
+    trajs = loop.new_trajectories(items, group_size)
+    base = int(torch.randint(0, _SEED_MOD, (1,), generator=loop.engine.generator).item())
+    calls, requests = asyncio.run(_run_all(loop, trajs, base, temperature, top_p))
+    loop.counters["rollout/engine_calls"] += calls
+    loop.counters["rollout/search_requests"] += requests
+    loop.finish(trajs)
+    return trajs
