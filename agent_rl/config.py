@@ -56,6 +56,7 @@ class LoraConfig:
 class ModelConfig:
     path: str = _f(".cache/tiny_model", "Hugging Face model directory or hub id (policy and reference start from it).")
     init_size: str = _f("", "When set (tiny|small|medium) and `path` does not exist, `agent-rl init-model` builds it first.")
+    preset: str = _f("", "When set (smollm2-135m) and `path` holds no model, `agent-rl init-model --preset` converts that real pretrained model from its installed package into `path` first.")
     dtype: str = _f("float32", "Parameter dtype for training: float32 | bfloat16 (bf16 is for GPUs).")
     warm_start: str = _f("", "Directory of a supervised warm start (`agent-rl sft`); when set, training starts from it, running `sft` first if it is missing.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
@@ -242,6 +243,10 @@ class Config:
             value = getattr(getattr(self, section), key)
             if value not in allowed:
                 raise ConfigError(f"{section}.{key} = {value!r} is not one of {', '.join(allowed)}")
+        if self.model.preset not in ("", "smollm2-135m"):
+            raise ConfigError(f"model.preset = {self.model.preset!r}: use smollm2-135m or leave it empty")
+        if self.model.preset and self.model.init_size:
+            raise ConfigError("model.preset and model.init_size both set: a model is either a converted preset or a random init; clear one")
         if self.model.init_size not in ("", "tiny", "small", "medium"):
             raise ConfigError(f"model.init_size = {self.model.init_size!r}: use tiny, small, medium or leave it empty")
         if self.algo.name == "grpo" and self.algo.kl_type == "k1" and self.algo.kl_coef > 0:

