@@ -70,6 +70,10 @@ class DataConfig:
     toy_world: str = _f("", "When set, `data-prep toy-world` writes the toy world to this directory on first use.")
     toy_entities: int = _f(1000, "Entities in the toy world (when data.toy_world is set).")
     shuffle: bool = _f(True, "Shuffle the training prompts each epoch (seeded).")
+    qa_source: str = _f("", "When set, a FlashRAG-layout questions JSONL (`id`, `question`, `golden_answers`, `metadata`) split on first use into data.train_files[0] / data.test_files[0] (the first data.qa_test_size rows are the test split), prompts rendered with data.template.")
+    qa_dataset: str = _f("hotpotqa", "data_source name of data.qa_source's rows (GRPO group ids are prefixed by it).")
+    qa_test_size: int = _f(20, "Rows of data.qa_source held out as the test split.")
+    template: str = _f("auto", "Prompt template for data.qa_source: auto (the model's chat template, Search-R1's instruction as the user turn, when the tokenizer has one; else base) | chat | base | compact.")
 
 
 @dataclass
@@ -233,6 +237,7 @@ class Config:
             ("algo", "kl_type"): ("low_var_kl", "k1"),
             ("rollout", "engine"): ("hf", "vllm"),
             ("rollout", "mode"): ("sync", "async"),
+            ("data", "template"): ("auto", "chat", "base", "compact"),
             ("retriever", "kind"): ("flat", "hnsw", "bm25"),
             ("reward", "name"): ("em", "f1"),
             ("guard", "action"): ("off", "warn", "stop", "rollback"),

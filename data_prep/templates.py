@@ -15,7 +15,7 @@ BASE_TEMPLATE = (
 # The toy world's prompt: the same protocol in ~25 tokens instead of ~100, so the CPU demo spends
 # its compute on the search turns, not on re-reading a long fixed instruction.
 COMPACT_TEMPLATE = "Search with <search> query </search>, answer with <answer> answer </answer>. Question: {question}\n"
-TEMPLATES = ("base", "chat", "compact")
+TEMPLATES = ("base", "chat", "compact", "auto")
 
 
 def normalize_question(question: str) -> str:
@@ -25,6 +25,9 @@ def normalize_question(question: str) -> str:
 
 
 def render_prompt(question: str, template: str = "base", tokenizer=None) -> str:
+    """`auto` is `chat` when the tokenizer has a chat template (instruct models), else `base`."""
+    if template == "auto":
+        template = "chat" if tokenizer is not None and getattr(tokenizer, "chat_template", None) else "base"
     if template == "base":
         return BASE_TEMPLATE.format(question=question)
     if template == "compact":
