@@ -439,15 +439,17 @@ def test_packed_encoder_equals_transformers_forward():
 
 def test_torch_exact_index_shards_merge_to_the_flat_answer(hotpot_index_dir):  # noqa: F811
     """The exact torch search that serves a flat index on GPUs without faiss-gpu, run here on CPU
-    shards (the same code, devices named "cpu"): 1, 3 and 7 uneven shards give FAISS flat's ids and
-    scores; k past the corpus pads with -1; fp16 vectors keep the top hit."""
+    shards (the same code, devices named "cpu"), over a zero-copy view of the flat index's vectors:
+    1, 3 and 7 uneven shards give FAISS flat's ids and scores; k past the corpus pads with -1; fp16
+    vectors keep the top hit."""
     import faiss
 
     from retriever_server.encoders import Encoder
-    from retriever_server.indexes import TorchExactIndex
+    from retriever_server.indexes import TorchExactIndex, flat_vectors
 
     flat = faiss.read_index(str(hotpot_index_dir / "index.faiss"))
-    vectors = flat.reconstruct_n(0, flat.ntotal)
+    vectors = flat_vectors(flat)  # a view of the index's storage, not a copy
+    assert not vectors.flags["OWNDATA"] and np.array_equal(vectors, flat.reconstruct_n(0, flat.ntotal))
     q = Encoder().encode_queries(_questions()[:16])
     want_s, want_i = flat.search(q, 10)
     for shards in (1, 3, 7):
