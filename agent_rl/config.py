@@ -57,7 +57,7 @@ class ModelConfig:
     path: str = _f(".cache/tiny_model", "Hugging Face model directory or hub id (policy and reference start from it).")
     init_size: str = _f("", "When set (tiny|small|medium) and `path` does not exist, `agent-rl init-model` builds it first.")
     preset: str = _f("", "When set (smollm2-135m) and `path` holds no model, `agent-rl init-model --preset` converts that real pretrained model from its installed package into `path` first.")
-    dtype: str = _f("float32", "Parameter dtype for training: float32 | bfloat16 (bf16 is for GPUs).")
+    dtype: str = _f("float32", "Storage dtype of what is not trained: the frozen reference copy, LoRA's frozen base and the rollout engine's weights (float32 | bfloat16). Trained parameters and AdamW state are always float32 (master weights); train.bf16 sets the compute dtype.")
     warm_start: str = _f("", "Directory of a supervised warm start (`agent-rl sft`); when set, training starts from it, running `sft` first if it is missing.")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA adapters (see model.lora.*)."})
@@ -170,7 +170,7 @@ class TrainConfig:
     share_prompt_prefix: bool = _f(True, "Run a GRPO group's common prompt through the model once per micro-batch (its KV cache, with gradient, serves every response); same loss and gradient up to float rounding. Not used under torchrun or with gradient checkpointing.")
     offload_optimizer: bool = _f(False, "Keep AdamW states in host RAM (a no-op on CPU-only runs, which says so).")
     offload_params: bool = _f(False, "FSDP: keep parameters in host RAM between uses (torchrun/GPU only).")
-    bf16: bool = _f(False, "Autocast to bfloat16 on CUDA.")
+    bf16: bool = _f(False, "Compute in bfloat16 over float32 master weights: torch.autocast in one process (CPU or CUDA), FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) under torchrun. Updates smaller than a bf16 ulp are kept.")
 
 
 @dataclass
@@ -284,8 +284,11 @@ class Config:
             )
         if self.rollout.temperature <= 0:
             raise ConfigError("rollout.temperature must be > 0 for training rollouts (use rollout.eval_temperature=0 for greedy eval)")
-        if self.train.bf16 and not self.train.device.startswith("cuda"):
-            raise ConfigError("train.bf16 needs a CUDA train.device; set train.bf16=false on CPU")
+        if self.train.offload_optimizer and self.train.device.startswith("cuda"):
+            raise ConfigError(
+                "train.offload_optimizer is not implemented on CUDA: under torchrun set train.offload_params=true "
+                "(FSDP2 CPU offload keeps parameters, gradients and the AdamW step in host RAM), or set train.offload_optimizer=false"
+            )
         if self.rollout.engine == "vllm":
             dev = self.rollout.device
             if dev != "cpu" and not dev.startswith("cuda"):
@@ -403,6 +406,12 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         data = yaml.safe_load(path.read_text()) or {}
     data = _merge(data, parse_overrides(overrides or []))
     cfg = _build(Config, data, "")
+    lora_keys = sorted(k for k in ((data.get("model") or {}).get("lora") or {}) if k != "enabled")
+    if lora_keys and not cfg.model.lora.enabled:
+        raise ConfigError(
+            f"model.lora.{lora_keys[0]} is set but model.lora.enabled is false, so full weights would be trained: "
+            "set model.lora.enabled=true, or remove the model.lora.* keys"
+        )
     cfg.validate()
     return cfg
 

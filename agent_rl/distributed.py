@@ -174,7 +174,10 @@ def init_distributed(cfg) -> DistInfo | None:
     else:
         raise ValueError(f"train.device={cfg.train.device!r}: under torchrun use cpu (gloo) or cuda (nccl, one GPU per local rank)")
     if not torch_dist.is_initialized():
-        torch_dist.init_process_group(backend, rank=rank, world_size=world, device_id=device if backend == "nccl" else None)
+        # nccl for CUDA tensors and gloo for CPU ones: CPU offload (train.offload_params) clips
+        # gradients and steps the optimizer on host tensors, which an nccl-only group cannot reduce.
+        pg_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+        torch_dist.init_process_group(pg_backend, rank=rank, world_size=world, device_id=device if backend == "nccl" else None)
     cfg.train.device = str(device)
     if cfg.rollout.device.startswith("cuda"):
         cfg.rollout.device = str(device)
@@ -235,9 +238,9 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 def shard_model(model: nn.Module, dist: DistInfo, cfg) -> nn.Module:
     """FSDP2: `fully_shard` each decoder layer, then the root (embeddings, final norm, heads).
 
-    Per-layer units bound the memory of one all-gather to one layer's parameters. On CUDA with
-    `train.bf16`, compute runs in bf16 over fp32 master weights and gradients are reduced in
-    fp32. `train.offload_params` keeps the shards (and the optimizer step) in host RAM. Works on
+    Per-layer units bound the memory of one all-gather to one layer's parameters. With
+    `train.bf16` (CUDA, or gloo ranks on CPU), compute runs in bf16 over fp32 master weights and
+    gradients are reduced in fp32. `train.offload_params` keeps the shards (and the optimizer step) in host RAM. Works on
     any module (actor, reference, critic); returns the same module, now holding DTensor shards.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -246,7 +249,7 @@ def shard_model(model: nn.Module, dist: DistInfo, cfg) -> nn.Module:
         raise RuntimeError("nn.DataParallel found: agent-rl shards with FSDP2 and never uses DataParallel")
     kwargs: dict[str, Any] = {"mesh": dist.mesh}
     on_cuda = dist.device.type == "cuda"
-    if cfg.train.bf16 and on_cuda:
+    if cfg.train.bf16:  # fp32 master shards, bf16 compute, fp32 gradient reduction (CPU gloo ranks too)
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if cfg.train.offload_params:
         if on_cuda:

@@ -29,9 +29,15 @@ def load_tokenizer(path: str):
 
 
 def load_policy(cfg: Config, path: str, device: str) -> nn.Module:
+    """The trained policy. Trained parameters are float32 master weights whatever `model.dtype`
+    says: AdamW on bf16 parameters rounds away every update below half a bf16 ulp (at lr 1e-6 an
+    Adam step on a 0.02 weight is ~100x smaller), so a bf16 run would silently not learn. With
+    LoRA the frozen base stays in `model.dtype` and the adapters are float32. Compute in bf16 is
+    `train.bf16` (`compute_autocast`)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.model.dtype]).to(device)
+    dtype = _DTYPES[cfg.model.dtype] if cfg.model.lora.enabled else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -43,10 +49,18 @@ def load_policy(cfg: Config, path: str, device: str) -> nn.Module:
     return model
 
 
-def frozen_copy(model: nn.Module, device: str) -> nn.Module:
+def compute_autocast(cfg: Config, device: str | torch.device):
+    """bf16 compute over fp32 weights in one process (`train.bf16`); a no-op otherwise. Under
+    FSDP2 the MixedPrecisionPolicy does the casting instead (agent_rl.distributed.shard_model)."""
+    if not cfg.train.bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+
+
+def frozen_copy(model: nn.Module, device: str, dtype: torch.dtype | None = None) -> nn.Module:
     import copy
 
-    ref = copy.deepcopy(model).to(device)
+    ref = copy.deepcopy(model).to(device=device, dtype=dtype) if dtype is not None else copy.deepcopy(model).to(device)
     ref.eval()
     for p in ref.parameters():
         p.requires_grad_(False)
@@ -79,7 +93,8 @@ class ValueModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """values: (B, T); column t is the value of the state before token t (hidden of t-1)."""
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        v = self.head(hidden.float()).squeeze(-1)
+        # The head runs in its own (possibly FSDP-cast bf16) dtype; the values are float32.
+        v = self.head(hidden.to(self.head.weight.dtype)).float().squeeze(-1)
         return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
 
 

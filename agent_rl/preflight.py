@@ -56,9 +56,12 @@ def run_preflight(model, cfg: Config, device: str) -> dict:
     ids = torch.randint(0, vocab, (rows, length), generator=gen).to(device)
     start = time.perf_counter()
     if torch.cuda.is_available() and str(device).startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_peak_memory_stats(device)
     try:
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[:, :-1].float()
+        from agent_rl.models import compute_autocast
+
+        with compute_autocast(cfg, device):
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[:, :-1].float()
         lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
         lp.mean().backward()
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
@@ -77,5 +80,5 @@ def run_preflight(model, cfg: Config, device: str) -> dict:
         model.zero_grad(set_to_none=True)
     report = {"rows": rows, "tokens": rows * length, "seconds": round(time.perf_counter() - start, 2), "peak_rss_gib": round(peak_rss_bytes() / 2**30, 3)}
     if torch.cuda.is_available() and str(device).startswith("cuda"):
-        report["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+        report["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
     return report

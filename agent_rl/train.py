@@ -8,6 +8,7 @@ the update is micro-batched by token count, not by a fixed row count.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import sys
@@ -28,7 +29,7 @@ from agent_rl.data import PromptSet, load_prompts
 from agent_rl.distributed import even_microbatches
 from agent_rl.engines import HFEngine, VLLMEngine, hf_named_weights
 from agent_rl.logger import MetricsLogger
-from agent_rl.models import ValueModel, assert_no_data_parallel, forward_logprobs, frozen_copy, load_policy, load_tokenizer, reference_mode
+from agent_rl.models import _DTYPES, ValueModel, assert_no_data_parallel, compute_autocast, forward_logprobs, frozen_copy, load_policy, load_tokenizer, reference_mode
 from agent_rl.preflight import peak_rss_bytes
 from agent_rl.retriever_client import RetrieverClient
 from agent_rl.rewards import compute_reward
@@ -173,7 +174,7 @@ def prepare_batch(cfg: Config, policy, ref, critic, trajs: list[Trajectory], pad
     k1_reward = use_ref and cfg.algo.kl_type == "k1" and cfg.algo.name == "ppo"
     cur = [None] * n
     share = _share_prefix(cfg, dist)
-    with torch.no_grad():
+    with torch.no_grad(), (compute_autocast(cfg, device) if dist is None else contextlib.nullcontext()):
         for index, real in even_microbatches(_pack(cfg, trajs, range(n), share), dist):
             mb = collate(trajs, index, pad_id, device)
             if need_old or k1_reward:
@@ -254,6 +255,7 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Traje
     add = keep
 
     policy.train()
+    autocast = compute_autocast(cfg, device) if dist is None else contextlib.nullcontext()
     for epoch in range(cfg.algo.ppo_epochs):
         order = list(range(n))
         rng.shuffle(order)
@@ -276,7 +278,8 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Traje
                 if not real:  # FSDP padding pass: same collectives, zero gradient, no metrics
                     weight = 0.0
                     add = _discard
-                logprobs, entropy = forward_logprobs(policy, mb, cfg.rollout.temperature, with_entropy=cfg.algo.entropy_coef > 0, share_prefix=share)
+                with autocast:
+                    logprobs, entropy = forward_logprobs(policy, mb, cfg.rollout.temperature, with_entropy=cfg.algo.entropy_coef > 0, share_prefix=share)
                 old = logprobs.detach() if on_policy else _rows(batch["old"], index, width).to(device)
                 if epoch == 0 and real:  # old = the weights the engine sampled with
                     total, worst, count = losses.logprob_diff(old, mb.rollout_logprobs, mb.loss_mask)
@@ -303,7 +306,8 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Traje
                 for k, v in pg_stats.items():
                     add(f"actor/{k}", v)
                 if critic is not None:
-                    values = critic(mb.input_ids, mb.attention_mask)
+                    with autocast:
+                        values = critic(mb.input_ids, mb.attention_mask)
                     old_values = _rows(batch["values"], index, width).to(device)
                     returns = _rows(batch["returns"], index, width).to(device)
                     v_loss, v_stats = losses.value_loss(values, old_values, returns, mb.loss_mask, cfg.algo.value_clip or None, cfg.algo.loss_agg)
@@ -363,7 +367,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
     # vLLM first, before the trainer's modules take device memory (its reservation is a fraction of what is free).
     engine = build_engine(cfg, None, tokenizer, seed=engine_seed, distributed=dist is not None) if cfg.rollout.engine == "vllm" else None
     policy = load_policy(cfg, start_path, cfg.train.device)
-    ref = frozen_copy(policy, cfg.train.device) if cfg.algo.kl_coef > 0 and not cfg.model.lora.enabled else None
+    ref = frozen_copy(policy, cfg.train.device, _DTYPES[cfg.model.dtype]) if cfg.algo.kl_coef > 0 and not cfg.model.lora.enabled else None
     critic = ValueModel(frozen_copy(policy, cfg.train.device)).to(cfg.train.device) if cfg.algo.name == "ppo" else None
     if critic is not None:
         for p in critic.parameters():
@@ -520,7 +524,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
                 "memory/peak_rss_gib": peak_rss_bytes() / 2**30,
             }
             if torch.cuda.is_available() and cfg.train.device.startswith("cuda"):
-                metrics["memory/gpu_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                metrics["memory/gpu_peak_gib"] = torch.cuda.max_memory_allocated(cfg.train.device) / 2**30
             if dist is not None:
                 metrics = dist.reduce_metrics(metrics)  # identical on every rank, so the guard agrees
             if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and test_set is not None and step < cfg.trainer.max_steps:

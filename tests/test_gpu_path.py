@@ -1,0 +1,106 @@
+"""Faults of the GPU path that show on CPU: bf16 without fp32 master weights does not learn, the
+PPO critic under FSDP2 bf16, LoRA keys while LoRA is off, optimizer offload on CUDA.
+
+bf16 runs on CPU through `torch.autocast("cpu", torch.bfloat16)` and FSDP2's bf16
+MixedPrecisionPolicy runs on gloo ranks, so each fault is reproduced here without a GPU.
+"""
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from agent_rl.config import ConfigError, load_config
+
+from agent_fixtures import tiny_model_dir  # noqa: F401  (pytest fixture)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _trajectories(vocab: int):
+    from agent_rl.trajectory import Trajectory
+
+    rng = random.Random(7)
+    out = []
+    for g in range(3):
+        prompt = [rng.randrange(3, vocab) for _ in range(10)]
+        for s, reward in enumerate((1.0, 0.0, 0.0, 1.0)):
+            t = Trajectory(prompt_id=f"toy-{g}", data_source="toy", prompt_ids=list(prompt), golden_answers=["x"], sample_idx=s)
+            t.append([rng.randrange(3, vocab) for _ in range(8)], sampled=True, logprobs=[-5.0] * 8)
+            t.append([rng.randrange(3, vocab) for _ in range(6)], sampled=False)
+            t.append([rng.randrange(3, vocab) for _ in range(5)], sampled=True, logprobs=[-5.0] * 5)
+            t.reward, t.end_reason = reward, "answer"
+            out.append(t)
+    return out
+
+
+def _one_step(model_dir, overrides, pure_bf16=False):
+    from agent_rl.models import load_policy
+    from agent_rl.train import prepare_batch, update
+
+    cfg = load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", [f"model.path={model_dir}", "model.warm_start=", "train.lr=1e-6", "train.max_grad_norm=0", *overrides])
+    torch.manual_seed(0)
+    policy = load_policy(cfg, str(model_dir), "cpu")
+    if pure_bf16:  # what every GPU config did before: bf16 parameters and AdamW state
+        policy = policy.to(torch.bfloat16)
+    before = {n: p.detach().float().clone() for n, p in policy.named_parameters()}
+    trajs = _trajectories(policy.config.vocab_size)
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
+    batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=False)
+    update(cfg, policy, None, opt, None, trajs, batch, 0, random.Random(0))
+    dtypes = {p.dtype for p in policy.parameters()}
+    return {n: p.detach().float() - before[n] for n, p in policy.named_parameters()}, dtypes
+
+
+def test_bf16_step_at_lr_1e6_moves_parameters_as_fp32_does(tiny_model_dir):
+    """`model.dtype=bfloat16 train.bf16=true`: parameters and AdamW state stay fp32 (master
+    weights), compute runs in bf16, and one step at lr 1e-6 moves the parameters as the fp32 run
+    does (same signs, same size up to the bf16 forward's rounding). Pure bf16 parameters (the old
+    behaviour) leave most of them where they were."""
+    fp32, dtypes32 = _one_step(tiny_model_dir, [])
+    mixed, dtypes16 = _one_step(tiny_model_dir, ["model.dtype=bfloat16", "train.bf16=true"])
+    pure, _ = _one_step(tiny_model_dir, ["model.dtype=bfloat16"], pure_bf16=True)
+    assert dtypes32 == dtypes16 == {torch.float32}
+    moved = lambda deltas: sum(int((d != 0).sum()) for d in deltas.values()) / sum(d.numel() for d in deltas.values())  # noqa: E731
+    a = torch.cat([d.flatten() for d in fp32.values()])
+    b = torch.cat([d.flatten() for d in mixed.values()])
+    live = a.abs() > 1e-7
+    assert moved(fp32) > 0.9 and moved(mixed) > 0.9
+    assert (torch.sign(a[live]) == torch.sign(b[live])).float().mean() > 0.9
+    assert float(b.abs().mean()) == pytest.approx(float(a.abs().mean()), rel=0.1)
+    assert moved(pure) < 0.1  # the fault: updates below half a bf16 ulp round away
+
+
+def test_ppo_critic_under_fsdp2_bf16_on_two_gloo_ranks(tmp_path):
+    """torchrun, 2 gloo ranks, PPO with `train.bf16=true`: the critic's value head is all-gathered
+    in bf16 and fed bf16 hidden states (it used to raise a dtype error); the run trains 1 step."""
+    from test_train import _free_port, _overrides
+
+    cache = tmp_path / "cache"
+    out = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           "-m", "agent_rl.train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, 1),
+           "algo.name=ppo", "algo.kl_coef=0.01", "algo.kl_type=k1", "train.bf16=true", "trainer.preflight=false"]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert (out / "checkpoints" / "step_1" / "dcp").is_dir()
+    assert "loss/value" in (out / "metrics.jsonl").read_text()
+
+
+def test_lora_keys_without_lora_enabled_are_an_error():
+    """`model.lora.rank=8` with LoRA off would silently train full weights: refused, naming
+    model.lora.enabled; with model.lora.enabled=true it loads."""
+    with pytest.raises(ConfigError, match="model.lora.enabled"):
+        load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", ["model.lora.rank=8"])
+    assert load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", ["model.lora.rank=8", "model.lora.enabled=true"]).model.lora.rank == 8
+
+
+def test_offload_optimizer_on_cuda_is_refused_with_the_alternative():
+    """train.offload_optimizer did nothing on CUDA: it is refused and the message names
+    train.offload_params (FSDP2 CPU offload)."""
+    with pytest.raises(ConfigError, match="train.offload_params"):
+        load_config(None, ["train.offload_optimizer=true", "train.device=cuda"])
