@@ -98,14 +98,91 @@ class ValueModel(nn.Module):
         return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
 
 
-def forward_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False, share_prefix: bool = False):
-    """Token log-probs (B, T) aligned so column t scores token t (column 0 is 0).
+def forward_logprobs(
+    model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False, share_prefix: bool = False,
+    selected: bool = True, chunk_tokens: int = 2048,
+):
+    """Token log-probs (B, T) aligned so column t scores token t; 0 where `loss_mask` is 0.
 
-    Logits are divided by the sampling temperature, as the engine sampled them (verl does the same).
-    With `share_prefix`, rows with the same prompt (a GRPO group) run that prompt through the model
-    once (`_shared_prefix_logits`) when that saves at least a quarter of the padded tokens; prompt
-    columns are then 0 (every caller masks them out). Returns (logprobs, entropy or None).
+    The model runs to its last hidden state; the LM head, temperature, log-softmax and entropy are
+    applied only at the positions that predict a trained token (`loss_mask` 1), so no
+    (rows x sequence x vocab) tensor exists: the logits follow the trained tokens, not the prompt
+    and the observations (slime#2253). The head is applied inside the model's own forward (a
+    pre-hook on the output embedding picks the positions), so FSDP2's all-gathers, tied embeddings
+    and LoRA work unchanged; the float32 log-softmax runs in chunks of `chunk_tokens` trained
+    tokens, each recomputed in backward rather than stored. Logits are divided by the sampling
+    temperature, as the engine sampled them (verl does the same). With `share_prefix`, rows with
+    the same prompt (a GRPO group) run that prompt through the model once (`_prefix_plan`).
+    `selected=False` is the plain full-vocabulary path, kept as the reference the tests and
+    benchmarks compare with. Returns (logprobs, entropy or None).
     """
+    if not selected:
+        return _full_logprobs(model, mb, temperature, with_entropy, share_prefix)
+    target = mb.loss_mask > 0
+    target[:, 0] = False  # nothing predicts the first token
+    plan = _prefix_plan(mb) if share_prefix else None
+    if plan is None:
+        rows, cols = torch.nonzero(target, as_tuple=True)
+        with _head_at(model, rows, cols - 1):
+            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[0]
+    else:
+        logits, rows, cols = _shared_prefix_selected(model, mb, target, *plan)
+    labels = mb.input_ids[rows, cols]
+    lp, ent = selected_logprobs(logits, labels, temperature, with_entropy, chunk_tokens)
+    shape = mb.input_ids.shape
+    logprobs = torch.zeros(shape, dtype=lp.dtype, device=lp.device).index_put((rows, cols), lp)
+    entropy = None if ent is None else torch.zeros(shape, dtype=ent.dtype, device=ent.device).index_put((rows, cols), ent)
+    return logprobs, entropy
+
+
+@contextlib.contextmanager
+def _head_at(model: nn.Module, rows: torch.Tensor, positions: torch.Tensor):
+    """While active, the model's output embedding sees only hidden[rows, positions] (as (1, N, H))."""
+
+    def pick(module, args):
+        return (args[0][rows, positions][None], *args[1:])
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(pick)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _chunk_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool):
+    lg = logits.float()
+    if temperature > 0 and temperature != 1.0:
+        lg = lg / temperature
+    logp = torch.log_softmax(lg, dim=-1)
+    lp = logp.gather(-1, labels[:, None]).squeeze(-1)
+    if not with_entropy:
+        return lp, lp.new_zeros(())
+    return lp, -(logp.exp() * logp).sum(-1)
+
+
+def selected_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool = False, chunk_tokens: int = 2048):
+    """logits: (N, V) at the trained positions, labels: (N,) -> log-probs (N,), entropy (N,) or None.
+
+    Float32 work in chunks of `chunk_tokens`; under autograd each chunk is recomputed in backward
+    (activation checkpointing), so the float32 (N, V) softmax is never held for the backward.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    lps, ents = [], []
+    grad = torch.is_grad_enabled() and logits.requires_grad
+    for lo in range(0, logits.shape[0], chunk_tokens):
+        args = (logits[lo : lo + chunk_tokens], labels[lo : lo + chunk_tokens], temperature, with_entropy)
+        lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if grad else _chunk_logprobs(*args)
+        lps.append(lp)
+        ents.append(ent)
+    if not lps:
+        empty = logits.new_zeros((0,), dtype=torch.float32)
+        return empty, (empty if with_entropy else None)
+    return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+
+
+def _full_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool, share_prefix: bool):
+    """The full-vocabulary reference: logits over every position, then log-softmax."""
     plan = _prefix_plan(mb) if share_prefix else None
     if plan is None:
         logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[:, :-1]
@@ -170,6 +247,37 @@ def _shared_prefix_logits(model: nn.Module, mb: MicroBatch, groups: list[int], p
     back = torch.arange(T, device=device)[None] - starts[:, None]
     valid = ((back >= 0) & (back < (ends - starts)[:, None])).float()
     return logits, s_ids, back.clamp(0, suffix - 1), valid
+
+
+def _shared_prefix_selected(model: nn.Module, mb: MicroBatch, target: torch.Tensor, groups: list[int], prompts: list[tuple]):
+    """`_shared_prefix_logits` with the head only at trained positions: logits (N, V) and the
+    (rows, cols) of the full layout each one scores. The prompt pass keeps one position (its last,
+    which predicts the first response token); the response pass, the positions before trained
+    tokens."""
+    device = mb.input_ids.device
+    pad = 0
+    p_ids, p_attn, p_pos = left_pad(prompts, pad, device)
+    head = model(input_ids=p_ids, attention_mask=p_attn, position_ids=p_pos, use_cache=True, logits_to_keep=1)
+    g = torch.tensor(groups, dtype=torch.long, device=device)
+    cache = head.past_key_values
+    cache.batch_select_indices(g)
+    starts = torch.tensor(mb.prompt_lengths, dtype=torch.long, device=device)
+    ends = mb.attention_mask.sum(-1)
+    suffix = int((ends - starts).max())
+    T = mb.input_ids.shape[1]
+    cols = starts[:, None] + torch.arange(suffix, device=device)[None]
+    s_valid = cols < ends[:, None]
+    s_ids = torch.where(s_valid, mb.input_ids.gather(1, cols.clamp(max=T - 1)), torch.full_like(cols, pad))
+    s_target = target.gather(1, cols.clamp(max=T - 1)) & s_valid
+    first = torch.nonzero(s_target[:, 0]).flatten()
+    rows, slot = torch.nonzero(s_target[:, 1:], as_tuple=True)
+    with _head_at(model, rows, slot):  # slot j of the response pass predicts response token j + 1
+        tail = model(
+            input_ids=s_ids, attention_mask=torch.cat([p_attn[g], s_valid.long()], dim=1),
+            position_ids=cols, past_key_values=cache, use_cache=True,
+        )
+    logits = torch.cat([head.logits[g[first], -1], tail.logits[0]], dim=0)
+    return logits, torch.cat([first, rows]), torch.cat([starts[first], starts[rows] + slot + 1])
 
 
 def assert_no_data_parallel(*modules: nn.Module | None) -> None:

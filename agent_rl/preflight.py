@@ -58,12 +58,17 @@ def run_preflight(model, cfg: Config, device: str) -> dict:
     if torch.cuda.is_available() and str(device).startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        from agent_rl.models import compute_autocast
+        from agent_rl.buffer import MicroBatch
+        from agent_rl.models import compute_autocast, forward_logprobs
 
+        # The most tokens a trajectory can have trained: every turn at its cap (the LM head runs on these).
+        trained = min(length - 1, (cfg.budget.max_turns + 1) * cfg.budget.max_tokens_per_turn)
+        mask = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+        mask[:, length - trained :] = 1.0
+        mb = MicroBatch(index=list(range(rows)), input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=mask)
         with compute_autocast(cfg, device):
-            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False).logits[:, :-1].float()
-        lp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-        lp.mean().backward()
+            lp, _ = forward_logprobs(model, mb, cfg.rollout.temperature, with_entropy=cfg.algo.entropy_coef > 0)
+        lp.sum().backward()
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
         if not _is_oom(err):
             raise

@@ -311,7 +311,8 @@ def _assert_zero_exactly_where_masked(records, trajs):
 
 def test_observation_tokens_get_zero_gradient_grpo(tiny_model_dir):
     """GRPO update on a real tiny Qwen2 with policy loss + low_var_kl loss + entropy bonus:
-    d loss / d logits is exactly 0 at every position predicting a prompt, observation or pad token."""
+    d loss / d (last hidden state) is exactly 0 at every position predicting a prompt, observation or
+    pad token (the LM head only ever sees the positions predicting trained tokens)."""
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "budget.max_total_tokens=1000", "algo.kl_coef=0.1", "algo.kl_type=low_var_kl",
                              "algo.entropy_coef=0.01", "algo.ppo_epochs=2", "algo.group_size=3"])
     torch.manual_seed(0)
@@ -324,7 +325,7 @@ def test_observation_tokens_get_zero_gradient_grpo(tiny_model_dir):
     batch = prepare_batch(cfg, policy, ref, None, trajs, 0, need_old=True)
     assert all(a[torch.tensor([0] * t.prompt_tokens + t.loss_mask) == 0].abs().sum() == 0 for a, t in zip(batch["advantages"], trajs))
     records: list = []
-    handles = _capture_grads(policy.lm_head, policy.model.embed_tokens, records)
+    handles = _capture_grads(policy.model.norm, policy.model.embed_tokens, records)  # the last hidden state, which only the LM head reads
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     try:
         stats = update(cfg, policy, None, opt, None, trajs, batch, 0, random.Random(0))
@@ -356,7 +357,7 @@ def test_observation_tokens_get_zero_gradient_ppo_policy_and_critic(tiny_model_d
         assert torch.count_nonzero(r[m == 1]) > 0
     pol_records: list = []
     val_records: list = []
-    handles = _capture_grads(policy.lm_head, policy.model.embed_tokens, pol_records)
+    handles = _capture_grads(policy.model.norm, policy.model.embed_tokens, pol_records)
     handles += _capture_grads(critic.head, critic.backbone.embed_tokens, val_records)
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=1e-3)

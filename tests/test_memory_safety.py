@@ -85,7 +85,13 @@ class ExplodingPolicy:
         self.calls = 0
         self.stats = {"generated_tokens": 0}
 
-    def generate(self, prompts, max_new_tokens, temperature, top_p=1.0):
+    def sleep(self) -> None:
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def generate(self, prompts, max_new_tokens, temperature, top_p=1.0, seeds=None):
         from agent_rl.engines import Generation
 
         self.calls += 1

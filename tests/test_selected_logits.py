@@ -1,0 +1,76 @@
+"""The LM head only where the loss is computed (`forward_logprobs`, selected positions).
+
+The selected path equals the full-vocabulary path in log-probs, entropy and every parameter
+gradient: on the tiny Qwen2 and on the real SmolLM2 (tied embeddings, vocab 49,152), with and
+without the shared prompt prefix, under LoRA, and in small float32 chunks; and the head sees only
+the trained positions.
+"""
+import pytest
+import torch
+
+from agent_rl.buffer import collate
+from agent_rl.config import load_config
+from agent_rl.models import forward_logprobs, load_policy
+
+from agent_fixtures import smollm2_dir, tiny_model_dir  # noqa: F401  (pytest fixtures)
+from test_losses import _trajs
+
+
+def _compare(policy, mb, share: bool, chunk: int, rtol: float = 1e-4):
+    weights = torch.rand(mb.loss_mask.shape, generator=torch.Generator().manual_seed(1)) * mb.loss_mask
+    out = {}
+    for selected in (False, True):
+        policy.zero_grad()
+        seen = []
+        hook = policy.get_output_embeddings().register_forward_hook(lambda m, a, o: seen.append(tuple(o.shape)))
+        lp, ent = forward_logprobs(policy, mb, 0.7, with_entropy=True, share_prefix=share, selected=selected, chunk_tokens=chunk)
+        hook.remove()
+        ((lp + 0.1 * ent) * weights).sum().backward()
+        grads = [p.grad.clone() for p in policy.parameters() if p.requires_grad]
+        out[selected] = (lp.detach(), ent.detach(), grads, seen)
+    (lp0, ent0, g0, _), (lp1, ent1, g1, seen1) = out[False], out[True]
+    m = mb.loss_mask.clone()
+    m[:, 0] = 0
+    assert torch.allclose(lp0 * m, lp1, atol=2e-5) and torch.allclose(ent0 * m, ent1, atol=2e-5)
+    assert torch.count_nonzero(lp1 * (1 - m)) == 0
+    for a, b in zip(g0, g1):
+        assert float((a - b).norm()) <= rtol * float(a.norm()) + 1e-6
+    trained = int(m.sum())
+    assert sum(s[0] * s[1] for s in seen1) <= trained + len(mb.index)  # head rows: the trained tokens (+ one per prompt pass)
+    return trained
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_selected_head_equals_full_path_tiny(tiny_model_dir, share):
+    """Tiny Qwen2, a 4-token chunk (many chunks): same log-probs, entropy and gradients as the full pass."""
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "budget.max_total_tokens=1000", "algo.group_size=3"])
+    torch.manual_seed(0)
+    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    trajs = _trajs(policy.config.vocab_size, groups=2, n=3, prompt_len=30)
+    _compare(policy, collate(trajs, list(range(len(trajs))), 0), share, chunk=4)
+
+
+def test_selected_head_equals_full_path_under_lora(tiny_model_dir):
+    """A peft policy: the hook finds the output embedding through peft; adapter gradients match."""
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "budget.max_total_tokens=1000", "algo.group_size=3", "model.lora.enabled=true", "model.lora.rank=4"])
+    torch.manual_seed(0)
+    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    trajs = _trajs(policy.config.vocab_size)
+    _compare(policy, collate(trajs, list(range(len(trajs))), 0), True, chunk=2048)
+
+
+@pytest.mark.real_model
+def test_selected_head_equals_full_path_smollm2(smollm2_dir):
+    """The real SmolLM2 (tied embeddings, vocab 49,152), with the shared prefix (its prompt pass
+    keeps one position, its response pass the trained ones); gradients to float32 rounding over
+    30 layers (5e-4 relative)."""
+    cfg = load_config(None, [f"model.path={smollm2_dir}", "budget.max_total_tokens=1000", "algo.group_size=3"])
+    policy = load_policy(cfg, str(smollm2_dir), "cpu")
+    assert policy.config.tie_word_embeddings
+    trajs = _trajs(policy.config.vocab_size, groups=2, n=2, prompt_len=20)
+    mb = collate(trajs, list(range(len(trajs))), 0)
+    _compare(policy, mb, True, chunk=16, rtol=5e-4)
