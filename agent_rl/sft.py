@@ -22,7 +22,7 @@ from agent_rl.budget import TokenBudget
 from agent_rl.buffer import collate, pack_microbatches
 from agent_rl.config import Config
 from agent_rl.data import load_prompts
-from agent_rl.models import load_policy, load_tokenizer
+from agent_rl.models import forward_logprobs, load_policy, load_tokenizer
 from agent_rl.retriever_client import RetrieverClient, format_documents
 from agent_rl.rollout import ObservationBuilder
 from agent_rl.trajectory import Trajectory
@@ -105,9 +105,9 @@ def sft(cfg: Config) -> Path:
         total = 0.0
         for index in pack_microbatches([t.total_tokens for t in batch], cfg.train.max_tokens_per_microbatch):
             mb = collate(batch, index, tokenizer.pad_token_id, cfg.train.device)
-            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[:, :-1].float()
-            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), mb.input_ids[:, 1:], reduction="none")
-            loss = (nll * mb.loss_mask[:, 1:]).sum() / max(1, mask_tokens)  # observations get no gradient
+            # The head only at demonstrated tokens: observations get no logits and no gradient.
+            logprobs, _ = forward_logprobs(model, mb, 1.0)
+            loss = -logprobs.sum() / max(1, mask_tokens)
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
