@@ -133,8 +133,9 @@ async def _run_one(loop: AgentLoop, t: Trajectory, index: int, base: int, gen: G
             if allowance <= 0:
                 loop._end(t, "budget_total")
                 break
+            final = loop.must_answer(t, turn)
             g = await gen.generate(t.prompt_ids + t.response_ids, allowance, turn_seed(base, index, turn))
-            query = loop.take_turn(t, g, loop.budget.is_final_turn(turn))
+            query = loop.take_turn(t, g, final)
             if query is not None:
                 docs, error, ms = await search.search(query)
                 loop.counters["retriever/queries"] += 1

@@ -1,11 +1,16 @@
 """The token budget: a small pure object asked *before* anything is appended to a trajectory.
 
-The one rule at the limit: nothing is ever appended past `max_total_tokens`. A generation turn
-may take `min(max_tokens_per_turn, room)` tokens; an observation may take
-`min(max_obs_tokens, room - max_tokens_per_turn)` so that one more turn (the answer) always
-fits after it; when either allowance falls below what is needed, the trajectory ends with
-`budget_total`. The prompt is never truncated: a prompt over `max_prompt_tokens` is rejected
-at data loading (Search-R1 cuts the context from the left and can lose the question).
+The one rule at the limit: nothing is ever appended past `max_total_tokens`, and a trajectory
+ends with an answer turn rather than being cut. A generation turn may take
+`min(max_tokens_per_turn, room)` tokens; an observation may take
+`min(max_obs_tokens, room - max_tokens_per_turn)`, so one more turn (the answer) always fits
+after it. Before each turn, `must_answer` decides whether it is the forced-answer turn (its
+searches are not run, as after `max_turns`): when the room left cannot hold this turn, a
+minimal observation and a reserved final turn. So the total budget binds (ASearcher-style long
+horizons: many turns under a token cap) and trajectories still end with an answer; only when
+not even one token of a turn fits does a trajectory end with `budget_total`. The prompt is
+never truncated: a prompt over `max_prompt_tokens` is rejected at data loading (Search-R1 cuts
+the context from the left and can lose the question).
 """
 from __future__ import annotations
 
@@ -44,3 +49,8 @@ class TokenBudget:
     def is_final_turn(self, turn_index: int) -> bool:
         """Turn `max_turns` (0-based) is the forced answer turn: its searches are not run."""
         return turn_index >= self.max_turns
+
+    def must_answer(self, turn_index: int, total_tokens: int, min_obs_tokens: int) -> bool:
+        """Is this the forced-answer turn? After `max_turns` search turns, or when the room left
+        cannot hold this turn, an observation of `min_obs_tokens` and a reserved final turn."""
+        return self.is_final_turn(turn_index) or self.room(total_tokens) < 2 * self.max_tokens_per_turn + min_obs_tokens

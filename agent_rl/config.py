@@ -119,21 +119,23 @@ class BudgetConfig:
     max_total_tokens: int = _f(700, "Hard cap on prompt + response tokens of a trajectory.")
 
     def worst_case_total(self) -> int:
-        """Prompt + max_turns x (turn + observation) + the final forced-answer turn."""
+        """Prompt + max_turns x (turn + observation) + the final forced-answer turn: the longest a
+        trajectory gets when max_total_tokens does not bind (the planner's length when it is lower)."""
         return self.max_prompt_tokens + self.max_turns * (self.max_tokens_per_turn + self.max_obs_tokens) + self.max_tokens_per_turn
 
     def validate(self) -> None:
         for key in ("max_turns", "max_prompt_tokens", "max_tokens_per_turn", "max_obs_tokens", "max_total_tokens"):
             if getattr(self, key) < (0 if key == "max_turns" else 1):
                 raise ConfigError(f"budget.{key} must be positive, got {getattr(self, key)}")
-        need = self.worst_case_total()
+        # The total may bind (the forced-answer rule, agent_rl/budget.py); what cannot work is a
+        # longest prompt with no room for even one full answer turn.
+        need = self.max_prompt_tokens + self.max_tokens_per_turn
         if need > self.max_total_tokens:
             raise ConfigError(
-                f"token budget cannot hold a full trajectory: budget.max_prompt_tokens ({self.max_prompt_tokens}) + "
-                f"budget.max_turns ({self.max_turns}) x (budget.max_tokens_per_turn ({self.max_tokens_per_turn}) + "
-                f"budget.max_obs_tokens ({self.max_obs_tokens})) + a final answer turn ({self.max_tokens_per_turn}) = {need} "
-                f"> budget.max_total_tokens ({self.max_total_tokens}). Raise budget.max_total_tokens to >= {need}, or lower "
-                "budget.max_turns / budget.max_tokens_per_turn / budget.max_obs_tokens / budget.max_prompt_tokens."
+                f"token budget cannot hold one answer turn after the longest prompt: budget.max_prompt_tokens "
+                f"({self.max_prompt_tokens}) + budget.max_tokens_per_turn ({self.max_tokens_per_turn}) = {need} > "
+                f"budget.max_total_tokens ({self.max_total_tokens}). Raise budget.max_total_tokens to >= {need}, or lower "
+                "budget.max_prompt_tokens / budget.max_tokens_per_turn."
             )
 
 

@@ -112,7 +112,6 @@ class AgentLoop:
             active = [t for t in trajs if not t.done]
             if not active:
                 break
-            final = self.budget.is_final_turn(turn)
             allow = [self.budget.turn_allowance(t.total_tokens) for t in active]
             for t, a in zip(active, allow):
                 if a <= 0:
@@ -120,9 +119,10 @@ class AgentLoop:
             pairs = [(t, a) for t, a in zip(active, allow) if a > 0]
             if not pairs:
                 break
+            finals = [self.must_answer(t, turn) for t, _ in pairs]  # asked before the turn is generated
             gens = self.engine.generate([t.prompt_ids + t.response_ids for t, _ in pairs], [a for _, a in pairs], temperature, top_p)
             searches: list[tuple[Trajectory, str]] = []
-            for (t, _), g in zip(pairs, gens):
+            for (t, _), g, final in zip(pairs, gens, finals):
                 query = self.take_turn(t, g, final)
                 if query is not None:
                     searches.append((t, query))
@@ -146,6 +146,14 @@ class AgentLoop:
                     "prompts are filtered at data loading, never truncated"
                 )
         return trajs
+
+    def must_answer(self, t: Trajectory, turn: int) -> bool:
+        """The budget's forced-answer rule for this trajectory's next turn; counts the total-budget case."""
+        # Whatever follows a non-final turn must fit: a minimal observation or the corrective message.
+        final = self.budget.must_answer(turn, t.total_tokens, max(self.obs.min_tokens(), len(self.invalid_ids)))
+        if final and not self.budget.is_final_turn(turn):
+            self.counters["budget/forced_answer_total"] += 1
+        return final
 
     def take_turn(self, t: Trajectory, g: Generation, final: bool) -> str | None:
         """Append a generated turn and act on it: end the trajectory, insert the corrective

@@ -45,12 +45,16 @@ def test_overrides_parse_yaml_scalars():
         parse_overrides(["novalue"])
 
 
-def test_budget_overflow_names_the_keys():
-    """prompt + max_turns x (turn + obs) + answer turn > total: the error names every key to change."""
+def test_budget_total_may_bind_but_must_hold_one_answer_turn():
+    """A total below prompt + max_turns x (turn + obs) + answer is accepted (it binds at run time,
+    ASearcher-style: 32 turns under 2048 tokens); a prompt budget plus one turn over the total is
+    refused, naming the keys and the number."""
+    cfg = load_config(None, ["budget.max_turns=32", "budget.max_tokens_per_turn=64", "budget.max_obs_tokens=256", "budget.max_prompt_tokens=256", "budget.max_total_tokens=2048"])
+    assert cfg.budget.worst_case_total() > cfg.budget.max_total_tokens
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["budget.max_turns=4", "budget.max_tokens_per_turn=500", "budget.max_obs_tokens=500", "budget.max_prompt_tokens=512", "budget.max_total_tokens=4096"])
+        load_config(None, ["budget.max_tokens_per_turn=500", "budget.max_prompt_tokens=512", "budget.max_total_tokens=1000"])
     msg = str(err.value)
-    for key in ("budget.max_total_tokens", "budget.max_turns", "budget.max_tokens_per_turn", "budget.max_obs_tokens", "5012"):
+    for key in ("budget.max_total_tokens", "budget.max_prompt_tokens", "budget.max_tokens_per_turn", "1012"):
         assert key in msg
 
 

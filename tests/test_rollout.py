@@ -143,12 +143,12 @@ def test_runaway_policy_is_bounded(tokenizer, server):
         assert all(x.truncated and x.gen_tokens == BUDGET.max_tokens_per_turn for x in t.turns)
         assert t.end_reason == "invalid"
         assert sum(t.loss_mask) == sum(x.gen_tokens for x in t.turns)
-    # An unvalidated, too-small total budget: the loop stops at the cap with budget_total.
+    # A total that binds early: the searcher gets its forced-answer turn before the cap (no cut).
     tight = TokenBudget(max_turns=50, max_prompt_tokens=64, max_tokens_per_turn=24, max_obs_tokens=200, max_total_tokens=150)
     loop = AgentLoop(ScriptedEngine(tokenizer, lambda ctx: "<search> Inception </search>"), tokenizer, RetrieverClient(url), tight)
     for t in loop.run(_items(tokenizer, 2), group_size=2):
-        assert t.end_reason == "budget_total" and t.total_tokens <= 150
-    assert loop.counters["budget/end_budget_total"] == 4
+        assert t.end_reason == "max_turns" and t.total_tokens <= 150 and t.turns[-1].obs_tokens == 0
+    assert loop.counters["budget/forced_answer_total"] == 4 and loop.counters["budget/end_budget_total"] == 0
 
 
 def test_dead_retriever_gives_error_observation(tokenizer, hotpot_index_dir):
@@ -302,3 +302,26 @@ def test_fast_decode_matches_transformers_forward(tokenizer, tiny_model_dir):
     for ref, got in zip(runs[False], runs[True]):
         assert got.token_ids == ref.token_ids and got.finish_reason == ref.finish_reason
         assert got.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("turns,per_turn,total", [(8, 64, 256), (32, 64, 2048)])
+def test_total_budget_binds_with_a_forced_answer_turn(tokenizer, server, turns, per_turn, total):
+    """max_total_tokens below prompt + max_turns x (turn + obs) binds: a policy that searches every
+    turn, and a runaway one that never stops, end within the total with a reason; the searcher
+    gets a forced-answer turn (its search not run) before room runs out, counted under
+    budget/forced_answer_total; the loss mask is 1 exactly on generated tokens."""
+    _, url = server
+    budget = TokenBudget(max_turns=turns, max_prompt_tokens=64, max_tokens_per_turn=per_turn, max_obs_tokens=256, max_total_tokens=total)
+    for script in (lambda ctx: "<search> Inception film director </search>", lambda ctx: "blah " * 5000):
+        loop = AgentLoop(ScriptedEngine(tokenizer, script), tokenizer, RetrieverClient(url), budget)
+        trajs = loop.run(_items(tokenizer, 2), group_size=2)
+        for t in trajs:
+            assert t.total_tokens <= total and t.end_reason is not None
+            assert sum(t.loss_mask) == sum(x.gen_tokens for x in t.turns)
+            assert len(t.loss_mask) == len(t.response_ids) == len(t.logprobs)
+            assert len(t.turns) <= turns + 1
+        assert loop.counters["budget/forced_answer_total"] == len(trajs)
+        searched = [x for t in trajs for x in t.turns if x.action == "search"]
+        if searched:  # the searcher: its last turn was the forced answer (no observation after it)
+            assert all(t.turns[-1].obs_tokens == 0 and t.end_reason == "max_turns" for t in trajs)
+            assert all(1 < len(t.turns) < turns + 1 for t in trajs)
