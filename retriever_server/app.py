@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 
 class RetrieveRequest(BaseModel):
@@ -33,8 +33,18 @@ class RetrieveRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     queries: list[StrictStr]
-    topk: StrictInt | None = None
+    topk: StrictInt | StrictFloat | None = None
     return_scores: StrictBool = False
+
+    @field_validator("topk")
+    @classmethod
+    def _integral(cls, v):
+        """JSON Schema counts 2.0 as an integer; so does this server (2.5, "3" and true are refused)."""
+        if isinstance(v, float):
+            if not v.is_integer():
+                raise ValueError(f"Input should be a valid integer, got {v}")
+            return int(v)
+        return v
 
 
 @dataclass
@@ -49,6 +59,7 @@ class Settings:
     batch_window_ms: float = 20.0
     cache_size: int = 10_000
     api_key: str | None = None
+    max_drain_bytes: int = 64_000_000
 
 
 def normalize_query(q: str) -> str:
@@ -235,9 +246,24 @@ def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: b
     app = FastAPI(title="agent-rl retriever", description="Search-R1 compatible retrieval over a FAISS or BM25 index.", lifespan=lifespan)
     app.state.retriever = retriever
 
-    def error(status: int, message: str) -> JSONResponse:
+    def error(status: int, message: str, close: bool = False) -> JSONResponse:
         retriever.metrics.requests[status] = retriever.metrics.requests.get(status, 0) + 1
-        return JSONResponse(status_code=status, content={"detail": message})
+        return JSONResponse(status_code=status, content={"detail": message}, headers={"connection": "close"} if close else None)
+
+    async def drain(receive, already: int, more: bool) -> bool:
+        """Read and discard the rest of an over-limit body (up to --max-drain-bytes), so a client
+        that sends its whole body before reading (urllib, requests) receives the 413 instead of a
+        connection reset. False when the client left or the body passed the drain cap."""
+        size = already
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return False
+            size += len(message.get("body", b""))
+            more = message.get("more_body", False)
+            if size > settings.max_drain_bytes:
+                return False
+        return True
 
     class Guard:
         """API key and body size, checked before FastAPI reads the request. A plain ASGI
@@ -259,7 +285,10 @@ def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: b
                 return await self.app(scope, receive, send)
             length = headers.get(b"content-length", b"")
             if length.isdigit() and int(length) > settings.max_body_bytes:
-                return await error(413, f"request body of {length.decode()} bytes exceeds the limit of {settings.max_body_bytes} bytes (--max-body-bytes)")(scope, receive, send)
+                message = f"request body of {length.decode()} bytes exceeds the limit of {settings.max_body_bytes} bytes (--max-body-bytes)"
+                if int(length) <= settings.max_drain_bytes:
+                    await drain(receive, 0, True)
+                return await error(413, message, close=True)(scope, receive, send)
             chunks, size, more = [], 0, True
             while more:
                 message = await receive()
@@ -269,7 +298,8 @@ def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: b
                 size += len(chunks[-1])
                 more = message.get("more_body", False)
                 if size > settings.max_body_bytes:
-                    return await error(413, f"request body exceeds the limit of {settings.max_body_bytes} bytes (--max-body-bytes)")(scope, receive, send)
+                    await drain(receive, size, more)
+                    return await error(413, f"request body exceeds the limit of {settings.max_body_bytes} bytes (--max-body-bytes)", close=True)(scope, receive, send)
             replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
             async def replayed():
@@ -290,11 +320,24 @@ def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: b
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
-        retriever.metrics.requests[422] = retriever.metrics.requests.get(422, 0) + 1
-        errors = [{"loc": list(e.get("loc", [])), "msg": e.get("msg", ""), "type": e.get("type", "")} for e in exc.errors()]
-        return JSONResponse(status_code=422, content={"detail": errors})
+        # One error shape for every 4xx (ErrorResponse): the detail is a sentence naming the field.
+        parts = [f"{'.'.join(str(x) for x in e.get('loc', []) if x != 'body') or 'body'}: {e.get('msg', '')} ({e.get('type', '')})" for e in exc.errors()]
+        return error(422, "invalid request: " + "; ".join(parts))
 
-    @app.post("/retrieve")
+    class ErrorResponse(BaseModel):
+        """Every 4xx and 5xx answer: one sentence naming the field or the limit (and its flag)."""
+
+        detail: str
+
+    errors = {
+        status: {"model": ErrorResponse, "description": text}
+        for status, text in (
+            (401, "missing or wrong API key"), (413, "too many queries, a query too long, or a body over --max-body-bytes"),
+            (422, "malformed JSON, a wrong type, or topk out of range"), (503, "the index failed"),
+        )
+    }
+
+    @app.post("/retrieve", responses=errors)
     async def retrieve(req: RetrieveRequest):
         start = time.perf_counter()
         k = settings.topk if req.topk is None else req.topk
@@ -337,12 +380,32 @@ def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: b
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "kind": manifest["kind"], "count": manifest["count"], "encoder": manifest.get("encoder"), "uptime_s": round(time.time() - started, 1)}
+        return {"status": "ok", "kind": manifest["kind"], "count": manifest["count"], "encoder": manifest.get("encoder"), "uptime_s": round(time.time() - started, 1),
+                "limits": {"max_queries": settings.max_queries, "max_query_chars": settings.max_query_chars, "max_topk": settings.max_topk,
+                           "default_topk": settings.topk, "max_body_bytes": settings.max_body_bytes}}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format 0.0.4"}})
     async def metrics():
         return PlainTextResponse(retriever.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    def openapi() -> dict:
+        """FastAPI's document plus the limits this server enforces, so schema-driven clients and
+        fuzzers generate only requests it can accept (the numbers /health reports too)."""
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+            props = doc["components"]["schemas"]["RetrieveRequest"]["properties"]
+            props["queries"]["maxItems"] = settings.max_queries
+            props["queries"]["items"]["maxLength"] = settings.max_query_chars
+            props["topk"] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": settings.max_topk}, {"type": "null"}], "title": "Topk",
+                             "description": f"documents per query (default {settings.topk})"}
+            doc["components"]["schemas"].pop("HTTPValidationError", None)
+            doc["components"]["schemas"].pop("ValidationError", None)
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
@@ -355,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-topk", type=int, default=100)
     p.add_argument("--max-queries", type=int, default=256, help="most queries in one request")
     p.add_argument("--max-query-chars", type=int, default=2048)
-    p.add_argument("--max-body-bytes", type=int, default=1_000_000)
+    p.add_argument("--max-body-bytes", type=int, default=1_000_000, help="largest request body; a larger one gets 413 after its body is read and discarded, up to --max-drain-bytes")
+    p.add_argument("--max-drain-bytes", type=int, default=64_000_000, help="an over-limit body up to this size is read to the end before the 413 (so clients that send the whole body first see the answer); past it the connection is closed")
     p.add_argument("--api-key", default=os.environ.get("RETRIEVER_API_KEY"), help="require 'Authorization: Bearer KEY' (or env RETRIEVER_API_KEY)")
     p.add_argument("--max-batch", type=int, default=64, help="most queries coalesced into one encode + search")
     p.add_argument("--batch-window-ms", type=float, default=20.0, help="the most a batch waits for more requests; it waits only while it holds fewer requests than the previous batch")
@@ -375,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    settings = Settings(a.topk, a.max_topk, a.max_queries, a.max_query_chars, a.max_body_bytes, not a.no_batching, a.max_batch, a.batch_window_ms, 0 if a.no_cache else a.cache_size, a.api_key)
+    settings = Settings(a.topk, a.max_topk, a.max_queries, a.max_query_chars, a.max_body_bytes, not a.no_batching, a.max_batch, a.batch_window_ms, 0 if a.no_cache else a.cache_size, a.api_key, a.max_drain_bytes)
     # proto=IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY on accepted connections only
     # when the listening socket says TCP, and without it Nagle + delayed ACK add ~40 ms per request.
     sock = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
