@@ -87,6 +87,9 @@ class RetrieverConfig:
     max_retries: int = _f(3, "Retries (with exponential backoff) before a search counts as failed.")
     backoff_s: float = _f(0.2, "First backoff delay; doubles each retry.")
     api_key: str | None = _f(None, "Bearer token sent to the retriever, if it requires one.")
+    exclude_failed: bool = _f(True, "Keep a trajectory with a failed search out of the update (its loss mask zeroed, its group's GRPO statistics computed without it): its observation said 'retrieval failed', which teaches nothing about the task. false = train on it as on any other.")
+    max_failed_share: float = _f(0.5, "When more than this share of a step's searches fail, the trainer waits for /health (retriever.health_wait_s) before going on; if the server does not come back it checkpoints and exits non-zero, so `--resume` continues once it is back.")
+    health_wait_s: float = _f(120.0, "Longest wait for a failing retriever's /health to answer (exponential backoff from 0.5 s, at most 10 s between tries).")
     max_queries_per_request: int = _f(128, "Most queries in one /retrieve request; larger batches are split (our server refuses > 256).")
 
 

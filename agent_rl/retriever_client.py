@@ -79,6 +79,25 @@ class RetrieverClient:
         self._count("errors", 1)
         raise RetrievalError(f"retriever at {self.url} failed after {self.max_retries + 1} attempts: {last_err}")
 
+    def wait_healthy(self, max_wait_s: float, log=None) -> bool:
+        """Poll GET /health with exponential backoff (0.5 s doubling, at most 10 s apart) until it
+        answers 200 or `max_wait_s` has passed; returns whether the server is back."""
+        deadline = time.monotonic() + max_wait_s
+        delay = 0.5
+        while True:
+            try:
+                if self._http.get(f"{self.url}/health", timeout=min(5.0, max(0.5, max_wait_s))).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            if log is not None:
+                log(f"retriever at {self.url} is not answering /health; next try in {min(delay, left):.1f} s ({left:.0f} s left)")
+            time.sleep(min(delay, left))
+            delay = min(10.0, delay * 2)
+
     def close(self) -> None:
         self._http.close()
 

@@ -199,7 +199,10 @@ def prepare_batch(cfg: Config, policy, ref, critic, trajs: list[Trajectory], pad
     masks = [torch.tensor([0.0] * t.prompt_tokens + [float(m) for m in t.loss_mask]) for t in trajs]
     scores = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
     if cfg.algo.name == "grpo":
-        a = adv_lib.grpo_advantages(scores, [t.prompt_id for t in trajs], norm_by_std=cfg.algo.norm_adv_by_std)
+        # An excluded trajectory (failed search) is its own group of one: advantage 0, and its
+        # group's mean and std come from the others.
+        keys = [f"{t.prompt_id}#excluded{i}" if t.excluded else t.prompt_id for i, t in enumerate(trajs)]
+        a = adv_lib.grpo_advantages(scores, keys, norm_by_std=cfg.algo.norm_adv_by_std)
         advs = [a[i] * masks[i] for i in range(n)]
         rets = [torch.zeros_like(m) for m in masks]
     else:
@@ -468,6 +471,22 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             last_eval = run_eval()
             logger.log(0, last_eval)
             logger.progress(0, cfg.trainer.max_steps, last_eval)
+        def retriever_ok(counters) -> bool:
+            """Too many of this step's searches failed: wait for /health (rank 0; all ranks agree)."""
+            searched, errors = counters["retriever/queries"], counters["retriever/errors"]
+            bad = float(searched > 0 and errors / searched > cfg.retriever.max_failed_share)
+            if dist is not None:
+                bad = dist.all_reduce_max(bad)
+            if not bad:
+                return True
+            back = 1.0
+            if main:
+                print(f"[train] step {step}: {int(errors)} of {int(searched)} searches failed; waiting for {client.url}/health", file=sys.stderr)
+                back = float(client.wait_healthy(cfg.retriever.health_wait_s, log=lambda m: print(f"[train] {m}", file=sys.stderr)))
+            if dist is not None:
+                back = dist.all_reduce_max(back if main else 0.0)
+            return back > 0
+
         def stopping() -> bool:  # ranks must leave the loop together
             flag = float(stop.is_set())
             return (dist.all_reduce_max(flag) if dist is not None else flag) > 0
@@ -476,6 +495,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             step += 1
             t0 = time.perf_counter()
             # 1. rollout: n samples per prompt (this rank's share of whole groups), budgets enforced inside the loop
+            resume_point = (stream.cursor, engine.generator.get_state())  # for a checkpoint of this step's start
             picked = [train_set.items[i] for i in stream.next(cfg.rollout.prompts_per_step)]
             if dist is not None:
                 picked = dist_lib.split_groups(picked, dist.rank, dist.world_size)
@@ -490,6 +510,25 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             for g in range(0, len(trajs), cfg.algo.group_size):
                 buffer.add_group(trajs[g : g + cfg.algo.group_size])
             trajs = buffer.drain()
+            rollout_m = rollout_metrics(trajs, loop.counters)  # before any exclusion zeroes a mask
+            # 3b. a dead retriever: wait for it, or checkpoint this step's start and exit
+            if not retriever_ok(loop.counters):
+                step, (stream.cursor, rng) = step - 1, resume_point
+                engine.generator.set_state(rng)
+                path = checkpoint()
+                logger.close()
+                if dist is not None:
+                    dist.close()
+                raise SystemExit(
+                    f"retriever at {client.url} failed {int(loop.counters['retriever/errors'])} of {int(loop.counters['retriever/queries'])} searches "
+                    f"at step {step + 1} and did not answer /health within retriever.health_wait_s={cfg.retriever.health_wait_s:g} s. "
+                    f"Saved {path}; start the server again and rerun with --resume."
+                )
+            failed = [t for t in trajs if t.retrieval_failed]
+            if cfg.retriever.exclude_failed:
+                for t in failed:
+                    t.excluded = True
+                    t.loss_mask = [0] * len(t.loss_mask)
             # 4. old / reference log-probs, values, advantages (the engine sleeps where it can: weights offloaded, KV freed)
             engine.sleep()
             t1 = time.perf_counter()
@@ -507,9 +546,11 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             gen_tokens = engine.stats["generated_tokens"] - gen_before
             train_tokens = sum(t.total_tokens for t in trajs)
             metrics = {
-                **rollout_metrics(trajs, loop.counters),
+                **rollout_m,
                 **{k: float(v) for k, v in buffer.counters.items()},
-                **{f"retriever/{k}": float(v) for k, v in client.stats.items()},
+                **{f"retriever/total_{k}": float(v) for k, v in client.stats.items()},  # cumulative; retriever/queries|errors are this step's
+                "retriever/failed_trajectories": float(len(failed)),
+                "train/excluded_trajectories": float(sum(t.excluded for t in trajs)),
                 **upd,
                 "reward/mean": sum(rewards) / max(1, len(rewards)),
                 "reward/max": max(rewards, default=0.0),

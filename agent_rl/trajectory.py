@@ -42,6 +42,11 @@ class Trajectory:
     end_reason: str | None = None
     response_text: str = ""
     reward: float = 0.0
+    excluded: bool = False  # a search failed: kept out of the loss and of its group's statistics
+
+    @property
+    def retrieval_failed(self) -> bool:
+        return any(turn.retriever_error is not None for turn in self.turns)
 
     @property
     def done(self) -> bool:
@@ -82,4 +87,5 @@ class Trajectory:
             "response_text": self.response_text,
             "golden_answers": self.golden_answers,
             "reward": self.reward,
+            "excluded": self.excluded,
         }

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from agent_fixtures import hotpot_index_dir  # noqa: F401  (pytest fixture)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -193,3 +195,39 @@ def test_sft_warm_start_masks_observations_and_redraws_wrong_answers(cache, tmp_
     assert {a[0] for a in answers} == {100, 101, 102, 103}  # wrong answers vary between draws
     assert prefix.response_ids == [4, 5, 6, 7, 8]  # the stored prefix is never modified
     assert all(demos.draw(0, 0.0, rng).response_ids[5:] == [100, 200] for _ in range(20))
+
+
+def test_dead_retriever_stops_with_a_checkpoint_and_resumes(tmp_path, hotpot_index_dir):
+    """The retriever is SIGKILLed mid-run: no update uses a trajectory whose search failed (every
+    failed one is excluded), the run waits for /health, then checkpoints and exits non-zero naming
+    the URL; `--resume` against a live server continues from that checkpoint."""
+    from agent_fixtures import start_server
+
+    cache, out = tmp_path / "cache", tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    fast_fail = ["retriever.health_wait_s=2", "retriever.max_retries=1", "retriever.backoff_s=0.05", "retriever.timeout_s=5", "trainer.eval_max_samples=4",
+                 f"model.warm_start={cache}/sft", "sft.steps=100", "train.lr=1e-5"]  # a short warm start and a gentle lr: the policy keeps searching
+    with start_server(hotpot_index_dir) as (proc, url):
+        args = [sys.executable, "-m", "agent_rl.cli", "train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, 8), f"retriever.url={url}", *fast_fail]
+        train = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 600
+        while not (out / "checkpoints" / "step_2").exists():
+            assert train.poll() is None and time.monotonic() < deadline, "run ended before step 2"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        stderr = train.communicate(timeout=600)[1]
+    assert train.returncode not in (0, None), stderr[-3000:]
+    assert url in stderr and "--resume" in stderr and "/health" in stderr
+    logged = _metrics(out)
+    stopped_at = max(int(p.name.split("_")[1]) for p in (out / "checkpoints").glob("step_*"))
+    assert stopped_at >= 2 and max(logged) == stopped_at
+    for m in logged.values():
+        assert m["train/excluded_trajectories"] == m["retriever/failed_trajectories"]
+        assert "retriever/total_requests" in m and "retriever/queries" in m
+    with start_server(hotpot_index_dir) as (_, url2):
+        res = _run(["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, stopped_at + 1), f"retriever.url={url2}", *fast_fail, "--resume"], timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert f"resumed from {out / 'checkpoints' / f'step_{stopped_at}'}" in res.stderr
+    after = _metrics(out)
+    assert max(after) == stopped_at + 1 and after[stopped_at + 1]["retriever/failed_trajectories"] == 0
