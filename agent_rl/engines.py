@@ -411,6 +411,10 @@ class VLLMEngine:
             enforce_eager=cfg.rollout.enforce_eager,
             enable_sleep_mode=self.supports_sleep,
             logprobs_mode="processed_logprobs",
+            # Seeded requests (every request here) break when a prefill is split across steps on
+            # CPU ("CPU Generator does not use offset"); whole prefills avoid that on any device.
+            enable_chunked_prefill=False,
+            max_num_batched_tokens=max(cfg.budget.max_total_tokens, 2048),
             worker_extension_cls=f"{VLLMWeightSync.__module__}.{VLLMWeightSync.__qualname__}",
             seed=seed,
         )
