@@ -82,6 +82,9 @@ class ExplodingPolicy:
 
     def __init__(self, model, tokenizer, explode):
         self.model, self.tok, self.explode = model, tokenizer, explode
+        import torch
+
+        self.generator = torch.Generator().manual_seed(0)
         self.calls = 0
         self.stats = {"generated_tokens": 0}
 
@@ -203,10 +206,13 @@ g = torch.Generator().manual_seed(0)
 trajs = []
 for pi in range(cfg.rollout.prompts_per_step):
     prompt = torch.randint(10, V, (P,), generator=g).tolist()
-    for j in range(cfg.algo.group_size):  # every trajectory at the budget's maximum length
-        t = Trajectory(f"p{pi}", "toy", prompt, ["x"], sample_idx=j)
-        for size, sampled in (((L - P) // 3, True), ((L - P) // 3, False), (L - P - 2 * ((L - P) // 3), True)):
-            t.append(torch.randint(10, V, (size,), generator=g).tolist(), sampled=sampled)
+    for j in range(cfg.algo.group_size):  # every trajectory at the budget's maximum length, shaped as
+        t = Trajectory(f"p{pi}", "toy", prompt, ["x"], sample_idx=j)  # the loop makes it: full turns, full observations
+        B = cfg.budget
+        for _ in range(B.max_turns):
+            t.append(torch.randint(10, V, (B.max_tokens_per_turn,), generator=g).tolist(), sampled=True)
+            t.append(torch.randint(10, V, (min(B.max_obs_tokens, L - t.total_tokens - 2 * B.max_tokens_per_turn),), generator=g).tolist(), sampled=False)
+        t.append(torch.randint(10, V, (min(B.max_tokens_per_turn, L - t.total_tokens),), generator=g).tolist(), sampled=True)
         t.reward = float(j % 2)
         trajs.append(t)
 for step in range(2):  # step 2 runs forward/backward with the AdamW states already allocated
