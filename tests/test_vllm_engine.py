@@ -22,7 +22,7 @@ from agent_rl.config import load_config  # noqa: E402
 from agent_rl.engines import HFEngine, VLLMEngine, hf_named_weights  # noqa: E402
 from agent_rl.models import load_tokenizer  # noqa: E402
 
-from agent_fixtures import smollm2_dir, tiny_model_dir  # noqa: E402,F401  (pytest fixtures)
+from agent_fixtures import hotpot_index_dir, smollm2_dir, tiny_model_dir  # noqa: E402,F401  (pytest fixtures)
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[1]
