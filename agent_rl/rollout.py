@@ -95,6 +95,7 @@ class AgentLoop:
         self.obs = ObservationBuilder(tokenizer)
         self.invalid_ids = self.obs._ids(INVALID_MESSAGE)
         self.counters: Counter = Counter()
+        self._forced: set[int] = set()  # trajectories whose next turn must answer (no room for the corrective message)
 
     def run(self, items: list[PromptItem], group_size: int = 1, temperature: float = 1.0, top_p: float = 1.0) -> list[Trajectory]:
         """`group_size` trajectories per prompt, by `self.mode`: turn-synchronous or per-trajectory async."""
@@ -134,6 +135,7 @@ class AgentLoop:
 
     def new_trajectories(self, items: list[PromptItem], group_size: int) -> list[Trajectory]:
         """`group_size` empty trajectories per prompt (a GRPO group's rows are adjacent)."""
+        self._forced.clear()
         trajs = [
             Trajectory(prompt_id=it.prompt_id, data_source=it.data_source, prompt_ids=list(it.prompt_ids), golden_answers=list(it.golden_answers), sample_idx=j)
             for it in items
@@ -149,8 +151,7 @@ class AgentLoop:
 
     def must_answer(self, t: Trajectory, turn: int) -> bool:
         """The budget's forced-answer rule for this trajectory's next turn; counts the total-budget case."""
-        # Whatever follows a non-final turn must fit: a minimal observation or the corrective message.
-        final = self.budget.must_answer(turn, t.total_tokens, max(self.obs.min_tokens(), len(self.invalid_ids)))
+        final = self.budget.must_answer(turn, t.total_tokens, self.obs.min_tokens()) or id(t) in self._forced
         if final and not self.budget.is_final_turn(turn):
             self.counters["budget/forced_answer_total"] += 1
         return final
@@ -189,8 +190,9 @@ class AgentLoop:
     def _insert(self, t: Trajectory, ids: list[int], corrective: bool = False) -> None:
         allowance = self.budget.obs_allowance(t.total_tokens)
         if allowance < len(ids):
-            self.counters["budget/obs_no_room"] += 1
-            self._end(t, "budget_total")
+            # No room for the corrective message: the next turn is the forced answer instead.
+            self.counters["budget/corrective_no_room"] += 1
+            self._forced.add(id(t))
             return
         t.append(ids, sampled=False)
         t.turns[-1].obs_tokens = len(ids)
