@@ -174,14 +174,19 @@ def init_distributed(cfg) -> DistInfo | None:
     else:
         raise ValueError(f"train.device={cfg.train.device!r}: under torchrun use cpu (gloo) or cuda (nccl, one GPU per local rank)")
     if not torch_dist.is_initialized():
-        # nccl for CUDA tensors and gloo for CPU ones: CPU offload (train.offload_params) clips
-        # gradients and steps the optimizer on host tensors, which an nccl-only group cannot reduce.
-        pg_backend = "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
-        torch_dist.init_process_group(pg_backend, rank=rank, world_size=world, device_id=device if backend == "nccl" else None)
+        torch_dist.init_process_group(process_group_backend(device), rank=rank, world_size=world, device_id=device if backend == "nccl" else None)
     cfg.train.device = str(device)
     if cfg.rollout.device.startswith("cuda"):
         cfg.rollout.device = str(device)
     return DistInfo(rank=rank, world_size=world, local_rank=local, device=device, backend=backend)
+
+
+def process_group_backend(device: torch.device) -> str:
+    """The backend string for `init_process_group`: gloo on CPU ranks; on CUDA ranks nccl for CUDA
+    tensors *and* gloo for CPU ones. With `train.offload_params` gradient clipping and the
+    optimizer step run on host tensors, which an nccl-only group cannot reduce ("No backend type
+    associated with device type cpu")."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 def split_groups(items: Sequence[T], rank: int, world: int) -> list[T]:

@@ -104,3 +104,17 @@ def test_offload_optimizer_on_cuda_is_refused_with_the_alternative():
     train.offload_params (FSDP2 CPU offload)."""
     with pytest.raises(ConfigError, match="train.offload_params"):
         load_config(None, ["train.offload_optimizer=true", "train.device=cuda"])
+
+
+def test_cuda_process_group_has_a_cpu_backend_for_offloaded_tensors():
+    """CUDA ranks get a process group with gloo for CPU tensors as well as nccl for CUDA ones, so
+    `train.offload_params` can clip gradients on host shards; a plain "nccl" group (the fault)
+    maps no backend to CPU tensors. Parsed by torch's own BackendConfig (nccl itself needs a GPU)."""
+    from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+    from agent_rl.distributed import process_group_backend
+
+    device_map = lambda s: BackendConfig(Backend(s)).get_device_backend_map()  # noqa: E731
+    assert "cpu" not in device_map("nccl")  # why offload failed at clipping
+    assert device_map(process_group_backend(torch.device("cuda", 1))) == {"cpu": "gloo", "cuda": "nccl"}
+    assert device_map(process_group_backend(torch.device("cpu")))["cpu"] == "gloo"
