@@ -5,11 +5,15 @@ trajectory, waits for the slowest row, then runs one batched search while the en
 every trajectory advances on its own (generate -> parse -> search -> observe), so one
 trajectory's search overlaps other trajectories' generation, and a straggler holds up nobody.
 
-- Generation: `GenerationBatcher` gives the engine, one call at a time, every request that is
-  waiting (up to `rollout.generation_batch_size`); requests that arrive during a call form the
-  next one. Both engines are driven this way: vLLM (continuous batching inside a call) and the HF
-  engine (a call is one left-padded batch, so a row that arrives mid-call waits for it to end:
-  that wait is this engine's cost).
+- Generation on vLLM: `StepBatcher` drives the engine one step at a time (continuous batching,
+  as vLLM's AsyncLLM does, but on the in-process engine the weight sync writes to): a request
+  joins the running batch at the next step, and its trajectory goes on to search the moment its
+  turn ends while the other rows keep decoding.
+- Generation on the HF engine: `GenerationBatcher` gives the engine, one call at a time, every
+  request that is waiting (up to `rollout.generation_batch_size`); requests that arrive during a
+  call form the next one. A call is one left-padded batch, so a row that arrives mid-call waits
+  for it to end, and a finished row waits for the call's longest: that wait is this engine's
+  cost (turn batching inside the engine, trajectories async around it).
 - Search: `SearchBatcher` sends every query that is waiting as one `/retrieve` request (the
   client splits over-limit batches), one request in flight at a time, so concurrent trajectories
   still reach the server as few HTTP requests. Retries, timeouts and the error observation are
@@ -84,6 +88,57 @@ class GenerationBatcher:
             self.busy = False
 
 
+class StepBatcher:
+    """Continuous batching on an engine with `submit`/`step` (vLLM): a request joins the running
+    batch at the next engine step and its trajectory resumes as soon as it finishes, while the
+    other requests keep decoding; no turn waits for the slowest row of a call."""
+
+    def __init__(self, engine, temperature: float, top_p: float):
+        self.engine, self.temperature, self.top_p = engine, temperature, top_p
+        self.waiting: list[tuple[list[int], int, int, asyncio.Future]] = []
+        self.running: dict[str, asyncio.Future] = {}
+        self.busy = False
+        self.calls = 0  # engine steps
+
+    async def generate(self, prompt: list[int], max_new: int, seed: int) -> Generation:
+        if max_new <= 0:
+            return Generation([], [], "length")
+        future = asyncio.get_running_loop().create_future()
+        self.waiting.append((prompt, max_new, seed, future))
+        if not self.busy:
+            self.busy = True
+            asyncio.get_running_loop().create_task(self._drive())
+        return await future
+
+    async def _drive(self) -> None:
+        try:
+            while self.waiting or self.running:
+                await asyncio.sleep(0)  # let every task that is ready queue its request first
+                for prompt, max_new, seed, future in self.waiting:
+                    self.running[self.engine.submit(prompt, max_new, self.temperature, self.top_p, seed)] = future
+                self.waiting = []
+                step = asyncio.ensure_future(asyncio.to_thread(self.engine.step))
+                try:
+                    done = await asyncio.shield(step)
+                except asyncio.CancelledError:
+                    await step  # a step cannot be stopped mid-way: let it end before aborting the rest
+                    raise
+                self.calls += 1
+                for request_id, g in done:
+                    future = self.running.pop(request_id)
+                    if not future.done():
+                        future.set_result(g)
+        except BaseException as err:  # the engine failed or the rollout was cancelled
+            self.engine.abort(list(self.running))
+            for future in [f for *_, f in self.waiting] + list(self.running.values()):
+                if not future.done():
+                    future.set_exception(err)
+            self.waiting, self.running = [], {}
+            raise
+        finally:
+            self.busy = False
+
+
 class SearchBatcher:
     """Turns single queries into `/retrieve` requests over every query that is waiting."""
 
@@ -125,7 +180,7 @@ class SearchBatcher:
             self.busy = False
 
 
-async def _run_one(loop: AgentLoop, t: Trajectory, index: int, base: int, gen: GenerationBatcher, search: SearchBatcher, slots: asyncio.Semaphore) -> None:
+async def _run_one(loop: AgentLoop, t: Trajectory, index: int, base: int, gen: GenerationBatcher | StepBatcher, search: SearchBatcher, slots: asyncio.Semaphore) -> None:
     async with slots:
         turn = 0
         while not t.done:
@@ -146,8 +201,10 @@ async def _run_one(loop: AgentLoop, t: Trajectory, index: int, base: int, gen: G
 
 
 async def _run_all(loop: AgentLoop, trajs: list[Trajectory], base: int, temperature: float, top_p: float) -> tuple[int, int]:
-    batch = getattr(loop.engine, "batch_size", 0) or max(1, len(trajs))
-    gen = GenerationBatcher(loop.engine, temperature, top_p, batch)
+    if hasattr(loop.engine, "step"):
+        gen = StepBatcher(loop.engine, temperature, top_p)
+    else:
+        gen = GenerationBatcher(loop.engine, temperature, top_p, getattr(loop.engine, "batch_size", 0) or max(1, len(trajs)))
     search = SearchBatcher(loop.client, loop.topk)
     slots = asyncio.Semaphore(loop.max_inflight or max(1, len(trajs)))
     tasks = [asyncio.create_task(_run_one(loop, t, i, base, gen, search, slots)) for i, t in enumerate(trajs)]

@@ -432,6 +432,7 @@ class VLLMEngine:
         self.stats = {"generated_tokens": 0, "generate_s": 0.0, "weight_syncs": 0}
         self.asleep = False
         self._said_no_sleep = False
+        self._next_request = 0
 
     def generate(
         self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, top_p: float = 1.0, seeds: list[int] | None = None
@@ -441,31 +442,62 @@ class VLLMEngine:
         if seeds is None:
             seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=self.generator).tolist()
         live = [i for i, n in enumerate(max_new_tokens) if n > 0]
-        params = [
-            self._sampling_cls(
-                max_tokens=max_new_tokens[i], temperature=temperature, top_p=top_p, seed=seeds[i], stop=list(STOP_TAGS),
-                stop_token_ids=self.stop_ids, include_stop_str_in_output=True, logprobs=0, detokenize=True,
-            )
-            for i in live
-        ]
+        params = [self._params(max_new_tokens[i], temperature, top_p, seeds[i]) for i in live]
         outs = self.llm.generate([self._prompt_cls(prompt_token_ids=list(prompts[i])) for i in live], params, use_tqdm=False) if live else []
         gens = [Generation([], [], "length") for _ in prompts]
         for i, o in zip(live, outs):
-            c = o.outputs[0]
-            ids = list(c.token_ids)
-            if c.finish_reason not in ("stop", "length"):
-                raise RuntimeError(f"vLLM ended a request with finish_reason={c.finish_reason!r} (expected stop or length)")
-            if c.logprobs is None or len(c.logprobs) != len(ids):
-                raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for {len(ids)} sampled tokens")
-            lps = []
-            for tok, entry in zip(ids, c.logprobs):
-                if tok not in entry:
-                    raise RuntimeError(f"vLLM returned no log-prob for the sampled token {tok}")
-                lps.append(float(entry[tok].logprob))
-            gens[i] = Generation(ids, lps, "stop" if c.finish_reason == "stop" else "length")
+            gens[i] = self._generation(o)
         self.stats["generated_tokens"] += sum(len(g.token_ids) for g in gens)
         self.stats["generate_s"] += time.perf_counter() - start
         return gens
+
+    def _params(self, max_new: int, temperature: float, top_p: float, seed: int):
+        return self._sampling_cls(
+            max_tokens=max_new, temperature=temperature, top_p=top_p, seed=seed, stop=list(STOP_TAGS),
+            stop_token_ids=self.stop_ids, include_stop_str_in_output=True, logprobs=0, detokenize=True,
+        )
+
+    @staticmethod
+    def _generation(output) -> Generation:
+        """One finished vLLM request as a Generation; a missing log-prob is an error, never a zero."""
+        c = output.outputs[0]
+        ids = list(c.token_ids)
+        if c.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM ended a request with finish_reason={c.finish_reason!r} (expected stop or length)")
+        if c.logprobs is None or len(c.logprobs) != len(ids):
+            raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for {len(ids)} sampled tokens")
+        lps = []
+        for tok, entry in zip(ids, c.logprobs):
+            if tok not in entry:
+                raise RuntimeError(f"vLLM returned no log-prob for the sampled token {tok}")
+            lps.append(float(entry[tok].logprob))
+        return Generation(ids, lps, "stop" if c.finish_reason == "stop" else "length")
+
+    def submit(self, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float, seed: int) -> str:
+        """Queue one request for `step` (continuous batching: a request joins the running batch at the
+        next step and leaves it when it finishes); returns its id."""
+        from vllm.sampling_params import RequestOutputKind
+
+        self.wake()
+        params = self._params(max_new_tokens, temperature, top_p, seed)
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        self._next_request += 1
+        request_id = f"agent-rl-{self._next_request}"  # outputs carry this id (vLLM suffixes it internally)
+        self.llm.llm_engine.add_request(request_id, self._prompt_cls(prompt_token_ids=list(prompt)), params)
+        return request_id
+
+    def step(self) -> list[tuple[str, Generation]]:
+        """One engine step over every running request; the requests that finished in it."""
+        start = time.perf_counter()
+        done = [(o.request_id, self._generation(o)) for o in self.llm.llm_engine.step() if o.finished]
+        self.stats["generated_tokens"] += sum(len(g.token_ids) for _, g in done)
+        self.stats["generate_s"] += time.perf_counter() - start
+        return done
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop requests that `step` has not finished (a cancelled rollout)."""
+        if request_ids:
+            self.llm.llm_engine.abort_request(request_ids)
 
     def sleep(self) -> None:
         """Offload weights and free the KV cache while the trainer updates (CUDA); a no-op elsewhere."""

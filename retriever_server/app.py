@@ -60,6 +60,7 @@ class Settings:
     cache_size: int = 10_000
     api_key: str | None = None
     max_drain_bytes: int = 64_000_000
+    delay_ms: float = 0.0  # added to every /retrieve answer: a remote or loaded retriever, for benchmarks
 
 
 def normalize_query(q: str) -> str:
@@ -358,6 +359,8 @@ def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: b
             retriever.metrics.requests[200] = retriever.metrics.requests.get(200, 0) + 1
             return {"result": []}
         queries = [normalize_query(q) for q in req.queries]
+        if settings.delay_ms > 0:
+            await asyncio.sleep(settings.delay_ms / 1000.0)
         try:
             scores, rows = await retriever.search(queries, k)
         except Exception as err:  # the index itself failed: say so, stay up
@@ -432,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--padded-encoder", action="store_true", help="encode with transformers' padded forward instead of the packed one (BERT-family encoders on CPU)")
     p.add_argument("--ef-search", type=int, help="HNSW efSearch (default: the manifest's)")
     p.add_argument("--threads", type=int, default=0, help="torch/faiss threads (0 = all cores)")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="hold every /retrieve answer this long: emulates a remote or loaded retriever (benchmarks)")
     p.add_argument("--ready-file", help="write {url, pid} here once listening")
     a = p.parse_args(argv)
     import torch
@@ -439,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    settings = Settings(a.topk, a.max_topk, a.max_queries, a.max_query_chars, a.max_body_bytes, not a.no_batching, a.max_batch, a.batch_window_ms, 0 if a.no_cache else a.cache_size, a.api_key, a.max_drain_bytes)
+    settings = Settings(a.topk, a.max_topk, a.max_queries, a.max_query_chars, a.max_body_bytes, not a.no_batching, a.max_batch, a.batch_window_ms, 0 if a.no_cache else a.cache_size, a.api_key, a.max_drain_bytes, a.delay_ms)
     # proto=IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY on accepted connections only
     # when the listening socket says TCP, and without it Nagle + delayed ACK add ~40 ms per request.
     sock = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)

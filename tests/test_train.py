@@ -121,6 +121,31 @@ def test_kill_and_resume_matches_uninterrupted_run(cache, tmp_path):
         assert a[3][key] == pytest.approx(b[3][key], rel=1e-5, abs=1e-7), key
 
 
+def test_sigterm_during_async_rollout_saves_and_resumes(cache, tmp_path):
+    """SIGTERM while `rollout.mode=async` has trajectories in flight: the step finishes, its
+    checkpoint is written, the run exits 0; `--resume` continues from that step."""
+    out = tmp_path / "run"
+    extra = ["rollout.mode=async", "rollout.max_inflight=4"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([sys.executable, "-m", "agent_rl.cli", "train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, 50, extra)],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while not (out / "checkpoints" / "step_1").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "run ended before step 1"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    stderr = proc.communicate(timeout=600)[1]
+    assert proc.returncode == 0, stderr[-3000:]
+    logged = _metrics(out)
+    stopped_at = max(logged)
+    assert 1 <= stopped_at < 50 and f"signal received: saving step {stopped_at}" in stderr
+    assert (out / "checkpoints" / f"step_{stopped_at}").exists()
+    res = _run(["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, stopped_at + 1, extra), "--resume"], timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert f"resumed from {out / 'checkpoints' / f'step_{stopped_at}'}" in res.stderr
+    assert max(_metrics(out)) == stopped_at + 1
+
+
 def test_bad_config_key_fails_fast(tmp_path):
     """A typo in a key exits non-zero at once with the key's name."""
     res = _run(["train", "configs/tiny_cpu_grpo.yaml", "algo.grup_size=3"], timeout=120)

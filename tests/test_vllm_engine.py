@@ -156,6 +156,61 @@ def test_vllm_takes_lora_weights_merged_under_base_names(tiny_vllm, tiny_model_d
     engine.load_weights(hf_named_weights(_hf_model(tiny_model_dir)))  # leave the module's engine as it was
 
 
+def test_vllm_async_rollout_batches_continuously_and_is_seeded_per_trajectory(tiny_vllm, hotpot_index_dir):
+    """`rollout.mode=async` on vLLM drives the engine step by step (requests join and leave the
+    running batch between steps): greedy trajectories equal the sync loop's; sampled ones depend
+    only on the seed, not on how many ran at once; masks and log-probs line up; a cancelled run
+    leaves no request behind in the engine."""
+    from agent_rl.async_rollout import StepBatcher
+    from agent_rl.budget import TokenBudget
+    from agent_rl.retriever_client import RetrieverClient
+    from agent_rl.rollout import AgentLoop, PromptItem
+
+    from agent_fixtures import start_server
+
+    engine, tok = tiny_vllm
+    budget = TokenBudget(max_turns=2, max_prompt_tokens=64, max_tokens_per_turn=24, max_obs_tokens=200, max_total_tokens=64 + 2 * 224 + 24)
+    questions = ["Who directed Inception?", "Where is the Eiffel Tower?", "What is the capital of Peru?"]
+    items = [PromptItem(f"q-{i}", "hotpotqa", tok(f"Question: {q}\n<search>", add_special_tokens=False)["input_ids"], ["x"]) for i, q in enumerate(questions)]
+
+    def record(t):
+        return (t.response_ids, t.loss_mask, t.end_reason, [(x.action, x.query) for x in t.turns])
+
+    with start_server(hotpot_index_dir) as (_, url):
+        client = RetrieverClient(url, topk=1)
+        greedy = {mode: [record(t) for t in AgentLoop(engine, tok, client, budget, mode=mode).run(items, 2, temperature=0.0)] for mode in ("sync", "async")}
+        assert greedy["async"] == greedy["sync"]
+        sampled = []
+        for inflight in (0, 2):
+            engine.generator.manual_seed(11)
+            loop = AgentLoop(engine, tok, client, budget, mode="async", max_inflight=inflight)
+            trajs = loop.run(items, 2, temperature=1.0)
+            sampled.append([record(t) for t in trajs])
+            assert loop.counters["rollout/engine_calls"] > len(trajs)  # engine steps, not one call per turn
+            for t in trajs:
+                assert len(t.logprobs) == len(t.response_ids) == len(t.loss_mask)
+                assert all(lp < 0 for lp, m in zip(t.logprobs, t.loss_mask) if m) and not any(lp for lp, m in zip(t.logprobs, t.loss_mask) if not m)
+        assert sampled[0] == sampled[1]
+
+    async def cancelled():
+        import asyncio
+
+        batcher = StepBatcher(engine, 1.0, 1.0)
+        task = asyncio.ensure_future(batcher.generate(items[0].prompt_ids, 24, 3))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        while batcher.busy:
+            await asyncio.sleep(0.01)
+
+    import asyncio
+
+    asyncio.run(cancelled())
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+
+
 def test_vllm_config_errors_name_the_key():
     """Placement vLLM cannot honour in one process is refused at load with the fix."""
     from agent_rl.config import ConfigError

