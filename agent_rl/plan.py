@@ -17,8 +17,12 @@ layer, which at 7k tokens is 5x the rest (bench/memory_runaway.py).
 With gradient checkpointing only the layer inputs (b * h) stay, plus one layer's worth in
 flight during recompute. Logits exist only at trained positions (`models.forward_logprobs`):
 trained tokens x vocab in the compute dtype, kept with its gradient, plus one float32 chunk's
-log-softmax in flight. These constants were measured on CPU against `ru_maxrss`
-(tests/test_memory_safety.py).
+log-softmax in flight. A GRPO group's rows in one process share one prompt pass, so the
+prompt's activations count once per group. When a whole optimizer step is one micro-batch, the
+gradients grow as the backward frees activations and are not added on top of them. These
+constants were measured on CPU against VmHWM (tests/test_memory_safety.py, bench/plan_vs_measured.py)
+with the trainer's fixed mmap threshold (`train.host_mmap_threshold_mib`), under which RSS follows
+what is held: tiny 0.99, 82M 0.99, SmolLM2-135M + LoRA + in-process vLLM-CPU 1.04 of measured.
 
 Two phases, planned separately; the peak is the larger. Rollout: the engine (vLLM's reservation,
 or the HF engine's KV cache) plus what the trainer keeps resident between updates (parameters,
@@ -59,8 +63,9 @@ BASELINE_HOST_BYTES = int(0.53 * GIB)
 # `import peft` (0.21) on top of that: 138 MiB of RSS measured here, whatever the model size.
 PEFT_HOST_BYTES = int(0.135 * GIB)
 # vLLM's CPU engine in the trainer's process, beyond its weights and KV space: its imports,
-# scheduler and worker buffers (RSS measured here with vllm-cpu 0.32 and SmolLM2-135M).
-VLLM_CPU_RUNTIME_BYTES = int(1.0 * GIB)
+# scheduler and worker buffers. Measured with vllm-cpu 0.32 and SmolLM2-135M (bench/plan_vs_measured.py):
+# VmHWM after the engine generated a full step = import baseline + 0.50 weights + 1.00 KV + 0.53.
+VLLM_CPU_RUNTIME_BYTES = int(0.53 * GIB)
 LOGIT_CHUNK_TOKENS = 2048  # models.forward_logprobs' float32 chunk
 
 
@@ -196,9 +201,24 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
     seq = min(cfg.budget.max_total_tokens, cap)
     rows = max(1, cap // seq)
     tokens = rows * seq
+    # One process, no checkpointing: a GRPO group's rows share one prompt pass (models._prefix_plan,
+    # taken when it saves >= 25% of the micro-batch's tokens).
+    if cfg.train.share_prompt_prefix and gpus <= 1 and not cfg.model.gradient_checkpointing and cfg.algo.group_size > 1:
+        prompt = min(cfg.budget.max_prompt_tokens, seq - 1)
+        shared = -(-rows // cfg.algo.group_size) * prompt + rows * (seq - prompt)
+        if rows > 1 and shared <= 0.75 * tokens:
+            tokens = shared
     train_c["activations"] = activation_bytes(arch, tokens, rows, seq, bc, cfg.model.gradient_checkpointing)
     trained = min(tokens, rows * min(seq - 1, (cfg.budget.max_turns + 1) * cfg.budget.max_tokens_per_turn))
     train_c["logits"] = trained * arch.vocab * bc * 2 + min(trained, LOGIT_CHUNK_TOKENS) * arch.vocab * 4 * 3
+    step_rows = cfg.algo.mini_batch_size or cfg.rollout.prompts_per_step * cfg.algo.group_size
+    if step_rows <= rows // max(1, shard):
+        # One micro-batch per optimizer step: gradients start empty (zero_grad(set_to_none)) and
+        # grow layer by layer as the backward frees that layer's activations, so they do not sit
+        # beside the whole micro-batch's activations; the first to arrive is the output layer's.
+        head = arch.vocab * arch.hidden * 4 // shard if not lora else 0
+        overlap = train_c["activations"] + train_c["logits"]
+        train_c["grads"] = max(head, train_c["grads"] - overlap + head)
     if cfg.algo.name == "ppo":
         train_c["activations"] *= 2 if not cfg.model.gradient_checkpointing else 1
     host: dict[str, int] = {"baseline": BASELINE_HOST_BYTES}
@@ -223,6 +243,8 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
         engine_c["vllm_weights"] = P * b
         engine_c["vllm_kv_cache"] = int(cfg.rollout.cpu_kv_cache_gib * GIB)
         engine_c["vllm_runtime"] = VLLM_CPU_RUNTIME_BYTES
+        if lora:  # the sync hands vLLM merged copies of the adapted weights (engines.hf_named_weights)
+            rollout_c["weight_sync_merged"] = (P - arch.vocab * arch.hidden * (1 if arch.tied else 2)) * 4
     elif cfg.rollout.device != cfg.train.device:
         engine_c["rollout_copy"] = P * b
     kv = 2 * arch.layers * arch.kv_heads * arch.head_dim * b

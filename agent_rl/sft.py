@@ -81,8 +81,10 @@ class Demonstrations:
 
 def sft(cfg: Config) -> Path:
     """Train on scripted demonstrations; save to `model.warm_start` (or OUTPUT_DIR/sft)."""
+    from agent_rl.preflight import fix_mmap_threshold
     from agent_rl.prepare import local_retriever, prepare
 
+    fix_mmap_threshold(cfg.train.host_mmap_threshold_mib)
     prepare(cfg)
     out = Path(cfg.model.warm_start or Path(cfg.trainer.output_dir) / "sft")
     torch.manual_seed(cfg.trainer.seed)

