@@ -175,6 +175,7 @@ class TrainConfig:
     share_prompt_prefix: bool = _f(True, "Run a GRPO group's common prompt through the model once per micro-batch (its KV cache, with gradient, serves every response); same loss and gradient up to float rounding. Not used under torchrun or with gradient checkpointing.")
     offload_optimizer: bool = _f(False, "Keep AdamW states in host RAM (a no-op on CPU-only runs, which says so).")
     offload_params: bool = _f(False, "FSDP: keep parameters in host RAM between uses (torchrun/GPU only).")
+    skip_zero_advantage: bool = _f(True, "Leave rows whose advantage is 0 on every token (a GRPO group with equal rewards) out of the update's forward and backward; they stay in the loss normaliser, so the gradient is unchanged. Only when no KL-in-loss, entropy or value term reads them.")
     host_mmap_threshold_mib: float = _f(1.0, "CPU training on glibc: host allocations of at least this size get their own mapping, returned to the system when freed (mallopt M_MMAP_THRESHOLD). glibc's default moves the threshold up as tensors are freed, so freed activations stay in the heap as holes: on SmolLM2 with LoRA that held 2x the saved activations (8.7 GB peak vs 6.6 GB fixed, for ~11% update speed). 0 = glibc's default.")
     bf16: bool = _f(False, "Compute in bfloat16 over float32 master weights: torch.autocast in one process (CPU or CUDA), FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) under torchrun. Updates smaller than a bf16 ulp are kept.")
 

@@ -259,6 +259,11 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Traje
 
     policy.train()
     autocast = compute_autocast(cfg, device) if dist is None else contextlib.nullcontext()
+    # A row whose advantage is 0 on every token adds exactly 0 to the policy gradient (every
+    # term of the clipped loss is advantage x ratio) unless a KL, entropy or value loss reads it.
+    skip_zero = cfg.train.skip_zero_advantage and critic is None and cfg.algo.entropy_coef == 0 and not (
+        cfg.algo.kl_coef > 0 and cfg.algo.kl_type == "low_var_kl")
+    skipped = 0
     for epoch in range(cfg.algo.ppo_epochs):
         order = list(range(n))
         rng.shuffle(order)
@@ -272,6 +277,12 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Traje
             optimizer.zero_grad(set_to_none=True)
             if critic_opt is not None:
                 critic_opt.zero_grad(set_to_none=True)
+            if skip_zero:  # kept in the normaliser above, left out of the forward and backward
+                # One row still runs when none would: a zero gradient, not a missing one, so AdamW
+                # moves (momentum, weight decay) exactly as the plain path, and FSDP ranks stay in step.
+                run = [i for i in members if batch["advantages"][i].any()] or members[:1]
+                skipped += len(members) - len(run)
+                members = run
             for local, real in even_microbatches(_pack(cfg, trajs, members, share), dist):
                 index = [members[j] for j in local]
                 mb = collate(trajs, index, pad_id, device)
@@ -328,6 +339,7 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Traje
             if critic_opt is not None:
                 critic_opt.step()
     out = {k: sum(v) / len(v) for k, v in stats.items()}
+    out["train/skipped_zero_advantage_rows"] = float(skipped)
     if dist is not None:
         agree = [dist.all_reduce_sum(agree[0]), dist.all_reduce_max(agree[1]), dist.all_reduce_sum(agree[2])]
     out["rollout/logprob_diff_mean"] = agree[0] / max(1.0, agree[2])

@@ -123,12 +123,12 @@ def main() -> None:
     print(f"full:     peak {full['peak_rss_mib']:.0f} MiB (delta {full['delta_mib']:.0f})")
     print(f"selected: peak {sel['peak_rss_mib']:.0f} MiB (delta {sel['delta_mib']:.0f})")
 
-    print(f"\n3. update throughput, 8 x 256, fwd+bwd+AdamW, median of 3 updates after one warm-up, {args.pairs} alternated pairs")
+    print(f"\n3. update throughput, 8 x 256, fwd+bwd+AdamW, median of 2 updates after one warm-up, {args.pairs} alternated pairs")
     rates: dict[str, list[float]] = {"full": [], "selected": []}
     for i in range(args.pairs):
         order = ("full", "selected") if i % 2 == 0 else ("selected", "full")
         for path in order:
-            rates[path].append(_run(model_dir, path, "fixed", iters=4, opt=True)["trained_tok_s"])
+            rates[path].append(_run(model_dir, path, "fixed", iters=3, opt=True)["trained_tok_s"])
     for path, r in rates.items():
         print(f"{path:>9}: {statistics.median(r):7.1f} trained tokens/s  ({', '.join(f'{x:.1f}' for x in r)})")
     print(f"selected / full: {statistics.median(rates['selected']) / statistics.median(rates['full']):.3f}x")

@@ -85,3 +85,41 @@ def test_split_devices_sync_weights_explicitly(tiny_model_dir):
     assert_no_data_parallel(policy, engine.model)
     with pytest.raises(RuntimeError, match="DataParallel"):
         assert_no_data_parallel(torch.nn.DataParallel(torch.nn.Linear(2, 2)))
+
+
+@pytest.mark.parametrize("rewards", ["half_equal", "all_equal"])
+def test_zero_advantage_rows_skip_the_update_and_leave_the_step_unchanged(tiny_model_dir, rewards):
+    """GRPO groups with equal rewards have advantage 0 on every token: with KL and entropy off they
+    are left out of the forward/backward (kept in the normaliser), and the parameters after two
+    steps (with momentum) equal the plain path's to float tolerance. SGD, not AdamW: Adam divides
+    the k_proj bias's float-noise gradient (exactly 0 in theory: softmax ignores a shift of every
+    key) by its own size, so both paths would move it by noise-signed full steps."""
+    results = {}
+    for skip in (True, False):
+        torch.manual_seed(0)
+        cfg = _cfg(tiny_model_dir, f"train.skip_zero_advantage={str(skip).lower()}", "algo.kl_coef=0", "algo.entropy_coef=0")
+        policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+        opt = torch.optim.SGD(policy.parameters(), lr=0.5, momentum=0.9)
+        metrics = []
+        for step in range(2):
+            trajs = _batch(policy.config.vocab_size, groups=3, n=2)
+            for t in trajs:  # group toy-0 keeps its 0/1 rewards (not at step 2 of all_equal); the others get equal rewards
+                if t.prompt_id != "toy-0" or (rewards == "all_equal" and step == 1):
+                    t.reward = 1.0 if t.prompt_id == "toy-1" else 0.0
+            batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=False)
+            metrics.append(update(cfg, policy, None, opt, None, trajs, batch, 0, random.Random(step)))
+        results[skip] = ({k: v.clone() for k, v in policy.state_dict().items()}, metrics)
+    (skipped_params, skipped_metrics), (plain_params, plain_metrics) = results[True], results[False]
+    assert skipped_metrics[0]["train/skipped_zero_advantage_rows"] == 4  # groups toy-1 and toy-2
+    assert skipped_metrics[1]["train/skipped_zero_advantage_rows"] == (4 if rewards == "half_equal" else 5)  # all equal: one row still runs
+    assert plain_metrics[0]["train/skipped_zero_advantage_rows"] == 0
+    moved = [k for k in plain_params if not torch.equal(plain_params[k], _initial(tiny_model_dir)[k])]
+    assert moved
+    for k in plain_params:
+        assert torch.allclose(skipped_params[k], plain_params[k], atol=1e-6, rtol=1e-5), k
+
+
+def _initial(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
