@@ -629,7 +629,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
     return last_eval
 
 
-if __name__ == "__main__":  # torchrun --nproc-per-node N -m agent_rl.train CONFIG [key=value ...] [--resume]
+if __name__ == "__main__":  # the older form of `torchrun --nproc-per-node N -m agent_rl train CONFIG ...`
     from agent_rl.cli import main as _cli_main
 
     raise SystemExit(_cli_main(["train", *sys.argv[1:]]))

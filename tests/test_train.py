@@ -153,7 +153,7 @@ def test_bad_config_key_fails_fast(tmp_path):
 
 
 def test_torchrun_two_ranks_trains_checkpoints_and_resumes(cache, tmp_path):
-    """`torchrun --nproc-per-node 2 -m agent_rl.train`: gloo ranks each roll out half the groups,
+    """`torchrun --nproc-per-node 2 -m agent_rl train`: gloo ranks each roll out half the groups,
     rank 0 alone writes metrics, the sharded checkpoint exports a loadable model, and --resume
     continues from it on the same world size."""
     out = tmp_path / "ddp"
@@ -161,7 +161,7 @@ def test_torchrun_two_ranks_trains_checkpoints_and_resumes(cache, tmp_path):
 
     def torchrun(steps, *extra):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-               "-m", "agent_rl.train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, steps), "trainer.save_every=2", *extra]
+               "-m", "agent_rl", "train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, steps), "trainer.save_every=2", *extra]
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
     res = torchrun(2)
