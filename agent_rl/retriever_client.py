@@ -43,7 +43,8 @@ class RetrieverClient:
         return cls(url, rc.topk, rc.timeout_s, rc.max_retries, rc.backoff_s, rc.api_key, rc.max_queries_per_request)
 
     def retrieve(self, queries: list[str], topk: int | None = None) -> list[list[dict]]:
-        """Documents `{"id", "contents"}` per query, in order. Raises RetrievalError at last."""
+        """Documents `{"id", "contents", "score"}` per query, in order (score None from a server
+        that answers without scores). Raises RetrievalError at last."""
         chunks = [queries[lo : lo + self.max_queries_per_request] for lo in range(0, len(queries), self.max_queries_per_request)]
         if len(chunks) <= 1:
             return self._retrieve_chunk(queries, topk) if queries else []
@@ -53,7 +54,7 @@ class RetrieverClient:
         return [docs for result in results for docs in result]
 
     def _retrieve_chunk(self, queries: list[str], topk: int | None) -> list[list[dict]]:
-        payload = {"queries": queries, "topk": topk or self.topk, "return_scores": False}
+        payload = {"queries": queries, "topk": topk or self.topk, "return_scores": True}
         last_err: Exception | None = None
         for attempt in range(self.max_retries + 1):
             if attempt:
@@ -71,7 +72,7 @@ class RetrieverClient:
                 self._count("requests", 1)
                 self._count("queries", len(queries))
                 self._count("latency_s", time.perf_counter() - start)
-                return [[item["document"] if "document" in item else item for item in docs] for docs in result]
+                return [[{**item["document"], "score": item.get("score")} if "document" in item else item for item in docs] for docs in result]
             except RetrievalError:
                 raise
             except (httpx.HTTPError, ValueError, KeyError) as err:
@@ -100,6 +101,16 @@ class RetrieverClient:
 
     def close(self) -> None:
         self._http.close()
+
+
+def document_summaries(docs: list[dict], text_chars: int = 600) -> list[dict]:
+    """What a turn records of its search (`Turn.docs`, shown by `agent-rl view`): id, title,
+    score and the first `text_chars` characters of the text (the observation has its own budget)."""
+    out = []
+    for doc in docs:
+        title, _, text = doc.get("contents", "").partition("\n")
+        out.append({"id": doc.get("id"), "title": title, "score": doc.get("score"), "text": text[:text_chars]})
+    return out
 
 
 def format_documents(docs: list[dict]) -> list[str]:

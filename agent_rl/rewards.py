@@ -60,3 +60,8 @@ def compute_reward(name: str, response_text: str, golden_answers: list[str], for
     if format_coef > 0 and well_formed(text):
         score = min(1.0, score + format_coef)
     return float(score)
+
+
+def answer_scores(response_text: str, golden_answers: list[str]) -> dict[str, float]:
+    """EM and F1 of the response's last answer against the gold answers (no format bonus)."""
+    return {name: compute_reward(name, response_text, golden_answers) for name in ("em", "f1")}

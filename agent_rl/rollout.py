@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from agent_rl.budget import TokenBudget
 from agent_rl.engines import Engine, Generation
-from agent_rl.retriever_client import RetrievalError, RetrieverClient, format_documents
+from agent_rl.retriever_client import RetrievalError, RetrieverClient, document_summaries, format_documents
 from agent_rl.trajectory import Trajectory, Turn
 
 INVALID_MESSAGE = (
@@ -222,6 +222,7 @@ class AgentLoop:
             parts = ["Retrieval failed: the search engine did not answer. Try again or answer from what you know."]
         else:
             parts = format_documents(docs) or ["No documents found."]
+            turn.docs = document_summaries(docs)
         allowance = self.budget.obs_allowance(t.total_tokens)
         if allowance < self.obs.min_tokens():
             self.counters["budget/obs_no_room"] += 1

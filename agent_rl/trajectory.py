@@ -24,6 +24,7 @@ class Turn:
     obs_truncated: bool = False  # the observation was cut to fit its budget
     retrieval_ms: float = 0.0
     retriever_error: str | None = None
+    docs: list[dict] | None = None  # what the search returned: id, title, score, start of the text
 
 
 @dataclass
@@ -70,9 +71,13 @@ class Trajectory:
         self.loss_mask.extend([1 if sampled else 0] * len(ids))
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
 
-    def to_record(self) -> dict:
-        """The JSON line written by `agent-rl rollout` (fields fixed by DESIGN.md)."""
-        return {
+    def to_record(self, tokenizer=None) -> dict:
+        """The JSON line written by `agent-rl rollout` (fields fixed by DESIGN.md; `logprobs` added).
+
+        With a tokenizer the record also carries `prompt_text` and `tokens`, one display string
+        per response id, so `agent-rl view` renders it from the file alone.
+        """
+        rec = {
             "prompt_id": self.prompt_id,
             "sample_idx": self.sample_idx,
             "data_source": self.data_source,
@@ -84,8 +89,13 @@ class Trajectory:
             "end_reason": self.end_reason,
             "loss_mask": self.loss_mask,
             "response_ids": self.response_ids,
+            "logprobs": self.logprobs,
             "response_text": self.response_text,
             "golden_answers": self.golden_answers,
             "reward": self.reward,
             "excluded": self.excluded,
         }
+        if tokenizer is not None:
+            rec["prompt_text"] = tokenizer.decode(self.prompt_ids, skip_special_tokens=False)
+            rec["tokens"] = tokenizer.batch_decode([[i] for i in self.response_ids], skip_special_tokens=False)
+        return rec
