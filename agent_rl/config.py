@@ -34,6 +34,8 @@ class TrainerConfig:
     max_steps: int = _f(60, "Number of RL steps (one rollout batch + its update epochs each).")
     save_every: int = _f(20, "Save a checkpoint every N steps (and always at the end or on SIGTERM/SIGINT).")
     keep_last: int = _f(2, "How many checkpoints to keep under OUTPUT_DIR/checkpoints.")
+    save_trajectories_every: int = _f(0, "Every N steps write OUTPUT_DIR/trajectories/step_N.jsonl for `agent-rl view` (0 = off): token ids and strings, loss mask, engine and trainer log-probs, advantages, turns with their documents.")
+    save_trajectories_per_step: int = _f(8, "Trajectories written at each of those steps: the step's first ones (whole groups when a multiple of algo.group_size; rank 0's share under torchrun). Bounds the files' size.")
     seed: int = _f(0, "Seed for python, numpy and torch; rollouts and updates are reproducible on CPU.")
     eval_every: int = _f(0, "Evaluate on data.test_files every N steps (0 = only at the start and the end).")
     eval_max_samples: int = _f(200, "At most this many test prompts per evaluation (0 = all).")
@@ -270,6 +272,13 @@ class Config:
             raise ConfigError("algo.group_size must be >= 2 for GRPO (advantages are relative to the group); set algo.group_size=5 or more")
         if self.algo.group_size < 1 or self.rollout.prompts_per_step < 1:
             raise ConfigError("algo.group_size and rollout.prompts_per_step must be >= 1")
+        if self.trainer.save_trajectories_every < 0:
+            raise ConfigError(f"trainer.save_trajectories_every = {self.trainer.save_trajectories_every}: use 0 (off) or N >= 1 (write every N steps)")
+        if self.trainer.save_trajectories_every and self.trainer.save_trajectories_per_step < 1:
+            raise ConfigError(
+                f"trainer.save_trajectories_per_step = {self.trainer.save_trajectories_per_step} with trainer.save_trajectories_every set: "
+                "keep at least 1 trajectory per saved step, or set trainer.save_trajectories_every=0"
+            )
         for key in ("topk", "max_queries_per_request"):
             if getattr(self.retriever, key) < 1:
                 raise ConfigError(f"retriever.{key} must be >= 1, got {getattr(self.retriever, key)}")

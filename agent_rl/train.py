@@ -9,6 +9,7 @@ the update is micro-batched by token count, not by a fixed row count.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import random
 import sys
@@ -32,7 +33,7 @@ from agent_rl.logger import MetricsLogger
 from agent_rl.models import _DTYPES, ValueModel, assert_no_data_parallel, compute_autocast, forward_logprobs, frozen_copy, load_policy, load_tokenizer, reference_mode
 from agent_rl.preflight import fix_mmap_threshold, peak_rss_bytes
 from agent_rl.retriever_client import RetrieverClient
-from agent_rl.rewards import compute_reward
+from agent_rl.rewards import answer_scores, compute_reward
 from agent_rl.rollout import AgentLoop, rollout_metrics
 from agent_rl.trajectory import Trajectory
 
@@ -110,11 +111,14 @@ def make_scheduler(cfg: Config, optimizer):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def evaluate(loop: AgentLoop, prompts: PromptSet, cfg: Config, temperature: float | None = None, prefix: str = "eval") -> dict[str, float]:
+def evaluate(loop: AgentLoop, prompts: PromptSet, cfg: Config, temperature: float | None = None, prefix: str = "eval",
+             keep: list[Trajectory] | None = None) -> dict[str, float]:
     """Rollouts over the test prompts (greedy by default: rollout.eval_temperature): EM and F1
-    overall and per data_source, under `prefix/`."""
+    overall and per data_source, under `prefix/`. The trajectories are appended to `keep` if given."""
     temperature = cfg.rollout.eval_temperature if temperature is None else temperature
     trajs = loop.run(prompts.items, group_size=1, temperature=temperature)
+    if keep is not None:
+        keep.extend(trajs)
     by_source: dict[str, list[tuple[float, float]]] = {}
     for t in trajs:
         em = compute_reward("em", t.response_text, t.golden_answers)
@@ -220,6 +224,27 @@ def prepare_batch(cfg: Config, policy, ref, critic, trajs: list[Trajectory], pad
     return {"old": old, "ref": refs, "values": vals, "advantages": advs, "returns": rets}
 
 
+def save_trajectories(out_dir: Path, step: int, trajs: list[Trajectory], batch: dict, trainer_logprobs: dict[int, list[float] | None], tokenizer) -> Path:
+    """`trainer.save_trajectories_every`: write `OUTPUT_DIR/trajectories/step_N.jsonl` for
+    `agent-rl view`: the rows named by `trainer_logprobs` with the step, the trainer's (old)
+    log-probs and the advantages of their response tokens, each aligned with `response_ids`.
+
+    The log-probs are the ones the update (or `prepare_batch`) computed, never an extra pass: a
+    row the update skipped (advantage 0 on every token) has `trainer_logprobs` null.
+    """
+    path = out_dir / "trajectories" / f"step_{step}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as fh:
+        for i, lp in trainer_logprobs.items():
+            t = trajs[i]
+            if lp is None and batch["old"][i] is not None:
+                lp = batch["old"][i][t.prompt_tokens :].tolist()
+            rec = t.to_record(tokenizer)
+            rec.update(step=step, trainer_logprobs=lp, advantages=batch["advantages"][i][t.prompt_tokens :].tolist(), **answer_scores(t.response_text, t.golden_answers))
+            fh.write(json.dumps(rec) + "\n")
+    return path
+
+
 def _share_prefix(cfg: Config, dist) -> bool:
     """Share a group's prompt in the forward? Not under FSDP (every rank must run the same passes)."""
     return cfg.train.share_prompt_prefix and dist is None and not cfg.model.gradient_checkpointing
@@ -236,8 +261,12 @@ def _discard(key: str, value: float) -> None:
     pass
 
 
-def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Trajectory], batch: dict, pad_id: int, rng: random.Random, dist=None) -> dict[str, float]:
+def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Trajectory], batch: dict, pad_id: int, rng: random.Random, dist=None,
+           trainer_logprobs: dict[int, list[float] | None] | None = None) -> dict[str, float]:
     """PPO-style epochs over mini-batches, each accumulated over token-capped micro-batches.
+
+    `trainer_logprobs`, when given, maps rows of `trajs` to be reported (`save_trajectories`);
+    the first epoch fills each with that row's old log-probs over its response tokens.
 
     With `dist` (torchrun + FSDP), `trajs` is this rank's share of whole groups; the loss is
     normalised by the mini-batch's *global* token (or row) count, times the world size because
@@ -298,6 +327,9 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Traje
                 if epoch == 0 and real:  # old = the weights the engine sampled with
                     total, worst, count = losses.logprob_diff(old, mb.rollout_logprobs, mb.loss_mask)
                     agree[0], agree[1], agree[2] = agree[0] + total, max(agree[1], worst), agree[2] + count
+                    for r, i in enumerate(index):
+                        if trainer_logprobs is not None and i in trainer_logprobs:
+                            trainer_logprobs[i] = old[r, trajs[i].prompt_tokens : trajs[i].total_tokens].float().cpu().tolist()
                 tis = losses.tis_weights(old, mb.rollout_logprobs, mb.loss_mask, cfg.algo.tis_cap) if cfg.algo.tis_cap > 0 else None
                 advantages = _rows(batch["advantages"], index, width).to(device)
                 pg_loss, pg_stats = losses.policy_loss(
@@ -548,12 +580,18 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             world = dist.world_size if dist is not None else 1
             single_pass = cfg.algo.ppo_epochs == 1 and (cfg.algo.mini_batch_size == 0 or cfg.algo.mini_batch_size // world >= len(trajs))
             batch = prepare_batch(cfg, policy, ref, critic, trajs, pad_id, need_old=not single_pass, dist=dist)
+            # this step's first rows (this rank's share under torchrun), reported with the update's log-probs
+            report = None
+            if cfg.trainer.save_trajectories_every and step % cfg.trainer.save_trajectories_every == 0:
+                report = dict.fromkeys(range(min(len(trajs), cfg.trainer.save_trajectories_per_step)))
             # 5. update
             t2 = time.perf_counter()
-            upd = update(cfg, policy, critic, optimizer, critic_opt, trajs, batch, pad_id, update_rng, dist=dist)
+            upd = update(cfg, policy, critic, optimizer, critic_opt, trajs, batch, pad_id, update_rng, dist=dist, trainer_logprobs=report)
             scheduler.step()
             sync_s = push_weights()
             t3 = time.perf_counter()
+            if report and main:
+                save_trajectories(out_dir, step, trajs, batch, report, tokenizer)
             # 6. log
             rewards = [t.reward for t in trajs]
             gen_tokens = engine.stats["generated_tokens"] - gen_before
