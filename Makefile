@@ -34,6 +34,10 @@ demo: setup
 	$(VENV)/bin/agent-rl demo configs/tiny_cpu_grpo.yaml
 
 test: setup
+	# Headless Chromium for the report viewer's browser test (Debian's package; skipped with a reason where it cannot be installed).
+	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
+	  { apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }; }; } || \
+	  echo "chromium could not be installed: tests/test_view.py's browser test will skip"
 	$(PY) -m pytest -q tests
 
 clean:

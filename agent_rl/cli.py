@@ -40,12 +40,12 @@ def cmd_sft(args) -> int:
 
 
 def resolve_model_dir(path: str) -> str:
-    """A checkpoint `step_N/` holds the model in `model/`; a plain model dir is used as is."""
+    """A checkpoint `step_N/` holds the model in `model/` (its own config.json is the run's
+    config, not a model's); a plain model dir is used as is."""
     p = Path(path)
-    if (p / "config.json").exists() or (p / "adapter_config.json").exists():
-        return str(p)
-    if (p / "model" / "config.json").exists() or (p / "model" / "adapter_config.json").exists():
-        return str(p / "model")
+    for d in (p / "model", p):
+        if (d / "config.json").exists() or (d / "adapter_config.json").exists():
+            return str(d)
     raise FileNotFoundError(f"{path} holds no model (no config.json in it or in its model/ folder)")
 
 
@@ -84,6 +84,17 @@ def _loop(cfg, model_path: str, url: str):
     return AgentLoop(engine, tokenizer, client, budget, cfg.retriever.topk, cfg.rollout.mode, cfg.rollout.max_inflight), tokenizer, budget
 
 
+def write_trajectories(path: Path, trajs: list, tokenizer) -> None:
+    """One JSON line per trajectory (`Trajectory.to_record` with token strings) plus EM and F1,
+    the file `agent-rl view` reads."""
+    from agent_rl.rewards import answer_scores
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as fh:
+        for t in trajs:
+            fh.write(json.dumps({**t.to_record(tokenizer), **answer_scores(t.response_text, t.golden_answers)}) + "\n")
+
+
 def cmd_rollout(args) -> int:
     from agent_rl.data import load_prompts
     from agent_rl.prepare import local_retriever, prepare
@@ -98,11 +109,9 @@ def cmd_rollout(args) -> int:
         prompts = load_prompts(cfg.data.train_files, tokenizer, budget, args.num_prompts)
         trajs = loop.run(prompts.items, cfg.algo.group_size if args.group_size is None else args.group_size, cfg.rollout.temperature, cfg.rollout.top_p)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w") as fh:
-        for t in trajs:
-            t.reward = compute_reward(cfg.reward.name, t.response_text, t.golden_answers, cfg.reward.format_coef)
-            fh.write(json.dumps(t.to_record()) + "\n")
+    for t in trajs:
+        t.reward = compute_reward(cfg.reward.name, t.response_text, t.golden_answers, cfg.reward.format_coef)
+    write_trajectories(out, trajs, tokenizer)
     m = rollout_metrics(trajs, loop.counters)
     print(json.dumps({k: round(v, 4) for k, v in m.items()}, indent=1))
     print(f"wrote {len(trajs)} trajectories to {out}")
@@ -112,6 +121,7 @@ def cmd_rollout(args) -> int:
 def cmd_eval(args) -> int:
     from agent_rl.data import load_prompts
     from agent_rl.prepare import local_retriever, prepare
+    from agent_rl.rewards import compute_reward
     from agent_rl.train import evaluate
 
     cfg = _config(args)
@@ -123,7 +133,13 @@ def cmd_eval(args) -> int:
     with local_retriever(cfg) as url:
         loop, tokenizer, budget = _loop(cfg, model_path, url)
         prompts = load_prompts(data, tokenizer, budget, args.max_samples)
-        metrics = evaluate(loop, prompts, cfg)
+        trajs: list = []
+        metrics = evaluate(loop, prompts, cfg, keep=trajs)
+    if args.trajectories:
+        for t in trajs:
+            t.reward = compute_reward(cfg.reward.name, t.response_text, t.golden_answers, cfg.reward.format_coef)
+        write_trajectories(Path(args.trajectories), trajs, tokenizer)
+        print(f"wrote {len(trajs)} trajectories to {args.trajectories} (see them with: agent-rl view {args.trajectories} --out DIR)")
     sources = sorted({k.split("/")[1] for k in metrics if k.count("/") == 2})
     print(f"{'data_source':<20} {'EM':>7} {'F1':>7}")
     for s in sources:
@@ -133,6 +149,18 @@ def cmd_eval(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"checkpoint": args.checkpoint, "data": data, **metrics}, indent=1))
     print(f"wrote {out}")
+    return 0
+
+
+def cmd_view(args) -> int:
+    from agent_rl.view import write_report
+
+    try:
+        index = write_report([Path(p) for p in args.inputs], Path(args.out))
+    except (FileNotFoundError, ValueError) as err:
+        print(f"agent-rl view: error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {index} (open it in a browser; no server needed)")
     return 0
 
 
@@ -242,7 +270,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retriever-url", help="use this running retriever instead of starting one")
     p.add_argument("--max-samples", type=int, default=0, help="evaluate at most N prompts (0 = all)")
     p.add_argument("--out", help="JSON output (default OUTPUT_DIR/eval.json)")
+    p.add_argument("--trajectories", help="also write the evaluated trajectories as JSON lines here (for `agent-rl view`)")
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("view", help="write a static HTML report of trajectories, token by token (rollout/eval output or a run's trajectories/)")
+    p.add_argument("inputs", nargs="+", help="JSONL files of trajectories, or folders of them (OUTPUT_DIR/trajectories)")
+    p.add_argument("--out", required=True, help="output directory (index.html and one page per trajectory)")
+    p.set_defaults(func=cmd_view)
 
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model dir (--merge folds LoRA adapters in)")
     _with_config(p)
