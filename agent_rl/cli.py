@@ -50,18 +50,18 @@ def resolve_model_dir(path: str) -> str:
 
 
 def _loop(cfg, model_path: str, url: str):
-    from agent_rl.budget import TokenBudget
-    from agent_rl.engines import HFEngine
-    from agent_rl.models import load_tokenizer
-    from agent_rl.retriever_client import RetrieverClient
-    from agent_rl.rollout import AgentLoop
+    from agent_rl.rollout.budget import TokenBudget
+    from agent_rl.rollout.engines import HFEngine
+    from agent_rl.learn.policy import load_tokenizer
+    from agent_rl.rollout.retriever import RetrieverClient
+    from agent_rl.rollout.loop import AgentLoop
 
     tok_path = model_path if (Path(model_path) / "tokenizer_config.json").exists() else (cfg.model.warm_start or cfg.model.path)
     tokenizer = load_tokenizer(tok_path)
     from transformers import AutoModelForCausalLM
 
     if cfg.rollout.engine == "vllm":
-        from agent_rl.engines import VLLMEngine
+        from agent_rl.rollout.engines import VLLMEngine
 
         if (Path(model_path) / "adapter_config.json").exists():
             raise SystemExit(
@@ -87,7 +87,7 @@ def _loop(cfg, model_path: str, url: str):
 def write_trajectories(path: Path, trajs: list, tokenizer) -> None:
     """One JSON line per trajectory (`Trajectory.to_record` with token strings) plus EM and F1,
     the file `agent-rl view` reads."""
-    from agent_rl.rewards import answer_scores
+    from agent_rl.rollout.rewards import answer_scores
 
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as fh:
@@ -96,10 +96,10 @@ def write_trajectories(path: Path, trajs: list, tokenizer) -> None:
 
 
 def cmd_rollout(args) -> int:
-    from agent_rl.data import load_prompts
-    from agent_rl.prepare import local_retriever, prepare
-    from agent_rl.rewards import compute_reward
-    from agent_rl.rollout import rollout_metrics
+    from agent_rl.rollout.prompts import load_prompts
+    from agent_rl.infra.prepare import local_retriever, prepare
+    from agent_rl.rollout.rewards import compute_reward
+    from agent_rl.rollout.loop import rollout_metrics
 
     cfg = _config(args)
     prepare(cfg)
@@ -119,9 +119,9 @@ def cmd_rollout(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from agent_rl.data import load_prompts
-    from agent_rl.prepare import local_retriever, prepare
-    from agent_rl.rewards import compute_reward
+    from agent_rl.rollout.prompts import load_prompts
+    from agent_rl.infra.prepare import local_retriever, prepare
+    from agent_rl.rollout.rewards import compute_reward
     from agent_rl.train import evaluate
 
     cfg = _config(args)
@@ -169,7 +169,7 @@ def cmd_export(args) -> int:
     cfg = _config(args)
     src = resolve_model_dir(args.checkpoint)
     tokenizer_src = src if (Path(src) / "tokenizer_config.json").exists() else (cfg.model.warm_start or cfg.model.path)
-    from agent_rl.models import load_tokenizer
+    from agent_rl.learn.policy import load_tokenizer
 
     out = Path(args.out)
     if (Path(src) / "adapter_config.json").exists():
@@ -191,7 +191,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from agent_rl.plot import plot_run
+    from agent_rl.infra.plot import plot_run
 
     for p in plot_run(Path(args.run_dir)):
         print(p)
@@ -201,9 +201,9 @@ def cmd_plot(args) -> int:
 def cmd_demo(args) -> int:
     """The embedded default end to end: prepare, evaluate the base model, SFT warm start, GRPO,
     evaluate, plot, and print test EM at each stage."""
-    from agent_rl.data import load_prompts
-    from agent_rl.plot import plot_run
-    from agent_rl.prepare import local_retriever, prepare
+    from agent_rl.rollout.prompts import load_prompts
+    from agent_rl.infra.plot import plot_run
+    from agent_rl.infra.prepare import local_retriever, prepare
     from agent_rl.train import evaluate_all, train
 
     cfg = _config(args)
@@ -239,10 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="agent-rl", description="Search-augmented agentic RL: PPO/GRPO over multi-turn retrieval trajectories.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from agent_rl import model_init
+    from agent_rl.infra import model_init
 
     model_init.add_cli(sub)
-    from agent_rl import plan
+    from agent_rl.infra import plan
 
     plan.add_cli(sub)
 

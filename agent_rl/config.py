@@ -103,7 +103,7 @@ class RolloutConfig:
     temperature: float = _f(1.0, "Sampling temperature for training rollouts.")
     top_p: float = _f(1.0, "Nucleus sampling for training rollouts.")
     eval_temperature: float = _f(0.0, "Temperature for evaluation (0 = greedy).")
-    mode: str = _f("sync", "sync: Search-R1's turn-synchronous loop (every row generates its turn, then one batched search) | async: each trajectory runs its own turn loop, its searches overlapping other rows' generation (agent_rl/async_rollout.py).")
+    mode: str = _f("sync", "sync: Search-R1's turn-synchronous loop (every row generates its turn, then one batched search) | async: each trajectory runs its own turn loop, its searches overlapping other rows' generation (agent_rl/rollout/async_loop.py).")
     max_inflight: int = _f(0, "async mode: most trajectories in flight at once (0 = all of the step's).")
     generation_batch_size: int = _f(128, "Most sequences generated at once by the HF engine.")
     fast_decode: bool = _f(True, "HF engine on CPU: decode Qwen2/Llama models with agent-rl's own one-token step (same math and weights, reserved KV buffers, ~30% faster on the tiny model); other models and devices always use transformers' forward.")
@@ -132,7 +132,7 @@ class BudgetConfig:
         for key in ("max_turns", "max_prompt_tokens", "max_tokens_per_turn", "max_obs_tokens", "max_total_tokens"):
             if getattr(self, key) < (0 if key == "max_turns" else 1):
                 raise ConfigError(f"budget.{key} must be positive, got {getattr(self, key)}")
-        # The total may bind (the forced-answer rule, agent_rl/budget.py); what cannot work is a
+        # The total may bind (the forced-answer rule, agent_rl/rollout/budget.py); what cannot work is a
         # longest prompt with no room for even one full answer turn.
         need = self.max_prompt_tokens + self.max_tokens_per_turn
         if need > self.max_total_tokens:

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import torch
 
-from agent_rl.budget import TokenBudget
-from agent_rl.buffer import collate, pack_microbatches
+from agent_rl.rollout.budget import TokenBudget
+from agent_rl.learn.batch import collate, pack_microbatches
 from agent_rl.config import Config
-from agent_rl.data import load_prompts
-from agent_rl.models import forward_logprobs, load_policy, load_tokenizer
-from agent_rl.retriever_client import RetrieverClient, format_documents
-from agent_rl.rollout import ObservationBuilder
-from agent_rl.trajectory import Trajectory
+from agent_rl.rollout.prompts import load_prompts
+from agent_rl.learn.policy import forward_logprobs, load_policy, load_tokenizer
+from agent_rl.rollout.retriever import RetrieverClient, format_documents
+from agent_rl.rollout.loop import ObservationBuilder
+from agent_rl.rollout.trajectory import Trajectory
 
 
 def build_demonstrations(cfg: Config, tokenizer, client: RetrieverClient) -> Demonstrations:
@@ -81,8 +81,8 @@ class Demonstrations:
 
 def sft(cfg: Config) -> Path:
     """Train on scripted demonstrations; save to `model.warm_start` (or OUTPUT_DIR/sft)."""
-    from agent_rl.preflight import fix_mmap_threshold
-    from agent_rl.prepare import local_retriever, prepare
+    from agent_rl.infra.preflight import fix_mmap_threshold
+    from agent_rl.infra.prepare import local_retriever, prepare
 
     fix_mmap_threshold(cfg.train.host_mmap_threshold_mib)
     prepare(cfg)

@@ -20,22 +20,23 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from agent_rl import advantages as adv_lib
-from agent_rl import losses
-from agent_rl.budget import TokenBudget
-from agent_rl.buffer import TrajectoryBuffer, collate, pack_microbatches
-from agent_rl.checkpoint import install_signal_handlers, latest_checkpoint, load_checkpoint, save_checkpoint
+from agent_rl.learn import advantages as adv_lib
+from agent_rl.learn import losses
+from agent_rl.rollout.budget import TokenBudget
+from agent_rl.learn.batch import collate, pack_microbatches
+from agent_rl.rollout.buffer import TrajectoryBuffer
+from agent_rl.infra.checkpoint import install_signal_handlers, latest_checkpoint, load_checkpoint, save_checkpoint
 from agent_rl.config import Config
-from agent_rl.data import PromptSet, load_prompts
-from agent_rl.distributed import even_microbatches
-from agent_rl.engines import HFEngine, VLLMEngine, hf_named_weights
-from agent_rl.logger import MetricsLogger
-from agent_rl.models import _DTYPES, ValueModel, assert_no_data_parallel, compute_autocast, forward_logprobs, frozen_copy, load_policy, load_tokenizer, reference_mode
-from agent_rl.preflight import fix_mmap_threshold, peak_rss_bytes
-from agent_rl.retriever_client import RetrieverClient
-from agent_rl.rewards import answer_scores, compute_reward
-from agent_rl.rollout import AgentLoop, rollout_metrics
-from agent_rl.trajectory import Trajectory
+from agent_rl.rollout.prompts import PromptSet, load_prompts
+from agent_rl.infra.distributed import even_microbatches
+from agent_rl.rollout.engines import HFEngine, VLLMEngine, hf_named_weights
+from agent_rl.infra.logger import MetricsLogger
+from agent_rl.learn.policy import _DTYPES, ValueModel, assert_no_data_parallel, compute_autocast, forward_logprobs, frozen_copy, load_policy, load_tokenizer, reference_mode
+from agent_rl.infra.preflight import fix_mmap_threshold, peak_rss_bytes
+from agent_rl.rollout.retriever import RetrieverClient
+from agent_rl.rollout.rewards import answer_scores, compute_reward
+from agent_rl.rollout.loop import AgentLoop, rollout_metrics
+from agent_rl.rollout.trajectory import Trajectory
 
 
 def seed_everything(seed: int) -> None:
@@ -75,7 +76,7 @@ def build_engine(cfg: Config, policy, tokenizer, seed: int | None = None, own_co
     the start weights itself (`policy` may be None: build it before the trainer's modules)."""
     seed = cfg.trainer.seed if seed is None else seed
     if cfg.rollout.engine == "vllm":
-        from agent_rl.engines import VLLMEngine
+        from agent_rl.rollout.engines import VLLMEngine
 
         if distributed and cfg.rollout.tensor_parallel_size > 1:
             raise ValueError("rollout.tensor_parallel_size > 1 under torchrun is not supported yet: each rank runs its own engine (set it to 1)")
@@ -385,12 +386,12 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
     """Run the whole training job; returns the last evaluation metrics.
 
     Under torchrun (`torchrun --nproc-per-node N -m agent_rl.train CONFIG`) every rank runs this
-    same loop on its share of each step's prompts; see `agent_rl.distributed`.
+    same loop on its share of each step's prompts; see `agent_rl.infra.distributed`.
     """
     from contextlib import nullcontext
 
-    from agent_rl import distributed as dist_lib
-    from agent_rl.prepare import local_retriever, prepare
+    from agent_rl.infra import distributed as dist_lib
+    from agent_rl.infra.prepare import local_retriever, prepare
 
     dist = dist_lib.init_distributed(cfg)
     main = dist is None or dist.is_main
@@ -497,12 +498,12 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
         return result
 
     if cfg.trainer.preflight and step == 0:
-        from agent_rl.preflight import run_preflight
+        from agent_rl.infra.preflight import run_preflight
 
         report = run_preflight(policy, cfg, cfg.train.device)
         print(f"[train] preflight at the largest admissible micro-batch passed: {report}", file=sys.stderr)
 
-    from agent_rl.guard import CollapseGuard
+    from agent_rl.infra.guard import CollapseGuard
 
     guard = CollapseGuard(cfg.guard)
     stop = install_signal_handlers()
@@ -666,8 +667,3 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
         dist.close()
     return last_eval
 
-
-if __name__ == "__main__":  # the older form of `torchrun --nproc-per-node N -m agent_rl train CONFIG ...`
-    from agent_rl.cli import main as _cli_main
-
-    raise SystemExit(_cli_main(["train", *sys.argv[1:]]))

@@ -28,7 +28,7 @@ import html
 import json
 from pathlib import Path
 
-from agent_rl.rewards import answer_scores, extract_answer, policy_text
+from agent_rl.rollout.rewards import answer_scores, extract_answer, policy_text
 
 PAGE_ROWS = 200  # rows of the index table shown at a time
 BUDGET_END_REASONS = {"budget_total": "ended by the total token budget", "max_turns": "ended at budget.max_turns without an answer"}

@@ -35,9 +35,9 @@ CONFIGS = {"tiny": ("tiny_cpu_grpo.yaml", 64, 4), "smollm2": ("smollm2_hotpotqa_
 def point(args) -> dict:
     from agent_rl.cli import _loop
     from agent_rl.config import load_config
-    from agent_rl.data import load_prompts
-    from agent_rl.prepare import prepare, spawn_retriever, stop_process, wait_ready
-    from agent_rl.preflight import peak_rss_bytes
+    from agent_rl.rollout.prompts import load_prompts
+    from agent_rl.infra.prepare import prepare, spawn_retriever, stop_process, wait_ready
+    from agent_rl.infra.preflight import peak_rss_bytes
 
     name, prompts_n, group = CONFIGS[args.model]
     cfg = load_config(ROOT / "configs" / name, [f"rollout.mode={args.mode}"])

@@ -39,14 +39,14 @@ def worker(args) -> None:
     import torch
 
     from agent_rl.config import load_config
-    from agent_rl.models import load_tokenizer
+    from agent_rl.learn.policy import load_tokenizer
 
     rows = args.rows[0]
     tok = load_tokenizer(args.model)
     prompts = _prompts(tok, rows)
     start = time.perf_counter()
     if args.worker == "vllm":
-        from agent_rl.engines import VLLMEngine
+        from agent_rl.rollout.engines import VLLMEngine
 
         cfg = load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", [
             "rollout.engine=vllm", "rollout.device=cpu", f"model.path={args.model}", "model.warm_start=", "model.init_size=",
@@ -56,7 +56,7 @@ def worker(args) -> None:
     else:
         from transformers import AutoModelForCausalLM
 
-        from agent_rl.engines import HFEngine
+        from agent_rl.rollout.engines import HFEngine
 
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
         engine = HFEngine(model, tok, "cpu", batch_size=max(64, rows), seed=0)

@@ -35,7 +35,7 @@ def _batch(rows: int, prompt: int, turns: list[int], obs: int, vocab: int):
     """Random ids; loss mask 1 on the turns' tokens, 0 on the prompt and the observations between them."""
     import torch
 
-    from agent_rl.buffer import MicroBatch
+    from agent_rl.learn.batch import MicroBatch
 
     g = torch.Generator().manual_seed(0)
     mask = [0] * prompt
@@ -53,8 +53,8 @@ def point(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agent_rl.models import forward_logprobs
-    from agent_rl.preflight import fix_mmap_threshold, peak_rss_bytes, proc_status_bytes
+    from agent_rl.learn.policy import forward_logprobs
+    from agent_rl.infra.preflight import fix_mmap_threshold, peak_rss_bytes, proc_status_bytes
 
     fix_mmap_threshold(args.mmap_mib)  # as the trainer does (train.host_mmap_threshold_mib)
     torch.set_num_threads(1)
@@ -117,7 +117,7 @@ def main() -> None:
     if args.point:
         print(json.dumps(point(args)))
         return
-    from agent_rl.model_init import ensure_preset
+    from agent_rl.infra.model_init import ensure_preset
 
     model_dir = str(ensure_preset("smollm2-135m", Path(args.model_dir))) if not Path(args.model_dir, "config.json").exists() else args.model_dir
 

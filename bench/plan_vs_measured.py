@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 BASELINE = r"""
 import json, sys
 from agent_rl.config import load_config
-from agent_rl.models import load_tokenizer
-from agent_rl.preflight import peak_rss_bytes
+from agent_rl.learn.policy import load_tokenizer
+from agent_rl.infra.preflight import peak_rss_bytes
 import agent_rl.train  # noqa: F401
 cfg = load_config(sys.argv[1], sys.argv[2:])
 load_tokenizer(cfg.model.path)
@@ -43,12 +43,12 @@ def measure(config: str, overrides: list[str]) -> dict:
     import torch
 
     from agent_rl.config import load_config
-    from agent_rl.engines import VLLMEngine, hf_named_weights
-    from agent_rl.models import load_policy, load_tokenizer
-    from agent_rl.preflight import peak_rss_bytes
-    from agent_rl.trajectory import Trajectory
+    from agent_rl.rollout.engines import VLLMEngine, hf_named_weights
+    from agent_rl.learn.policy import load_policy, load_tokenizer
+    from agent_rl.infra.preflight import peak_rss_bytes
+    from agent_rl.rollout.trajectory import Trajectory
 
-    from agent_rl.preflight import fix_mmap_threshold
+    from agent_rl.infra.preflight import fix_mmap_threshold
 
     cfg = load_config(config, overrides)
     fix_mmap_threshold(cfg.train.host_mmap_threshold_mib)  # as `train` does
@@ -100,8 +100,8 @@ def main() -> None:
     config = args[0] if args and not "=" in args[0] else str(ROOT / "configs" / "smollm2_hotpotqa_grpo.yaml")
     overrides = [a for a in args if "=" in a]
     from agent_rl.config import load_config
-    from agent_rl.plan import BASELINE_HOST_BYTES, plan
-    from agent_rl.prepare import ensure_model
+    from agent_rl.infra.plan import BASELINE_HOST_BYTES, plan
+    from agent_rl.infra.prepare import ensure_model
 
     cfg = load_config(config, overrides)
     ensure_model(cfg)

@@ -26,12 +26,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent_rl.preflight import peak_rss_bytes  # noqa: E402
+from agent_rl.infra.preflight import peak_rss_bytes  # noqa: E402
 
 
 def _setup(cfg_overrides: list[str]):
     from agent_rl.config import load_config
-    from agent_rl.prepare import prepare
+    from agent_rl.infra.prepare import prepare
 
     cfg = load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", cfg_overrides)
     prepare(cfg)
@@ -42,13 +42,13 @@ def throughput(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agent_rl.budget import TokenBudget
-    from agent_rl.data import load_prompts
-    from agent_rl.engines import HFEngine
-    from agent_rl.models import load_tokenizer
-    from agent_rl.prepare import local_retriever
-    from agent_rl.retriever_client import RetrieverClient
-    from agent_rl.rollout import AgentLoop
+    from agent_rl.rollout.budget import TokenBudget
+    from agent_rl.rollout.prompts import load_prompts
+    from agent_rl.rollout.engines import HFEngine
+    from agent_rl.learn.policy import load_tokenizer
+    from agent_rl.infra.prepare import local_retriever
+    from agent_rl.rollout.retriever import RetrieverClient
+    from agent_rl.rollout.loop import AgentLoop
 
     cfg = _setup([])
     path = cfg.model.warm_start if Path(cfg.model.warm_start).exists() else cfg.model.path
@@ -89,10 +89,10 @@ def runaway_point(mult: int, budget_on: bool) -> dict:
     """One runaway rollout in this process; returns its peak RSS."""
     from transformers import AutoModelForCausalLM
 
-    from agent_rl.budget import TokenBudget
-    from agent_rl.engines import HFEngine
-    from agent_rl.models import load_tokenizer
-    from agent_rl.rollout import AgentLoop, PromptItem
+    from agent_rl.rollout.budget import TokenBudget
+    from agent_rl.rollout.engines import HFEngine
+    from agent_rl.learn.policy import load_tokenizer
+    from agent_rl.rollout.loop import AgentLoop, PromptItem
 
     cfg = _setup([])
     tok = load_tokenizer(cfg.model.path)

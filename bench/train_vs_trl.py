@@ -25,7 +25,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent_rl.preflight import peak_rss_bytes  # noqa: E402
+from agent_rl.infra.preflight import peak_rss_bytes  # noqa: E402
 
 
 def _prompts(cfg, n: int) -> tuple[list[str], list[list[str]]]:
@@ -37,7 +37,7 @@ def _prompts(cfg, n: int) -> tuple[list[str], list[list[str]]]:
 
 def _cfg(args):
     from agent_rl.config import load_config
-    from agent_rl.prepare import prepare
+    from agent_rl.infra.prepare import prepare
 
     cfg = load_config(
         ROOT / "configs" / "tiny_cpu_grpo.yaml",
@@ -51,12 +51,12 @@ def _cfg(args):
 def run_ours(args) -> dict:
     import torch
 
-    from agent_rl.budget import TokenBudget
-    from agent_rl.data import load_prompts
-    from agent_rl.engines import HFEngine
-    from agent_rl.models import load_policy, load_tokenizer
-    from agent_rl.rewards import compute_reward
-    from agent_rl.rollout import AgentLoop
+    from agent_rl.rollout.budget import TokenBudget
+    from agent_rl.rollout.prompts import load_prompts
+    from agent_rl.rollout.engines import HFEngine
+    from agent_rl.learn.policy import load_policy, load_tokenizer
+    from agent_rl.rollout.rewards import compute_reward
+    from agent_rl.rollout.loop import AgentLoop
     from agent_rl.train import prepare_batch, update
     import random
 
@@ -88,8 +88,8 @@ def run_trl(args) -> dict:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from agent_rl.models import load_tokenizer
-    from agent_rl.rewards import compute_reward
+    from agent_rl.learn.policy import load_tokenizer
+    from agent_rl.rollout.rewards import compute_reward
 
     cfg = _cfg(args)
     tok = load_tokenizer(cfg.model.path)

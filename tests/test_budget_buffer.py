@@ -3,9 +3,10 @@ import random
 
 import pytest
 
-from agent_rl.budget import TokenBudget
-from agent_rl.buffer import TrajectoryBuffer, collate, pack_microbatches
-from agent_rl.trajectory import Trajectory
+from agent_rl.rollout.budget import TokenBudget
+from agent_rl.learn.batch import collate, pack_microbatches
+from agent_rl.rollout.buffer import TrajectoryBuffer
+from agent_rl.rollout.trajectory import Trajectory
 
 
 def test_budget_allowances():

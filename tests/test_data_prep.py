@@ -66,8 +66,8 @@ def _sha256(path: Path) -> str:
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    """A byte-level BPE (agent_rl.model_init.train_tokenizer, with its chat template) saved to disk."""
-    from agent_rl.model_init import train_tokenizer
+    """A byte-level BPE (agent_rl.infra.model_init.train_tokenizer, with its chat template) saved to disk."""
+    from agent_rl.infra.model_init import train_tokenizer
 
     texts = [SEARCH_R1_BASE] + [r["question"] for d, splits in SPLITS.items() for s in splits.values() for r in _fixture_rows(d, s)]
     tok = train_tokenizer(texts, vocab_size=400)
@@ -90,7 +90,7 @@ def test_each_loader_reads_its_flashrag_fixture(dataset, tmp_path):
     for split, source in SPLITS[dataset].items():
         table = pq.read_table(tmp_path / f"{split}.parquet")
         assert table.schema.names == SCHEMA.names
-        assert {"uid", "data_source", "prompt", "golden_answers"} <= set(table.column_names)  # agent_rl.data's contract
+        assert {"uid", "data_source", "prompt", "golden_answers"} <= set(table.column_names)  # agent_rl.rollout.prompts's contract
         rows, raw = table.to_pylist(), _fixture_rows(dataset, source)
         assert len(rows) == len(raw)
         for row, rec in zip(rows, raw):
@@ -133,11 +133,11 @@ def test_base_template_is_search_r1_verbatim(tmp_path):
 
 def test_chat_template_through_tokenizer(tmp_path, tokenizer_dir):
     """--template chat wraps the base instruction as one user turn of the tokenizer's chat template,
-    and the files load through agent_rl.data with the same token counts as the summary's."""
+    and the files load through agent_rl.rollout.prompts with the same token counts as the summary's."""
     from transformers import AutoTokenizer
 
-    from agent_rl.budget import TokenBudget
-    from agent_rl.data import load_prompts
+    from agent_rl.rollout.budget import TokenBudget
+    from agent_rl.rollout.prompts import load_prompts
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
     [summary] = prepare_qa("triviaqa", tmp_path, ["test"], FLASHRAG / "triviaqa", template="chat", tokenizer=str(tokenizer_dir))

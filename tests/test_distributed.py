@@ -66,7 +66,7 @@ def _overrides(extra: list[str], cap: int) -> list[str]:
 
 def _trajectories():
     """4 GRPO groups x 4 samples: fixed ids, observation spans (mask 0), varied rewards."""
-    from agent_rl.trajectory import Trajectory
+    from agent_rl.rollout.trajectory import Trajectory
 
     rng = random.Random(1234)
     rewards = [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 1.0, 0.5, 0.0]]
@@ -101,7 +101,7 @@ def _load(model_dir: Path):
 def _single_process_step(model_dir: Path, trajs, overrides: list[str]):
     """The reference: one process, the whole batch, no `dist`."""
     from agent_rl.config import load_config
-    from agent_rl.models import frozen_copy
+    from agent_rl.learn.policy import frozen_copy
     from agent_rl.train import prepare_batch, update
 
     cfg = load_config(None, overrides)
@@ -119,7 +119,7 @@ def _single_process_step(model_dir: Path, trajs, overrides: list[str]):
 def _pick_cap(trajs, even: bool) -> int:
     """A micro-batch cap giving each rank's half >= 2 micro-batches: the same count on both
     ranks (`even`), or different counts (the case `even_microbatches` exists for)."""
-    from agent_rl.buffer import pack_microbatches
+    from agent_rl.learn.batch import pack_microbatches
 
     half = len(trajs) // 2
     for cap in range(MAX_TOTAL, 400):
@@ -214,8 +214,8 @@ def test_dcp_checkpoint_round_trip_and_reshard(job):
     """A DCP checkpoint saved by 2 ranks restores policy, critic, both AdamW states and per-rank
     RNG/extra on 2 ranks exactly, loads into one plain process (world size 2 -> 1, resharded by
     DCP), and its `model/` export is a Hugging Face model with the same weights."""
-    from agent_rl.checkpoint import latest_checkpoint
-    from agent_rl.distributed import load_sharded
+    from agent_rl.infra.checkpoint import latest_checkpoint
+    from agent_rl.infra.distributed import load_sharded
 
     got = torch.load(job / "dcp.pt", weights_only=False)
     assert got["round_trip_max_diff"] == 0.0
@@ -245,7 +245,7 @@ def test_dcp_checkpoint_round_trip_and_reshard(job):
 
 def test_split_groups_keeps_groups_whole_and_rejects_uneven():
     """Each rank gets a contiguous equal share of prompts; an uneven split names the fix."""
-    from agent_rl.distributed import split_groups
+    from agent_rl.infra.distributed import split_groups
 
     prompts = list(range(8))
     assert split_groups(prompts, 0, 2) == [0, 1, 2, 3] and split_groups(prompts, 1, 2) == [4, 5, 6, 7]
@@ -269,7 +269,7 @@ def test_world_size_checks_name_the_fix(monkeypatch):
     """A prompt count or mini-batch that does not split over the ranks, and a multi-node run
     without retriever.url, fail before joining the process group, naming the value to set."""
     from agent_rl.config import load_config
-    from agent_rl.distributed import check_world_size, init_distributed
+    from agent_rl.infra.distributed import check_world_size, init_distributed
 
     with pytest.raises(ValueError, match=r"rollout.prompts_per_step=6"):
         check_world_size(load_config(None, ["rollout.prompts_per_step=4", "algo.group_size=2"]), 3)
@@ -286,7 +286,7 @@ def test_world_size_checks_name_the_fix(monkeypatch):
 def test_not_under_torchrun_returns_none(monkeypatch):
     """Without torchrun's RANK/WORLD_SIZE, init_distributed is a no-op returning None."""
     from agent_rl.config import load_config
-    from agent_rl.distributed import init_distributed
+    from agent_rl.infra.distributed import init_distributed
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -297,14 +297,14 @@ def test_not_under_torchrun_returns_none(monkeypatch):
 
 
 def _full(model) -> dict[str, torch.Tensor]:
-    from agent_rl.distributed import iter_full_params
+    from agent_rl.infra.distributed import iter_full_params
 
     return {n: t.clone() for n, t in iter_full_params(model)}
 
 
 def _critic(work: Path):
     """A PPO critic (the policy's backbone + a value head), trainable."""
-    from agent_rl.models import ValueModel
+    from agent_rl.learn.policy import ValueModel
 
     critic = ValueModel(_load(work / "model"))
     for p in critic.parameters():
@@ -327,8 +327,8 @@ def _full_grads(model) -> dict[str, torch.Tensor]:
 
 def _rank_main(work: Path) -> None:
     from agent_rl.config import load_config
-    from agent_rl.distributed import copy_full_params, even_microbatches, init_distributed, iter_full_params, load_sharded, save_sharded, shard_model, split_groups, sync_rollout_weights
-    from agent_rl.models import frozen_copy
+    from agent_rl.infra.distributed import copy_full_params, even_microbatches, init_distributed, iter_full_params, load_sharded, save_sharded, shard_model, split_groups, sync_rollout_weights
+    from agent_rl.learn.policy import frozen_copy
     from agent_rl.train import prepare_batch, update
     from torch.distributed.tensor import DTensor
 

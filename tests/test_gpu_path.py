@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _trajectories(vocab: int):
-    from agent_rl.trajectory import Trajectory
+    from agent_rl.rollout.trajectory import Trajectory
 
     rng = random.Random(7)
     out = []
@@ -38,7 +38,7 @@ def _trajectories(vocab: int):
 
 
 def _one_step(model_dir, overrides, pure_bf16=False):
-    from agent_rl.models import load_policy
+    from agent_rl.learn.policy import load_policy
     from agent_rl.train import prepare_batch, update
 
     cfg = load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", [f"model.path={model_dir}", "model.warm_start=", "train.lr=1e-6", "train.max_grad_norm=0", *overrides])
@@ -83,7 +83,7 @@ def test_ppo_critic_under_fsdp2_bf16_on_two_gloo_ranks(tmp_path):
     out = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           "-m", "agent_rl.train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, 1),
+           "-m", "agent_rl", "train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, 1),
            "algo.name=ppo", "algo.kl_coef=0.01", "algo.kl_type=k1", "train.bf16=true", "trainer.preflight=false"]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
@@ -112,7 +112,7 @@ def test_cuda_process_group_has_a_cpu_backend_for_offloaded_tensors():
     maps no backend to CPU tensors. Parsed by torch's own BackendConfig (nccl itself needs a GPU)."""
     from torch.distributed.distributed_c10d import Backend, BackendConfig
 
-    from agent_rl.distributed import process_group_backend
+    from agent_rl.infra.distributed import process_group_backend
 
     device_map = lambda s: BackendConfig(Backend(s)).get_device_backend_map()  # noqa: E731
     assert "cpu" not in device_map("nccl")  # why offload failed at clipping

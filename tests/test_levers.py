@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from agent_rl.config import load_config
-from agent_rl.models import assert_no_data_parallel, forward_logprobs, load_policy, reference_mode
-from agent_rl.buffer import collate
+from agent_rl.learn.policy import assert_no_data_parallel, forward_logprobs, load_policy, reference_mode
+from agent_rl.learn.batch import collate
 from agent_rl.train import build_engine, prepare_batch, sync_weights, update
-from agent_rl.trajectory import Trajectory
+from agent_rl.rollout.trajectory import Trajectory
 
 from agent_fixtures import tiny_model_dir  # noqa: F401
 
@@ -67,7 +67,7 @@ def test_lora_trains_adapters_only_and_base_is_reference(tiny_model_dir):
 def test_split_devices_sync_weights_explicitly(tiny_model_dir):
     """rollout.device != train.device: the engine holds its own copy, synced after an update; no DataParallel."""
     cfg = _cfg(tiny_model_dir, "rollout.device=cpu:0", "train.device=cpu")
-    from agent_rl.models import load_tokenizer
+    from agent_rl.learn.policy import load_tokenizer
 
     tok = load_tokenizer(str(tiny_model_dir))
     policy = load_policy(cfg, str(tiny_model_dir), "cpu")

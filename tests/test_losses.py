@@ -6,17 +6,17 @@ import random
 import pytest
 import torch
 
-from agent_rl import advantages as adv_lib
-from agent_rl import losses
-from agent_rl.budget import TokenBudget
+from agent_rl.learn import advantages as adv_lib
+from agent_rl.learn import losses
+from agent_rl.rollout.budget import TokenBudget
 from agent_rl.config import load_config
-from agent_rl.engines import Generation
-from agent_rl.buffer import collate
-from agent_rl.models import ValueModel, forward_logprobs, frozen_copy, load_policy
-from agent_rl.rewards import compute_reward, extract_answer, well_formed
-from agent_rl.rollout import AgentLoop, PromptItem
+from agent_rl.rollout.engines import Generation
+from agent_rl.learn.batch import collate
+from agent_rl.learn.policy import ValueModel, forward_logprobs, frozen_copy, load_policy
+from agent_rl.rollout.rewards import compute_reward, extract_answer, well_formed
+from agent_rl.rollout.loop import AgentLoop, PromptItem
 from agent_rl.train import prepare_batch, update
-from agent_rl.trajectory import Trajectory
+from agent_rl.rollout.trajectory import Trajectory
 
 from agent_fixtures import tiny_model_dir  # noqa: F401  (pytest fixture)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from agent_rl.config import GuardConfig, load_config
-from agent_rl.guard import CollapseGuard
-from agent_rl.plan import plan
+from agent_rl.infra.guard import CollapseGuard
+from agent_rl.infra.plan import plan
 
 from agent_fixtures import FIXTURES, smollm2_dir, tiny_model_dir  # noqa: F401  (pytest fixtures)
 
@@ -95,7 +95,7 @@ class ExplodingPolicy:
         pass
 
     def generate(self, prompts, max_new_tokens, temperature, top_p=1.0, seeds=None):
-        from agent_rl.engines import Generation
+        from agent_rl.rollout.engines import Generation
 
         self.calls += 1
         text = ("<think>" + " the" * 60 + "</think>" if self.explode(self.calls) else "") + "<answer>x</answer>"
@@ -192,9 +192,9 @@ MEASURE = r"""
 import json, random, resource, sys
 import torch
 from agent_rl.config import load_config
-from agent_rl.models import load_tokenizer
-from agent_rl.preflight import fix_mmap_threshold, peak_rss_bytes
-from agent_rl.trajectory import Trajectory
+from agent_rl.learn.policy import load_tokenizer
+from agent_rl.infra.preflight import fix_mmap_threshold, peak_rss_bytes
+from agent_rl.rollout.trajectory import Trajectory
 
 cfg = load_config(None, json.loads(sys.argv[1]))
 fix_mmap_threshold(cfg.train.host_mmap_threshold_mib)  # as `train` does
@@ -202,12 +202,12 @@ tok = load_tokenizer(cfg.model.path)
 engine = None
 rows = cfg.rollout.prompts_per_step * cfg.algo.group_size
 if cfg.rollout.engine == "vllm":  # built first, as `train` does; one full-length step generated
-    from agent_rl.engines import VLLMEngine, hf_named_weights
+    from agent_rl.rollout.engines import VLLMEngine, hf_named_weights
     engine = VLLMEngine(cfg.model.path, tok, cfg, seed=0)
     engine.stop_ids = []
     prompt = tok("Question: who wrote the novel the film was based on?", add_special_tokens=False)["input_ids"]
     engine.generate([prompt] * rows, [cfg.budget.max_total_tokens - len(prompt)] * rows, 1.0)
-from agent_rl.models import load_policy
+from agent_rl.learn.policy import load_policy
 from agent_rl.train import prepare_batch, update
 policy = load_policy(cfg, cfg.model.path, "cpu")
 opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-4)
@@ -238,8 +238,8 @@ print(json.dumps({"peak_rss": peak_rss_bytes(),  # VmHWM: ru_maxrss would carry 
 BASELINE = r"""
 import json
 from agent_rl.config import load_config
-from agent_rl.models import load_tokenizer
-from agent_rl.preflight import peak_rss_bytes
+from agent_rl.learn.policy import load_tokenizer
+from agent_rl.infra.preflight import peak_rss_bytes
 import agent_rl.train  # noqa: F401
 cfg = load_config(None, [__import__("sys").argv[1]])
 load_tokenizer(cfg.model.path)
@@ -260,7 +260,7 @@ def _import_baseline(model_path: str) -> int:
 
 def _planned(overrides: list[str], model_path) -> int:
     """The planner's host peak with its baseline constant replaced by this environment's measured one."""
-    from agent_rl.plan import BASELINE_HOST_BYTES
+    from agent_rl.infra.plan import BASELINE_HOST_BYTES
 
     return plan(load_config(None, overrides)).host_peak_bytes - BASELINE_HOST_BYTES + _import_baseline(str(model_path))
 
@@ -275,7 +275,7 @@ def _measure(overrides: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def medium_model_dir(tmp_path_factory) -> Path:
     """model_init's 'medium' random Qwen2 (~82M parameters) with a tokenizer trained on the fixture text."""
-    from agent_rl.model_init import init_model
+    from agent_rl.infra.model_init import init_model
 
     texts = [json.loads(line)["contents"] for line in (FIXTURES / "hotpotqa100" / "corpus.jsonl").read_text().splitlines()]
     out = tmp_path_factory.mktemp("medium_model")
@@ -348,8 +348,8 @@ def test_plan_predicts_the_peak_rss_drop_of_lora(medium_model_dir):
 def test_preflight_runs_forward_backward_at_the_largest_micro_batch(tiny_model_dir):
     """A config whose cap fits passes; the pass is one forward at (cap // max_total_tokens) rows of
     max_total_tokens tokens, followed by a backward that reaches the weights, whose gradients are freed after."""
-    from agent_rl.models import load_policy
-    from agent_rl.preflight import run_preflight
+    from agent_rl.learn.policy import load_policy
+    from agent_rl.infra.preflight import run_preflight
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", *DEMO_BUDGET, "train.max_tokens_per_microbatch=2000"])
     policy = load_policy(cfg, str(tiny_model_dir), "cpu")
@@ -371,8 +371,8 @@ PREFLIGHT_OOM = r"""
 import json, resource, sys
 import psutil
 from agent_rl.config import load_config
-from agent_rl.models import load_policy
-from agent_rl.preflight import PreflightError, run_preflight
+from agent_rl.learn.policy import load_policy
+from agent_rl.infra.preflight import PreflightError, run_preflight
 
 cfg = load_config(None, json.loads(sys.argv[1]))
 policy = load_policy(cfg, cfg.model.path, "cpu")

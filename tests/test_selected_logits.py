@@ -8,9 +8,9 @@ the trained positions.
 import pytest
 import torch
 
-from agent_rl.buffer import collate
+from agent_rl.learn.batch import collate
 from agent_rl.config import load_config
-from agent_rl.models import forward_logprobs, load_policy
+from agent_rl.learn.policy import forward_logprobs, load_policy
 
 from agent_fixtures import smollm2_dir, tiny_model_dir  # noqa: F401  (pytest fixtures)
 from test_losses import _trajs

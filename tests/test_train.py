@@ -194,7 +194,7 @@ def test_sft_warm_start_masks_observations_and_redraws_wrong_answers(cache, tmp_
     import random
 
     from agent_rl.sft import Demonstrations
-    from agent_rl.trajectory import Trajectory
+    from agent_rl.rollout.trajectory import Trajectory
 
     out = tmp_path / "sft"
     res = _run(["sft", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, tmp_path / "run", 1), f"model.warm_start={out}",

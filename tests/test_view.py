@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from agent_rl.budget import TokenBudget
+from agent_rl.rollout.budget import TokenBudget
 from agent_rl.cli import write_trajectories
-from agent_rl.engines import HFEngine
-from agent_rl.retriever_client import RetrieverClient
-from agent_rl.rewards import compute_reward
-from agent_rl.rollout import AgentLoop
+from agent_rl.rollout.engines import HFEngine
+from agent_rl.rollout.retriever import RetrieverClient
+from agent_rl.rollout.rewards import compute_reward
+from agent_rl.rollout.loop import AgentLoop
 from agent_rl.view import read_records, script_json, write_report
 
 from agent_fixtures import FIXTURES, start_server, tiny_model_dir  # noqa: F401  (pytest fixtures)

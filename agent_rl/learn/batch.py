@@ -1,50 +1,16 @@
-"""The trajectory buffer: finished trajectories, bounded by tokens and count, out as micro-batches.
+"""Trajectories into micro-batches for the update.
 
-Policy when full: a whole GRPO group is admitted or refused together (a partial group would
-bias its advantages); a refused group is counted in `buffer/dropped_groups` and
-`buffer/dropped_tokens`. Micro-batches are packed longest-first so rows of similar length
-share a batch, and every micro-batch satisfies rows x longest row <= `max_tokens_per_microbatch`
-(a hard cap: config validation guarantees one maximal trajectory fits).
+Micro-batches are packed longest-first so rows of similar length share a batch, and every
+micro-batch satisfies rows x longest row <= `max_tokens_per_microbatch` (a hard cap: config
+validation guarantees one maximal trajectory fits).
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
-from agent_rl.trajectory import Trajectory
-
-
-class BufferFull(RuntimeError):
-    pass
-
-
-class TrajectoryBuffer:
-    def __init__(self, max_tokens: int, max_trajectories: int):
-        self.max_tokens = max_tokens
-        self.max_trajectories = max_trajectories
-        self.items: list[Trajectory] = []
-        self.tokens = 0
-        self.counters: Counter = Counter()
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def add_group(self, group: list[Trajectory]) -> bool:
-        """Admit the whole group or none of it; returns whether it was admitted."""
-        size = sum(t.total_tokens for t in group)
-        if self.tokens + size > self.max_tokens or len(self.items) + len(group) > self.max_trajectories:
-            self.counters["buffer/dropped_groups"] += 1
-            self.counters["buffer/dropped_tokens"] += size
-            return False
-        self.items.extend(group)
-        self.tokens += size
-        return True
-
-    def drain(self) -> list[Trajectory]:
-        items, self.items, self.tokens = self.items, [], 0
-        return items
+from agent_rl.rollout.trajectory import Trajectory
 
 
 def pack_microbatches(lengths: list[int], max_tokens: int, groups: list | None = None) -> list[list[int]]:
@@ -115,34 +81,3 @@ def collate(trajs: list[Trajectory], index: list[int], pad_id: int, device: torc
         index=list(index), input_ids=ids.to(device), attention_mask=attn.to(device), loss_mask=mask.to(device),
         prompt_lengths=[t.prompt_tokens for t in rows], rollout_logprobs=engine_lp.to(device),
     )
-
-
-def distinct(seqs) -> tuple[list[tuple[int, ...]], list[int]]:
-    """The distinct token sequences in first-seen order, and each input's position among them
-    (a GRPO group repeats its prompt: its rows map to one entry)."""
-    keys: dict[tuple[int, ...], int] = {}
-    index = [keys.setdefault(tuple(s), len(keys)) for s in seqs]
-    return list(keys), index
-
-
-def left_pad(seqs, pad_id: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(ids, attention, positions), each (N, longest), left-padded so every row ends on its last
-    token: the layout a KV-cached continuation needs."""
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(seqs), width), dtype=torch.long)
-    for r, s in enumerate(seqs):
-        ids[r, width - len(s) :] = torch.tensor(s, dtype=torch.long)
-        attn[r, width - len(s) :] = 1
-    ids, attn = ids.to(device), attn.to(device)
-    return ids, attn, (attn.cumsum(-1) - 1).clamp(min=0)
-
-
-def response_tensor(trajs: list[Trajectory], index: list[int], values: list[list[float]], width: int) -> torch.Tensor:
-    """Scatter per-response-token values into (B, width) aligned with `collate`'s layout."""
-    out = torch.zeros((len(index), width), dtype=torch.float32)
-    for r, i in enumerate(index):
-        t = trajs[i]
-        v = values[i]
-        out[r, t.prompt_tokens : t.prompt_tokens + len(v)] = torch.tensor(v, dtype=torch.float32)
-    return out

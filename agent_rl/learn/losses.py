@@ -121,12 +121,6 @@ def value_loss(
     return loss, stats
 
 
-def sft_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Token-mean cross-entropy over mask-1 tokens; logits (B, T, V), labels/mask (B, T)."""
-    nll = F.cross_entropy(logits.float().transpose(1, 2), labels, reduction="none")
-    return masked_mean(nll, loss_mask)
-
-
 def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor, cap: float) -> torch.Tensor:
     """Truncated importance sampling (Yao et al. 2025, as verl and OpenRLHF apply it).
 

@@ -328,7 +328,7 @@ def sync_rollout_weights(engine, model: nn.Module) -> float:
     `frozen_copy` made before `shard_model`): generating with the sharded policy would make
     ranks that sample different lengths wait forever in FSDP's per-forward all-gathers.
     """
-    from agent_rl.engines import VLLMEngine
+    from agent_rl.rollout.engines import VLLMEngine
 
     start = time.perf_counter()
     if isinstance(engine, VLLMEngine):
@@ -440,7 +440,7 @@ def save_sharded(
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        from agent_rl.checkpoint import checkpoints
+        from agent_rl.infra.checkpoint import checkpoints
 
         for old in checkpoints(root)[:-keep_last] if keep_last > 0 else []:
             if old != final:
@@ -471,7 +471,7 @@ def load_sharded(
     path = Path(path)
     meta = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
     if not meta.get("sharded"):
-        raise ValueError(f"{path} is a single-process checkpoint; load it with agent_rl.checkpoint.load_checkpoint before sharding the model")
+        raise ValueError(f"{path} is a single-process checkpoint; load it with agent_rl.infra.checkpoint.load_checkpoint before sharding the model")
     modules = _modules(model, optimizer, critic, critic_optimizer)
     state = _state(modules)
     with warnings.catch_warnings():  # DCP warns that it loads in one process; that is the point of dist=None

@@ -12,9 +12,10 @@ import contextlib
 import torch
 from torch import nn
 
-from agent_rl.buffer import MicroBatch, distinct, left_pad
+from agent_rl.learn.batch import MicroBatch
+from agent_rl.rollout.padding import distinct, left_pad
 from agent_rl.config import Config
-from agent_rl.losses import entropy_from_logits, token_logprobs
+from agent_rl.learn.losses import entropy_from_logits, token_logprobs
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,7 +52,7 @@ def load_policy(cfg: Config, path: str, device: str) -> nn.Module:
 
 def compute_autocast(cfg: Config, device: str | torch.device):
     """bf16 compute over fp32 weights in one process (`train.bf16`); a no-op otherwise. Under
-    FSDP2 the MixedPrecisionPolicy does the casting instead (agent_rl.distributed.shard_model)."""
+    FSDP2 the MixedPrecisionPolicy does the casting instead (agent_rl.infra.distributed.shard_model)."""
     if not cfg.train.bf16:
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)

@@ -34,12 +34,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from agent_rl.engines import Generation
-from agent_rl.retriever_client import RetrievalError
-from agent_rl.trajectory import Trajectory
+from agent_rl.rollout.engines import Generation
+from agent_rl.rollout.retriever import RetrievalError
+from agent_rl.rollout.trajectory import Trajectory
 
 if TYPE_CHECKING:
-    from agent_rl.rollout import AgentLoop, PromptItem
+    from agent_rl.rollout.loop import AgentLoop, PromptItem
 
 _SEED_MOD = 2**31 - 1
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from agent_rl.budget import TokenBudget
-from agent_rl.rollout import PromptItem
+from agent_rl.rollout.budget import TokenBudget
+from agent_rl.rollout.loop import PromptItem
 
 
 @dataclass

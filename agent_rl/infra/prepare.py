@@ -71,7 +71,7 @@ def ensure_model(cfg: Config) -> None:
     path = Path(cfg.model.path)
     if cfg.model.preset:
         if not (path / "config.json").exists():
-            from agent_rl.model_init import MissingPackageError, convert_preset
+            from agent_rl.infra.model_init import MissingPackageError, convert_preset
 
             _log(f"converting the {cfg.model.preset} preset into {path}")
             try:
@@ -83,7 +83,7 @@ def ensure_model(cfg: Config) -> None:
         if not path.exists() and not ("/" in cfg.model.path and not cfg.model.path.startswith((".", "/"))):
             raise FileNotFoundError(f"model.path {path} does not exist; set model.init_size=tiny to build one, or point model.path at a model")
         return
-    from agent_rl.model_init import init_model
+    from agent_rl.infra.model_init import init_model
 
     _log(f"initialising a {cfg.model.init_size} model with a locally trained tokenizer in {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -122,7 +122,7 @@ def ensure_qa(cfg: Config) -> None:
         return
     from datasets import Dataset
 
-    from agent_rl.models import load_tokenizer
+    from agent_rl.learn.policy import load_tokenizer
     from data_prep.qa import build_rows, write_parquet
 
     source = Path(cfg.data.qa_source)

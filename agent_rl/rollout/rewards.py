@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 
-from agent_rl.rollout import INVALID_MESSAGE
+from agent_rl.rollout.loop import INVALID_MESSAGE
 from retriever_server.answers import exact_match, f1_score
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)

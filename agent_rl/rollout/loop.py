@@ -15,10 +15,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from agent_rl.budget import TokenBudget
-from agent_rl.engines import Engine, Generation
-from agent_rl.retriever_client import RetrievalError, RetrieverClient, document_summaries, format_documents
-from agent_rl.trajectory import Trajectory, Turn
+from agent_rl.rollout.budget import TokenBudget
+from agent_rl.rollout.engines import Engine, Generation
+from agent_rl.rollout.retriever import RetrievalError, RetrieverClient, document_summaries, format_documents
+from agent_rl.rollout.trajectory import Trajectory, Turn
 
 INVALID_MESSAGE = (
     "\nMy previous action is invalid. If I want to search, I should put the query between <search> and </search>. "
@@ -85,7 +85,7 @@ class AgentLoop:
     ):
         if mode not in ("sync", "async"):
             raise ValueError(f"rollout mode {mode!r}: use sync or async")
-        self.mode = mode  # async: each trajectory runs its own turn loop (agent_rl.async_rollout)
+        self.mode = mode  # async: each trajectory runs its own turn loop (agent_rl.rollout.async_loop)
         self.max_inflight = max_inflight
         self.engine = engine
         self.tok = tokenizer
@@ -100,7 +100,7 @@ class AgentLoop:
     def run(self, items: list[PromptItem], group_size: int = 1, temperature: float = 1.0, top_p: float = 1.0) -> list[Trajectory]:
         """`group_size` trajectories per prompt, by `self.mode`: turn-synchronous or per-trajectory async."""
         if self.mode == "async":
-            from agent_rl.async_rollout import run_async
+            from agent_rl.rollout.async_loop import run_async
 
             return run_async(self, items, group_size, temperature, top_p)
         return self.run_sync(items, group_size, temperature, top_p)
@@ -176,7 +176,7 @@ class AgentLoop:
         elif action == "search":
             return content
         else:
-            self._insert(t, self.invalid_ids, corrective=True)
+            self._insert(t, self.invalid_ids)
         return None
 
     def finish(self, trajs: list[Trajectory]) -> None:
@@ -187,7 +187,7 @@ class AgentLoop:
         t.end_reason = reason
         self.counters[f"budget/end_{reason}"] += 1
 
-    def _insert(self, t: Trajectory, ids: list[int], corrective: bool = False) -> None:
+    def _insert(self, t: Trajectory, ids: list[int]) -> None:
         allowance = self.budget.obs_allowance(t.total_tokens)
         if allowance < len(ids):
             # No room for the corrective message: the next turn is the forced answer instead.

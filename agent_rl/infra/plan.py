@@ -124,7 +124,7 @@ def config_arch(cfg: Config) -> Arch:
     if cfg.model.preset:
         return Arch(*KNOWN_SHAPES[cfg.model.preset])
     if cfg.model.init_size:
-        from agent_rl.model_init import SIZES
+        from agent_rl.infra.model_init import SIZES
 
         sz = SIZES[cfg.model.init_size]
         return Arch(sz["hidden_size"], sz["num_hidden_layers"], sz["num_attention_heads"], sz["num_key_value_heads"], sz["intermediate_size"], sz["vocab"], True)

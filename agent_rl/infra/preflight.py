@@ -83,8 +83,8 @@ def run_preflight(model, cfg: Config, device: str) -> dict:
     if torch.cuda.is_available() and str(device).startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        from agent_rl.buffer import MicroBatch
-        from agent_rl.models import compute_autocast, forward_logprobs
+        from agent_rl.learn.batch import MicroBatch
+        from agent_rl.learn.policy import compute_autocast, forward_logprobs
 
         # The most tokens a trajectory can have trained: every turn at its cap (the LM head runs on these).
         trained = min(length - 1, (cfg.budget.max_turns + 1) * cfg.budget.max_tokens_per_turn)
@@ -99,7 +99,7 @@ def run_preflight(model, cfg: Config, device: str) -> dict:
             raise
         advice = ""
         try:
-            from agent_rl.plan import plan
+            from agent_rl.infra.plan import plan
 
             res = plan(cfg)
             advice = "; ".join(f["fix"] for f in res.fixes[:3])

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from agent_rl.buffer import distinct, left_pad
+from agent_rl.rollout.padding import distinct, left_pad
 
 STOP_TAGS = ("</search>", "</answer>")
 
