@@ -8,35 +8,40 @@ the update is micro-batched by token count, not by a fixed row count.
 """
 from __future__ import annotations
 
-import contextlib
+import copy
+import dataclasses
 import json
 import math
 import random
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from agent_rl.learn import advantages as adv_lib
-from agent_rl.learn import losses
-from agent_rl.rollout.budget import TokenBudget
-from agent_rl.learn.batch import collate, pack_microbatches
-from agent_rl.rollout.buffer import TrajectoryBuffer
-from agent_rl.infra.checkpoint import install_signal_handlers, latest_checkpoint, load_checkpoint, save_checkpoint
 from agent_rl.config import Config
-from agent_rl.rollout.prompts import PromptSet, load_prompts
-from agent_rl.infra.distributed import even_microbatches
-from agent_rl.rollout.engines import HFEngine, VLLMEngine, hf_named_weights
+from agent_rl.infra import distributed as dist_lib
+from agent_rl.infra.checkpoint import StopFlag, install_signal_handlers, latest_checkpoint, load_checkpoint, save_checkpoint
+from agent_rl.infra.guard import CollapseGuard
 from agent_rl.infra.logger import MetricsLogger
-from agent_rl.learn.policy import _DTYPES, ValueModel, assert_no_data_parallel, compute_autocast, forward_logprobs, frozen_copy, load_policy, load_tokenizer, reference_mode
-from agent_rl.infra.preflight import fix_mmap_threshold, peak_rss_bytes
+from agent_rl.infra.preflight import fix_mmap_threshold, peak_rss_bytes, run_preflight
+from agent_rl.infra.prepare import local_retriever, prepare
+from agent_rl.infra.world import World
+from agent_rl.learn.batch import RolloutBatch
+from agent_rl.learn.policy import _DTYPES, ValueModel, assert_no_data_parallel, frozen_copy, load_policy, load_tokenizer
+from agent_rl.learn.update import prepare_batch, update
+from agent_rl.rollout.budget import TokenBudget
+from agent_rl.rollout.buffer import TrajectoryBuffer
+from agent_rl.rollout.engines import Engine, HFEngine, VLLMEngine, hf_named_weights
+from agent_rl.rollout.loop import AgentLoop, rollout_metrics
+from agent_rl.rollout.prompts import PromptSet, load_prompts
 from agent_rl.rollout.retriever import RetrieverClient
 from agent_rl.rollout.rewards import answer_scores, compute_reward
-from agent_rl.rollout.loop import AgentLoop, rollout_metrics
 from agent_rl.rollout.trajectory import Trajectory
+from agent_rl.sft import sft
 
 
 def seed_everything(seed: int) -> None:
@@ -76,8 +81,6 @@ def build_engine(cfg: Config, policy, tokenizer, seed: int | None = None, own_co
     the start weights itself (`policy` may be None: build it before the trainer's modules)."""
     seed = cfg.trainer.seed if seed is None else seed
     if cfg.rollout.engine == "vllm":
-        from agent_rl.rollout.engines import VLLMEngine
-
         if distributed and cfg.rollout.tensor_parallel_size > 1:
             raise ValueError("rollout.tensor_parallel_size > 1 under torchrun is not supported yet: each rank runs its own engine (set it to 1)")
         return VLLMEngine(cfg.model.warm_start or cfg.model.path, tokenizer, cfg, seed=seed, distributed=distributed)
@@ -88,7 +91,7 @@ def build_engine(cfg: Config, policy, tokenizer, seed: int | None = None, own_co
     return HFEngine(module, tokenizer, device=cfg.rollout.device, batch_size=cfg.rollout.generation_batch_size, seed=seed, fast_decode=cfg.rollout.fast_decode)
 
 
-def sync_weights(engine, policy) -> float:
+def sync_weights(engine: Engine, policy) -> float:
     """Push updated weights to the rollout engine when it holds its own copy; returns seconds."""
     start = time.perf_counter()
     if isinstance(engine, VLLMEngine):
@@ -143,89 +146,17 @@ def evaluate_all(loop: AgentLoop, prompts: PromptSet, cfg: Config) -> dict[str, 
     the sampled policy sharpens)."""
     out = evaluate(loop, prompts, cfg)
     if cfg.trainer.eval_sampled:
-        gen = getattr(loop.engine, "generator", None)  # the HF engine's; vLLM keeps its own seed
-        state = None
-        if gen is not None:
-            state = gen.get_state()
-            gen.manual_seed(cfg.trainer.seed)  # the same draws at every evaluation
+        gen = loop.engine.generator  # vLLM draws each request's seed from it too
+        state = gen.get_state()
+        gen.manual_seed(cfg.trainer.seed)  # the same draws at every evaluation
         try:
             out.update(evaluate(loop, prompts, cfg, cfg.rollout.temperature, "eval_sampled"))
         finally:
-            if state is not None:
-                gen.set_state(state)  # training rollouts (and --resume) never see the eval's draws
+            gen.set_state(state)  # training rollouts (and --resume) never see the eval's draws
     return out
 
 
-def _rows(values: list[torch.Tensor], index: list[int], width: int) -> torch.Tensor:
-    out = torch.zeros((len(index), width), dtype=torch.float32)
-    for r, i in enumerate(index):
-        out[r, : values[i].numel()] = values[i]
-    return out
-
-
-def prepare_batch(cfg: Config, policy, ref, critic, trajs: list[Trajectory], pad_id: int, need_old: bool, dist=None) -> dict[str, list[torch.Tensor]]:
-    """No-grad passes: old log-probs, reference log-probs, values; then advantages and returns.
-
-    Every result is a per-trajectory 1-D tensor over the full sequence (prompt + response).
-    With `dist`, every rank runs as many forward passes as the rank with the most micro-batches
-    (FSDP all-gathers in each forward); the padding passes are discarded.
-    """
-
-    device = cfg.train.device
-    n = len(trajs)
-    old, refs, vals = [None] * n, [None] * n, [None] * n
-    use_ref = cfg.algo.kl_coef > 0
-    # k1 in the reward needs the current policy's log-probs even on the single-pass path
-    k1_reward = use_ref and cfg.algo.kl_type == "k1" and cfg.algo.name == "ppo"
-    cur = [None] * n
-    share = _share_prefix(cfg, dist)
-    with torch.no_grad(), (compute_autocast(cfg, device) if dist is None else contextlib.nullcontext()):
-        for index, real in even_microbatches(_pack(cfg, trajs, range(n), share), dist):
-            mb = collate(trajs, index, pad_id, device)
-            if need_old or k1_reward:
-                lp, _ = forward_logprobs(policy, mb, cfg.rollout.temperature, share_prefix=share)
-            if use_ref:
-                with reference_mode(policy, ref) as ref_model:
-                    rlp, _ = forward_logprobs(ref_model, mb, cfg.rollout.temperature, share_prefix=share)
-            if critic is not None:
-                v = critic(mb.input_ids, mb.attention_mask)
-            if not real:
-                continue
-            for r, i in enumerate(index):
-                L = trajs[i].total_tokens
-                if need_old:
-                    old[i] = lp[r, :L].float().cpu()
-                if k1_reward:
-                    cur[i] = lp[r, :L].float().cpu()
-                if use_ref:
-                    refs[i] = rlp[r, :L].float().cpu()
-                if critic is not None:
-                    vals[i] = v[r, :L].float().cpu()
-    masks = [torch.tensor([0.0] * t.prompt_tokens + [float(m) for m in t.loss_mask]) for t in trajs]
-    scores = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-    if cfg.algo.name == "grpo":
-        # An excluded trajectory (failed search) is its own group of one: advantage 0, and its
-        # group's mean and std come from the others.
-        keys = [f"{t.prompt_id}#excluded{i}" if t.excluded else t.prompt_id for i, t in enumerate(trajs)]
-        a = adv_lib.grpo_advantages(scores, keys, norm_by_std=cfg.algo.norm_adv_by_std)
-        advs = [a[i] * masks[i] for i in range(n)]
-        rets = [torch.zeros_like(m) for m in masks]
-    else:
-        width = max(m.numel() for m in masks)
-        idx = list(range(n))
-        mask_t = _rows(masks, idx, width)
-        kl = None
-        if k1_reward:
-            kl = losses.kl_penalty(_rows(cur, idx, width), _rows(refs, idx, width), "k1")
-        token_rewards = adv_lib.token_level_rewards(scores, mask_t, kl, cfg.algo.kl_coef if kl is not None else 0.0)
-        a_t, r_t = adv_lib.gae(token_rewards, _rows(vals, idx, width), mask_t, cfg.algo.gamma, cfg.algo.lam)
-        a_t = adv_lib.whiten(a_t, mask_t) * mask_t
-        advs = [a_t[i, : masks[i].numel()] for i in range(n)]
-        rets = [r_t[i, : masks[i].numel()] for i in range(n)]
-    return {"old": old, "ref": refs, "values": vals, "advantages": advs, "returns": rets}
-
-
-def save_trajectories(out_dir: Path, step: int, trajs: list[Trajectory], batch: dict, trainer_logprobs: dict[int, list[float] | None], tokenizer) -> Path:
+def save_trajectories(out_dir: Path, step: int, batch: RolloutBatch, trainer_logprobs: dict[int, list[float] | None], tokenizer) -> Path:
     """`trainer.save_trajectories_every`: write `OUTPUT_DIR/trajectories/step_N.jsonl` for
     `agent-rl view`: the rows named by `trainer_logprobs` with the step, the trainer's (old)
     log-probs and the advantages of their response tokens, each aligned with `response_ids`.
@@ -237,184 +168,148 @@ def save_trajectories(out_dir: Path, step: int, trajs: list[Trajectory], batch: 
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as fh:
         for i, lp in trainer_logprobs.items():
-            t = trajs[i]
-            if lp is None and batch["old"][i] is not None:
-                lp = batch["old"][i][t.prompt_tokens :].tolist()
+            t = batch.trajs[i]
+            span = slice(t.prompt_tokens, t.total_tokens)
+            if lp is None and batch.old_logprobs is not None:
+                lp = batch.old_logprobs[i, span].tolist()
             rec = t.to_record(tokenizer)
-            rec.update(step=step, trainer_logprobs=lp, advantages=batch["advantages"][i][t.prompt_tokens :].tolist(), **answer_scores(t.response_text, t.golden_answers))
+            rec.update(step=step, trainer_logprobs=lp, advantages=batch.advantages[i, span].tolist(), **answer_scores(t.response_text, t.golden_answers))
             fh.write(json.dumps(rec) + "\n")
     return path
 
 
-def _share_prefix(cfg: Config, dist) -> bool:
-    """Share a group's prompt in the forward? Not under FSDP (every rank must run the same passes)."""
-    return cfg.train.share_prompt_prefix and dist is None and not cfg.model.gradient_checkpointing
+@dataclass
+class Run:
+    """Everything one training run holds between steps: what `setup` builds and `train` drives."""
+
+    cfg: Config
+    world: World
+    out_dir: Path
+    tokenizer: object
+    engine: Engine
+    policy: torch.nn.Module
+    ref: torch.nn.Module | None
+    critic: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    critic_opt: torch.optim.Optimizer | None
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    budget: TokenBudget
+    train_set: PromptSet
+    test_set: PromptSet | None
+    stream: PromptStream
+    buffer: TrajectoryBuffer
+    logger: MetricsLogger
+    guard: CollapseGuard
+    stop: StopFlag
+    update_rng: random.Random
+    step: int = 0
+
+    @property
+    def ckpt_root(self) -> Path:
+        return self.out_dir / "checkpoints"
+
+    def push_weights(self) -> float:
+        """The updated weights into the rollout engine (a collective under torchrun); seconds."""
+        if self.world.sharded:
+            return dist_lib.sync_rollout_weights(self.engine, self.policy)
+        return sync_weights(self.engine, self.policy)
+
+    def checkpoint(self) -> Path:
+        extra = {"step": self.step, "cursor": self.stream.cursor, "update_rng": self.update_rng.getstate(), "engine_rng": self.engine.generator.get_state()}
+        if self.world.sharded:
+            return dist_lib.save_sharded(self.ckpt_root, self.step, self.policy, self.optimizer, self.world, self.scheduler, extra, self.cfg.to_dict(),
+                                         self.cfg.trainer.keep_last, export_hf=True, critic=self.critic, critic_optimizer=self.critic_opt)
+        if self.critic is not None:
+            extra["critic"], extra["critic_opt"] = self.critic.state_dict(), self.critic_opt.state_dict()
+        return save_checkpoint(self.ckpt_root, self.step, self.policy, self.optimizer, self.scheduler, extra, self.cfg.to_dict(), self.cfg.trainer.keep_last)
+
+    def restore(self, path: Path) -> None:
+        if self.world.sharded or (path / "dcp").is_dir():  # DCP reshards a torchrun checkpoint into one process
+            extra = dist_lib.load_sharded(path, self.policy, self.optimizer, self.world, self.scheduler, self.critic, self.critic_opt)
+        else:
+            extra = load_checkpoint(path, self.policy, self.optimizer, self.scheduler)
+            if self.critic is not None:
+                self.critic.load_state_dict(extra["critic"])
+                self.critic_opt.load_state_dict(extra["critic_opt"])
+        self.step, self.stream.cursor = int(extra["step"]), int(extra["cursor"])
+        if "engine_rng" in extra:
+            self.engine.generator.set_state(extra["engine_rng"])
+        self.update_rng.setstate(extra["update_rng"])
+        self.push_weights()
+
+    def resume(self) -> None:
+        """Restore the latest checkpoint under the output directory, if there is one."""
+        path = self.world.broadcast_object(latest_checkpoint(self.ckpt_root))  # every rank the same step
+        if path is None:
+            print(f"[train] --resume: no checkpoint under {self.ckpt_root}; starting from step 0", file=sys.stderr)
+            return
+        self.restore(path)
+        self.logger.truncate_after(self.step)
+        print(f"[train] resumed from {path} at step {self.step}", file=sys.stderr)
+
+    def evaluate(self, loop: AgentLoop) -> dict[str, float]:
+        """Rank 0 evaluates with its own unsharded rollout model (no collectives); the rest wait."""
+        result = evaluate_all(loop, self.test_set, self.cfg) if self.world.is_main else {}
+        self.world.barrier()
+        return result
+
+    def stopping(self) -> bool:
+        """A signal arrived (on any rank: the ranks leave the loop together)."""
+        return self.world.all_reduce_max(float(self.stop.is_set())) > 0
+
+    def retriever_ok(self, client: RetrieverClient, counters) -> bool:
+        """Too many of this step's searches failed: wait for /health (rank 0; all ranks agree)."""
+        searched, errors = counters["retriever/queries"], counters["retriever/errors"]
+        if not self.world.all_reduce_max(float(searched > 0 and errors / searched > self.cfg.retriever.max_failed_share)):
+            return True
+        back = 0.0
+        if self.world.is_main:
+            print(f"[train] step {self.step}: {int(errors)} of {int(searched)} searches failed; waiting for {client.url}/health", file=sys.stderr)
+            back = float(client.wait_healthy(self.cfg.retriever.health_wait_s, log=lambda m: print(f"[train] {m}", file=sys.stderr)))
+        return self.world.all_reduce_max(back) > 0
+
+    def rollback(self) -> None:
+        """The guard's rollback: the latest checkpoint, a lower learning rate, a stronger KL."""
+        path = self.world.broadcast_object(latest_checkpoint(self.ckpt_root))
+        # Lower the scheduler's base rates, not just the live ones: LambdaLR recomputes
+        # lr from base_lrs at every step (and the restore brings back the old ones).
+        base_lrs = [lr * self.cfg.guard.lr_factor for lr in self.scheduler.base_lrs]
+        if path is not None:
+            self.restore(path)
+        self.scheduler.base_lrs = base_lrs
+        for group, base, factor in zip(self.optimizer.param_groups, base_lrs, self.scheduler.lr_lambdas):
+            group["lr"] = base * factor(self.scheduler.last_epoch)
+        algo = self.cfg.algo
+        self.cfg = dataclasses.replace(self.cfg, algo=dataclasses.replace(algo, kl_coef=algo.kl_coef * self.cfg.guard.kl_factor))
+
+    def exit(self, message: str) -> None:
+        """Save this step, close the logs and the process group, and stop with `message`."""
+        path = self.checkpoint()
+        self.logger.close()
+        self.world.close()
+        raise SystemExit(message.replace("{path}", str(path)))
 
 
-def _pack(cfg: Config, trajs: list[Trajectory], members, share: bool) -> list[list[int]]:
-    """Micro-batches over `members` (positions in that list), a group's rows together when shared."""
-    members = list(members)
-    groups = [trajs[i].prompt_id for i in members] if share else None
-    return pack_microbatches([trajs[i].total_tokens for i in members], cfg.train.max_tokens_per_microbatch, groups)
-
-
-def _discard(key: str, value: float) -> None:
-    pass
-
-
-def update(cfg: Config, policy, critic, optimizer, critic_opt, trajs: list[Trajectory], batch: dict, pad_id: int, rng: random.Random, dist=None,
-           trainer_logprobs: dict[int, list[float] | None] | None = None) -> dict[str, float]:
-    """PPO-style epochs over mini-batches, each accumulated over token-capped micro-batches.
-
-    `trainer_logprobs`, when given, maps rows of `trajs` to be reported (`save_trajectories`);
-    the first epoch fills each with that row's old log-probs over its response tokens.
-
-    With `dist` (torchrun + FSDP), `trajs` is this rank's share of whole groups; the loss is
-    normalised by the mini-batch's *global* token (or row) count, times the world size because
-    FSDP averages gradients over ranks, so N ranks take the same step as one process would.
-    """
-    device = cfg.train.device
-    n = len(trajs)
-    world = dist.world_size if dist is not None else 1
-    mini = (cfg.algo.mini_batch_size // world if cfg.algo.mini_batch_size else 0) or n
-    on_policy = batch["old"][0] is None  # one epoch, one mini-batch: old == current, detached
-    share = _share_prefix(cfg, dist)
-    stats: dict[str, list[float]] = {}
-    agree = [0.0, 0.0, 0.0]  # |trainer - engine| log-prob over sampled tokens: sum, max, count (first epoch)
-
-    def keep(key: str, value: float) -> None:
-        stats.setdefault(key, []).append(float(value))
-
-    add = keep
-
-    policy.train()
-    autocast = compute_autocast(cfg, device) if dist is None else contextlib.nullcontext()
-    # A row whose advantage is 0 on every token adds exactly 0 to the policy gradient (every
-    # term of the clipped loss is advantage x ratio) unless a KL, entropy or value loss reads it.
-    skip_zero = cfg.train.skip_zero_advantage and critic is None and cfg.algo.entropy_coef == 0 and not (
-        cfg.algo.kl_coef > 0 and cfg.algo.kl_type == "low_var_kl")
-    skipped = 0
-    for epoch in range(cfg.algo.ppo_epochs):
-        order = list(range(n))
-        rng.shuffle(order)
-        for lo in range(0, n, mini):
-            members = order[lo : lo + mini]
-            sub = [trajs[i] for i in members]
-            mask_tokens = float(sum(sum(t.loss_mask) for t in sub))
-            rows = float(len(members))
-            if dist is not None:
-                mask_tokens, rows = dist.all_reduce_sum(mask_tokens) / world, dist.all_reduce_sum(rows) / world
-            optimizer.zero_grad(set_to_none=True)
-            if critic_opt is not None:
-                critic_opt.zero_grad(set_to_none=True)
-            if skip_zero:  # kept in the normaliser above, left out of the forward and backward
-                # One row still runs when none would: a zero gradient, not a missing one, so AdamW
-                # moves (momentum, weight decay) exactly as the plain path, and FSDP ranks stay in step.
-                run = [i for i in members if batch["advantages"][i].any()] or members[:1]
-                skipped += len(members) - len(run)
-                members = run
-            for local, real in even_microbatches(_pack(cfg, trajs, members, share), dist):
-                index = [members[j] for j in local]
-                mb = collate(trajs, index, pad_id, device)
-                width = mb.input_ids.shape[1]
-                mb_tokens = float(mb.loss_mask.sum())
-                weight = mb_tokens / max(1.0, mask_tokens) if cfg.algo.loss_agg == "token-mean" else len(index) / rows
-                if not real:  # FSDP padding pass: same collectives, zero gradient, no metrics
-                    weight = 0.0
-                    add = _discard
-                with autocast:
-                    logprobs, entropy = forward_logprobs(policy, mb, cfg.rollout.temperature, with_entropy=cfg.algo.entropy_coef > 0, share_prefix=share)
-                old = logprobs.detach() if on_policy else _rows(batch["old"], index, width).to(device)
-                if epoch == 0 and real:  # old = the weights the engine sampled with
-                    total, worst, count = losses.logprob_diff(old, mb.rollout_logprobs, mb.loss_mask)
-                    agree[0], agree[1], agree[2] = agree[0] + total, max(agree[1], worst), agree[2] + count
-                    for r, i in enumerate(index):
-                        if trainer_logprobs is not None and i in trainer_logprobs:
-                            trainer_logprobs[i] = old[r, trajs[i].prompt_tokens : trajs[i].total_tokens].float().cpu().tolist()
-                tis = losses.tis_weights(old, mb.rollout_logprobs, mb.loss_mask, cfg.algo.tis_cap) if cfg.algo.tis_cap > 0 else None
-                advantages = _rows(batch["advantages"], index, width).to(device)
-                pg_loss, pg_stats = losses.policy_loss(
-                    logprobs, old, advantages, mb.loss_mask, cfg.algo.clip_ratio_low, cfg.algo.clip_ratio_high, cfg.algo.loss_agg, is_weights=tis
-                )
-                if tis is not None:
-                    add("actor/tis_weight_mean", float((tis * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1)))
-                loss = pg_loss
-                if cfg.algo.kl_coef > 0 and cfg.algo.kl_type == "low_var_kl":
-                    ref_lp = _rows(batch["ref"], index, width).to(device)
-                    kl = losses.aggregate(losses.kl_penalty(logprobs, ref_lp, "low_var_kl"), mb.loss_mask, cfg.algo.loss_agg)
-                    loss = loss + cfg.algo.kl_coef * kl
-                    add("actor/kl", kl.item())
-                if entropy is not None:
-                    ent = losses.aggregate(entropy, mb.loss_mask, cfg.algo.loss_agg)
-                    loss = loss - cfg.algo.entropy_coef * ent
-                    add("actor/entropy", ent.item())
-                (loss * weight).backward()
-                add("loss/policy", pg_loss.item())
-                for k, v in pg_stats.items():
-                    add(f"actor/{k}", v)
-                if critic is not None:
-                    with autocast:
-                        values = critic(mb.input_ids, mb.attention_mask)
-                    old_values = _rows(batch["values"], index, width).to(device)
-                    returns = _rows(batch["returns"], index, width).to(device)
-                    v_loss, v_stats = losses.value_loss(values, old_values, returns, mb.loss_mask, cfg.algo.value_clip or None, cfg.algo.loss_agg)
-                    (v_loss * weight).backward()
-                    add("loss/value", v_loss.item())
-                    for k, v in v_stats.items():
-                        add(f"critic/{k}", v)
-                add("train/microbatch_tokens", mb.num_tokens)
-                add = keep
-            if cfg.train.max_grad_norm > 0:
-                add("actor/grad_norm", torch.nn.utils.clip_grad_norm_([p for p in policy.parameters() if p.requires_grad], cfg.train.max_grad_norm).item())
-                if critic is not None:
-                    torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.train.max_grad_norm)
-            optimizer.step()
-            if critic_opt is not None:
-                critic_opt.step()
-    out = {k: sum(v) / len(v) for k, v in stats.items()}
-    out["train/skipped_zero_advantage_rows"] = float(skipped)
-    if dist is not None:
-        agree = [dist.all_reduce_sum(agree[0]), dist.all_reduce_max(agree[1]), dist.all_reduce_sum(agree[2])]
-    out["rollout/logprob_diff_mean"] = agree[0] / max(1.0, agree[2])
-    out["rollout/logprob_diff_max"] = agree[1]
-    out["train/microbatch_tokens_max"] = max(stats.get("train/microbatch_tokens", [0]))
-    out["train/microbatches"] = float(len(stats.get("train/microbatch_tokens", [])))
-    return out
-
-
-def train(cfg: Config, resume: bool = False) -> dict[str, float]:
-    """Run the whole training job; returns the last evaluation metrics.
-
-    Under torchrun (`torchrun --nproc-per-node N -m agent_rl.train CONFIG`) every rank runs this
-    same loop on its share of each step's prompts; see `agent_rl.infra.distributed`.
-    """
-    from contextlib import nullcontext
-
-    from agent_rl.infra import distributed as dist_lib
-    from agent_rl.infra.prepare import local_retriever, prepare
-
-    dist = dist_lib.init_distributed(cfg)
-    main = dist is None or dist.is_main
+def setup(cfg: Config, resume: bool = False) -> Run:
+    """Build a run: ranks, first-use preparation, engine, models, optimizers, data, logs."""
+    cfg = copy.deepcopy(cfg)  # the run may rewrite devices (torchrun) and, on rollback, the KL; the caller's config stays as given
+    world = dist_lib.init_distributed(cfg)
     # Same seed everywhere for data order and model init; each rank samples its own rollouts.
     seed_everything(cfg.trainer.seed)
     fix_mmap_threshold(cfg.train.host_mmap_threshold_mib)
     out_dir = Path(cfg.trainer.output_dir)
-    if main:
+    if world.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         prepare(cfg)
         if cfg.model.warm_start and not Path(cfg.model.warm_start).exists():
-            from agent_rl.sft import sft
-
             print(f"[train] warm start {cfg.model.warm_start} is missing: running `agent-rl sft` first", file=sys.stderr)
             sft(cfg)
-    if dist is not None:
-        dist.barrier()  # rank 0 built whatever was missing (toy world, model, index, warm start)
+    world.barrier()  # rank 0 built whatever was missing (toy world, model, index, warm start)
     start_path = cfg.model.warm_start or cfg.model.path
     tokenizer = load_tokenizer(start_path)
-    pad_id = tokenizer.pad_token_id
-    engine_seed = cfg.trainer.seed + (dist.rank if dist is not None else 0)
+    engine_seed = cfg.trainer.seed + world.rank
     # vLLM first, before the trainer's modules take device memory (its reservation is a fraction of what is free).
-    engine = build_engine(cfg, None, tokenizer, seed=engine_seed, distributed=dist is not None) if cfg.rollout.engine == "vllm" else None
+    engine = build_engine(cfg, None, tokenizer, seed=engine_seed, distributed=world.sharded) if cfg.rollout.engine == "vllm" else None
     policy = load_policy(cfg, start_path, cfg.train.device)
     ref = frozen_copy(policy, cfg.train.device, _DTYPES[cfg.model.dtype]) if cfg.algo.kl_coef > 0 and not cfg.model.lora.enabled else None
     critic = ValueModel(frozen_copy(policy, cfg.train.device)).to(cfg.train.device) if cfg.algo.name == "ppo" else None
@@ -422,248 +317,161 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
         for p in critic.parameters():
             p.requires_grad_(True)
     assert_no_data_parallel(policy, ref, critic)
-    if dist is not None:
+    if world.sharded:
         if cfg.model.lora.enabled:
             raise ValueError("model.lora.enabled under torchrun is not supported yet: train LoRA in one process, or full weights with FSDP")
         # The HF engine generates with its own unsharded copy: ranks sample different lengths,
         # and a sharded forward would wait on the other ranks' all-gathers.
-        if engine is None:
-            engine = build_engine(cfg, policy, tokenizer, seed=engine_seed, own_copy=True)
+        engine = engine or build_engine(cfg, policy, tokenizer, seed=engine_seed, own_copy=True)
         for module in (policy, ref, critic):
             if module is not None:
-                dist_lib.shard_model(module, dist, cfg)
+                dist_lib.shard_model(module, world, cfg)
     trainable = [p for p in policy.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
     if cfg.train.offload_optimizer and not cfg.train.device.startswith("cuda"):
         print("[train] train.offload_optimizer: the optimizer state already lives in host RAM on a CPU run; nothing to offload", file=sys.stderr)
-    critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.algo.critic_lr) if critic is not None else None
-    scheduler = make_scheduler(cfg, optimizer)
     budget = TokenBudget.from_config(cfg.budget)
     train_set = load_prompts(cfg.data.train_files, tokenizer, budget)
-    test_set = load_prompts(cfg.data.test_files, tokenizer, budget, cfg.trainer.eval_max_samples) if cfg.data.test_files else None
-    stream = PromptStream(len(train_set.items), cfg.trainer.seed, cfg.data.shuffle)
-    if engine is None:
-        engine = build_engine(cfg, policy, tokenizer, seed=engine_seed)
-    buffer = TrajectoryBuffer(cfg.buffer.max_tokens, cfg.buffer.max_trajectories)
-    logger = MetricsLogger(out_dir, cfg.trainer.tensorboard, enabled=main)  # only rank 0 writes
-    ckpt_root = out_dir / "checkpoints"
-    update_rng = random.Random(cfg.trainer.seed)
-    step = 0
-
-    def push_weights() -> float:
-        return dist_lib.sync_rollout_weights(engine, policy) if dist is not None else sync_weights(engine, policy)
-
-    def restore(path: Path) -> None:
-        nonlocal step
-        if dist is not None or (path / "dcp").is_dir():
-            extra = dist_lib.load_sharded(path, policy, optimizer, dist, scheduler, critic, critic_opt)
-        else:
-            extra = load_checkpoint(path, policy, optimizer, scheduler)
-            if critic is not None:
-                critic.load_state_dict(extra["critic"])
-                critic_opt.load_state_dict(extra["critic_opt"])
-        step, stream.cursor = int(extra["step"]), int(extra["cursor"])
-        if hasattr(engine, "generator") and "engine_rng" in extra:
-            engine.generator.set_state(extra["engine_rng"])
-        update_rng.setstate(extra["update_rng"])
-        push_weights()
-
+    run = Run(
+        cfg=cfg, world=world, out_dir=out_dir, tokenizer=tokenizer, engine=engine or build_engine(cfg, policy, tokenizer, seed=engine_seed),
+        policy=policy, ref=ref, critic=critic, optimizer=optimizer,
+        critic_opt=torch.optim.AdamW(critic.parameters(), lr=cfg.algo.critic_lr) if critic is not None else None,
+        scheduler=make_scheduler(cfg, optimizer), budget=budget, train_set=train_set,
+        test_set=load_prompts(cfg.data.test_files, tokenizer, budget, cfg.trainer.eval_max_samples) if cfg.data.test_files else None,
+        stream=PromptStream(len(train_set.items), cfg.trainer.seed, cfg.data.shuffle),
+        buffer=TrajectoryBuffer(cfg.buffer.max_tokens, cfg.buffer.max_trajectories),
+        logger=MetricsLogger(out_dir, cfg.trainer.tensorboard, enabled=world.is_main),  # only rank 0 writes
+        guard=CollapseGuard(cfg.guard), stop=install_signal_handlers(), update_rng=random.Random(cfg.trainer.seed),
+    )
     if resume:
-        path = latest_checkpoint(ckpt_root)
-        if dist is not None:
-            path = dist.broadcast_object(path)  # every rank restores the same step
-        if path is None:
-            print(f"[train] --resume: no checkpoint under {ckpt_root}; starting from step 0", file=sys.stderr)
-        else:
-            restore(path)
-            logger.truncate_after(step)
-            print(f"[train] resumed from {path} at step {step}", file=sys.stderr)
-
-    def checkpoint() -> Path:
-        extra = {"step": step, "cursor": stream.cursor, "update_rng": update_rng.getstate()}
-        if hasattr(engine, "generator"):
-            extra["engine_rng"] = engine.generator.get_state()
-        if dist is not None:
-            return dist_lib.save_sharded(ckpt_root, step, policy, optimizer, dist, scheduler, extra, cfg.to_dict(), cfg.trainer.keep_last, export_hf=True, critic=critic, critic_optimizer=critic_opt)
-        if critic is not None:
-            extra["critic"] = critic.state_dict()
-            extra["critic_opt"] = critic_opt.state_dict()
-        return save_checkpoint(ckpt_root, step, policy, optimizer, scheduler, extra, cfg.to_dict(), cfg.trainer.keep_last)
-
-    def run_eval() -> dict[str, float]:
-        # Rank 0 evaluates with its own unsharded rollout model (no collectives); the rest wait.
-        result = evaluate_all(loop, test_set, cfg) if main else {}
-        if dist is not None:
-            dist.barrier()
-        return result
-
-    if cfg.trainer.preflight and step == 0:
-        from agent_rl.infra.preflight import run_preflight
-
+        run.resume()
+    if cfg.trainer.preflight and run.step == 0:
         report = run_preflight(policy, cfg, cfg.train.device)
         print(f"[train] preflight at the largest admissible micro-batch passed: {report}", file=sys.stderr)
+    return run
 
-    from agent_rl.infra.guard import CollapseGuard
 
-    guard = CollapseGuard(cfg.guard)
-    stop = install_signal_handlers()
+def step_metrics(run: Run, trajs: list[Trajectory], rollout_m: dict, client: RetrieverClient, upd: dict, times: dict[str, float], gen_tokens: int) -> dict[str, float]:
+    """One step's metrics, reduced over ranks (identical on every rank, so the guard agrees)."""
+    rewards = [t.reward for t in trajs]
+    t0, t1, t2, t3 = times["start"], times["rollout"], times["prepared"], times["updated"]
+    metrics = {
+        **rollout_m,
+        **{k: float(v) for k, v in run.buffer.counters.items()},
+        **{f"retriever/total_{k}": float(v) for k, v in client.stats.items()},  # cumulative; retriever/queries|errors are this step's
+        "retriever/failed_trajectories": float(sum(t.retrieval_failed for t in trajs)),
+        "train/excluded_trajectories": float(sum(t.excluded for t in trajs)),
+        **upd,
+        "reward/mean": sum(rewards) / max(1, len(rewards)),
+        "reward/max": max(rewards, default=0.0),
+        "train/lr": run.scheduler.get_last_lr()[0],
+        "timing/rollout_s": t1 - t0,
+        "timing/prepare_s": t2 - t1,
+        "timing/update_s": t3 - t2,
+        "timing/weight_sync": times["sync_s"],
+        "timing/step_s": t3 - t0,
+        "timing/gen_tokens_per_s": gen_tokens / max(1e-9, t1 - t0),
+        "timing/tokens_per_s": sum(t.total_tokens for t in trajs) / max(1e-9, t3 - t1),
+        "memory/peak_rss_gib": peak_rss_bytes() / 2**30,
+    }
+    if torch.cuda.is_available() and run.cfg.train.device.startswith("cuda"):
+        metrics["memory/gpu_peak_gib"] = torch.cuda.max_memory_allocated(run.cfg.train.device) / 2**30
+    return run.world.reduce_metrics(metrics)
+
+
+def train(cfg: Config, resume: bool = False) -> dict[str, float]:
+    """Run the whole training job; returns the last evaluation metrics.
+
+    Under torchrun (`torchrun --nproc-per-node N -m agent_rl train CONFIG`) every rank runs this
+    same loop on its share of each step's prompts; one process is a world of one.
+    """
+    run = setup(cfg, resume)
+    cfg, world, engine = run.cfg, run.world, run.engine
     last_eval: dict[str, float] = {}
-    with local_retriever(cfg) if main else nullcontext(None) as url:
-        if dist is not None:
-            url = dist.broadcast_object(url)  # the server rank 0 started, or retriever.url
+    with local_retriever(cfg) if world.is_main else nullcontext(None) as url:
+        url = world.broadcast_object(url)  # the server rank 0 started, or retriever.url
         client = RetrieverClient.from_config(cfg.retriever, url)
-        loop = AgentLoop(engine, tokenizer, client, budget, cfg.retriever.topk, cfg.rollout.mode, cfg.rollout.max_inflight)
-        if test_set is not None and step == 0:
-            last_eval = run_eval()
-            logger.log(0, last_eval)
-            logger.progress(0, cfg.trainer.max_steps, last_eval)
-        def retriever_ok(counters) -> bool:
-            """Too many of this step's searches failed: wait for /health (rank 0; all ranks agree)."""
-            searched, errors = counters["retriever/queries"], counters["retriever/errors"]
-            bad = float(searched > 0 and errors / searched > cfg.retriever.max_failed_share)
-            if dist is not None:
-                bad = dist.all_reduce_max(bad)
-            if not bad:
-                return True
-            back = 1.0
-            if main:
-                print(f"[train] step {step}: {int(errors)} of {int(searched)} searches failed; waiting for {client.url}/health", file=sys.stderr)
-                back = float(client.wait_healthy(cfg.retriever.health_wait_s, log=lambda m: print(f"[train] {m}", file=sys.stderr)))
-            if dist is not None:
-                back = dist.all_reduce_max(back if main else 0.0)
-            return back > 0
-
-        def stopping() -> bool:  # ranks must leave the loop together
-            flag = float(stop.is_set())
-            return (dist.all_reduce_max(flag) if dist is not None else flag) > 0
-
-        while step < cfg.trainer.max_steps and not stopping():
-            step += 1
-            t0 = time.perf_counter()
+        loop = AgentLoop(engine, run.tokenizer, client, run.budget, cfg.retriever.topk, cfg.rollout.mode, cfg.rollout.max_inflight)
+        if run.test_set is not None and run.step == 0:
+            last_eval = run.evaluate(loop)
+            run.logger.log(0, last_eval)
+            run.logger.progress(0, cfg.trainer.max_steps, last_eval)
+        while run.step < cfg.trainer.max_steps and not run.stopping():
+            cfg = run.cfg  # a guard rollback replaces it
+            run.step += 1
+            times = {"start": time.perf_counter()}
             # 1. rollout: n samples per prompt (this rank's share of whole groups), budgets enforced inside the loop
-            resume_point = (stream.cursor, engine.generator.get_state())  # for a checkpoint of this step's start
-            picked = [train_set.items[i] for i in stream.next(cfg.rollout.prompts_per_step)]
-            if dist is not None:
-                picked = dist_lib.split_groups(picked, dist.rank, dist.world_size)
+            resume_point = (run.stream.cursor, engine.generator.get_state())  # for a checkpoint of this step's start
+            picked = [run.train_set.items[i] for i in run.stream.next(cfg.rollout.prompts_per_step)]
+            picked = dist_lib.split_groups(picked, world.rank, world.world_size)
             loop.counters.clear()
             gen_before = engine.stats["generated_tokens"]
             trajs = loop.run(picked, cfg.algo.group_size, cfg.rollout.temperature, cfg.rollout.top_p)
-            t_rollout = time.perf_counter() - t0
+            times["rollout"] = time.perf_counter()
             # 2. reward on the last <answer> of the response only
             for t in trajs:
                 t.reward = compute_reward(cfg.reward.name, t.response_text, t.golden_answers, cfg.reward.format_coef)
             # 3. buffer: whole groups, bounded by tokens
             for g in range(0, len(trajs), cfg.algo.group_size):
-                buffer.add_group(trajs[g : g + cfg.algo.group_size])
-            trajs = buffer.drain()
+                run.buffer.add_group(trajs[g : g + cfg.algo.group_size])
+            trajs = run.buffer.drain()
             rollout_m = rollout_metrics(trajs, loop.counters)  # before any exclusion zeroes a mask
             # 3b. a dead retriever: wait for it, or checkpoint this step's start and exit
-            if not retriever_ok(loop.counters):
-                step, (stream.cursor, rng) = step - 1, resume_point
+            if not run.retriever_ok(client, loop.counters):
+                run.step, (run.stream.cursor, rng) = run.step - 1, resume_point
                 engine.generator.set_state(rng)
-                path = checkpoint()
-                logger.close()
-                if dist is not None:
-                    dist.close()
-                raise SystemExit(
+                run.exit(
                     f"retriever at {client.url} failed {int(loop.counters['retriever/errors'])} of {int(loop.counters['retriever/queries'])} searches "
-                    f"at step {step + 1} and did not answer /health within retriever.health_wait_s={cfg.retriever.health_wait_s:g} s. "
-                    f"Saved {path}; start the server again and rerun with --resume."
+                    f"at step {run.step + 1} and did not answer /health within retriever.health_wait_s={cfg.retriever.health_wait_s:g} s. "
+                    "Saved {path}; start the server again and rerun with --resume."
                 )
-            failed = [t for t in trajs if t.retrieval_failed]
             if cfg.retriever.exclude_failed:
-                for t in failed:
-                    t.excluded = True
-                    t.loss_mask = [0] * len(t.loss_mask)
+                for t in trajs:
+                    if t.retrieval_failed:
+                        t.excluded, t.loss_mask = True, [0] * len(t.loss_mask)
             # 4. old / reference log-probs, values, advantages (the engine sleeps where it can: weights offloaded, KV freed)
             engine.sleep()
-            t1 = time.perf_counter()
-            world = dist.world_size if dist is not None else 1
-            single_pass = cfg.algo.ppo_epochs == 1 and (cfg.algo.mini_batch_size == 0 or cfg.algo.mini_batch_size // world >= len(trajs))
-            batch = prepare_batch(cfg, policy, ref, critic, trajs, pad_id, need_old=not single_pass, dist=dist)
-            # this step's first rows (this rank's share under torchrun), reported with the update's log-probs
-            report = None
-            if cfg.trainer.save_trajectories_every and step % cfg.trainer.save_trajectories_every == 0:
-                report = dict.fromkeys(range(min(len(trajs), cfg.trainer.save_trajectories_per_step)))
-            # 5. update
-            t2 = time.perf_counter()
-            upd = update(cfg, policy, critic, optimizer, critic_opt, trajs, batch, pad_id, update_rng, dist=dist, trainer_logprobs=report)
-            scheduler.step()
-            sync_s = push_weights()
-            t3 = time.perf_counter()
-            if report and main:
-                save_trajectories(out_dir, step, trajs, batch, report, tokenizer)
-            # 6. log
-            rewards = [t.reward for t in trajs]
-            gen_tokens = engine.stats["generated_tokens"] - gen_before
-            train_tokens = sum(t.total_tokens for t in trajs)
-            metrics = {
-                **rollout_m,
-                **{k: float(v) for k, v in buffer.counters.items()},
-                **{f"retriever/total_{k}": float(v) for k, v in client.stats.items()},  # cumulative; retriever/queries|errors are this step's
-                "retriever/failed_trajectories": float(len(failed)),
-                "train/excluded_trajectories": float(sum(t.excluded for t in trajs)),
-                **upd,
-                "reward/mean": sum(rewards) / max(1, len(rewards)),
-                "reward/max": max(rewards, default=0.0),
-                "train/lr": scheduler.get_last_lr()[0],
-                "timing/rollout_s": t_rollout,
-                "timing/prepare_s": t2 - t1,
-                "timing/update_s": t3 - t2,
-                "timing/weight_sync": sync_s,
-                "timing/step_s": t3 - t0,
-                "timing/gen_tokens_per_s": gen_tokens / max(1e-9, t_rollout),
-                "timing/tokens_per_s": train_tokens / max(1e-9, t3 - t1),
-                "memory/peak_rss_gib": peak_rss_bytes() / 2**30,
-            }
-            if torch.cuda.is_available() and cfg.train.device.startswith("cuda"):
-                metrics["memory/gpu_peak_gib"] = torch.cuda.max_memory_allocated(cfg.train.device) / 2**30
-            if dist is not None:
-                metrics = dist.reduce_metrics(metrics)  # identical on every rank, so the guard agrees
-            if cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0 and test_set is not None and step < cfg.trainer.max_steps:
-                last_eval = run_eval()
+            single_pass = cfg.algo.ppo_epochs == 1 and (cfg.algo.mini_batch_size == 0 or cfg.algo.mini_batch_size // world.world_size >= len(trajs))
+            batch = prepare_batch(cfg, run.policy, run.ref, run.critic, trajs, run.tokenizer.pad_token_id, need_old=not single_pass, world=world)
+            times["prepared"] = time.perf_counter()
+            # 5. update; this step's first rows (this rank's share) reported with the update's log-probs
+            every = cfg.trainer.save_trajectories_every
+            report = dict.fromkeys(range(min(len(trajs), cfg.trainer.save_trajectories_per_step))) if every and run.step % every == 0 else None
+            upd = update(cfg, run.policy, run.critic, run.optimizer, run.critic_opt, batch, run.update_rng, world=world, trainer_logprobs=report)
+            run.scheduler.step()
+            times["sync_s"] = run.push_weights()
+            times["updated"] = time.perf_counter()
+            if report and world.is_main:
+                save_trajectories(run.out_dir, run.step, batch, report, run.tokenizer)
+            # 6. log, and evaluate every trainer.eval_every steps
+            metrics = step_metrics(run, trajs, rollout_m, client, upd, times, engine.stats["generated_tokens"] - gen_before)
+            if cfg.trainer.eval_every and run.step % cfg.trainer.eval_every == 0 and run.test_set is not None and run.step < cfg.trainer.max_steps:
+                last_eval = run.evaluate(loop)
                 metrics.update(last_eval)
-            logger.log(step, metrics)
-            if step % cfg.trainer.log_every == 0:
-                logger.progress(step, cfg.trainer.max_steps, metrics)
+            run.logger.log(run.step, metrics)
+            if run.step % cfg.trainer.log_every == 0:
+                run.logger.progress(run.step, cfg.trainer.max_steps, metrics)
             # 7. collapse guard
-            decision = guard.observe(step, metrics)
+            decision = run.guard.observe(run.step, metrics)
             if decision.action != "none":
-                print(f"[guard] step {step}: {decision.action}: {decision.message}", file=sys.stderr)
-                logger.log(step, {f"guard/{decision.action}": 1.0})
+                print(f"[guard] step {run.step}: {decision.action}: {decision.message}", file=sys.stderr)
+                run.logger.log(run.step, {f"guard/{decision.action}": 1.0})
             if decision.action == "stop":
-                checkpoint()
-                logger.close()
-                if dist is not None:
-                    dist.close()
-                raise SystemExit(f"collapse guard stopped the run at step {step}: {decision.message}")
+                run.exit(f"collapse guard stopped the run at step {run.step}: {decision.message}")
             if decision.action == "rollback":
-                path = latest_checkpoint(ckpt_root)
-                if dist is not None:
-                    path = dist.broadcast_object(path)
-                # Lower the scheduler's base rates, not just the live ones: LambdaLR recomputes
-                # lr from base_lrs at every step (and the restore brings back the old ones).
-                base_lrs = [lr * cfg.guard.lr_factor for lr in scheduler.base_lrs]
-                if path is not None:
-                    restore(path)
-                scheduler.base_lrs = base_lrs
-                for group, base, factor in zip(optimizer.param_groups, base_lrs, scheduler.lr_lambdas):
-                    group["lr"] = base * factor(scheduler.last_epoch)
-                cfg.algo.kl_coef = cfg.algo.kl_coef * cfg.guard.kl_factor if cfg.algo.kl_coef > 0 else cfg.algo.kl_coef
+                run.rollback()
                 continue
             # 8. checkpoint
-            if step % cfg.trainer.save_every == 0 or step == cfg.trainer.max_steps:
-                checkpoint()
-        if stop.is_set():
-            print(f"[train] signal received: saving step {step} and exiting", file=sys.stderr)
-            checkpoint()
-        elif test_set is not None:
-            last_eval = run_eval()
-            logger.log(step, last_eval)
-            logger.progress(step, cfg.trainer.max_steps, last_eval)
+            if run.step % cfg.trainer.save_every == 0 or run.step == cfg.trainer.max_steps:
+                run.checkpoint()
+        if run.stop.is_set():
+            print(f"[train] signal received: saving step {run.step} and exiting", file=sys.stderr)
+            run.checkpoint()
+        elif run.test_set is not None:
+            last_eval = run.evaluate(loop)
+            run.logger.log(run.step, last_eval)
+            run.logger.progress(run.step, cfg.trainer.max_steps, last_eval)
         client.close()
-    logger.close()
-    if dist is not None:
-        dist.close()
+    run.logger.close()
+    world.close()
     return last_eval
-

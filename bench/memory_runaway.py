@@ -58,7 +58,7 @@ def point(setting: str, scale: int, args) -> dict:
     from agent_rl.learn.policy import load_policy, load_tokenizer
     from agent_rl.infra.plan import plan
     from agent_rl.rollout.loop import INVALID_MESSAGE, AgentLoop, PromptItem
-    from agent_rl.train import prepare_batch, update
+    from agent_rl.learn.update import prepare_batch, update
 
     torch.set_num_threads(args.threads)
     tok = load_tokenizer(args.model_dir)
@@ -89,7 +89,7 @@ def point(setting: str, scale: int, args) -> dict:
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-4)
     for step in range(2):  # step 2 runs forward/backward with the AdamW states already allocated
         batch = prepare_batch(cfg, policy, None, None, trajs, tok.pad_token_id, need_old=False)
-        update(cfg, policy, None, opt, None, trajs, batch, tok.pad_token_id, random.Random(step))
+        update(cfg, policy, None, opt, None, batch, random.Random(step))
     return {
         "budget": setting, "scale": scale, "would_be_tokens": would_be, "max_total_tokens": cfg.budget.max_total_tokens,
         "max_tokens_per_turn": cfg.budget.max_tokens_per_turn, "tokens_per_row": max(t.total_tokens for t in trajs),

@@ -63,7 +63,7 @@ def measure(config: str, overrides: list[str]) -> dict:
         engine.stop_ids = []  # every row runs to its allowance
         engine.generate([prompt] * rows, [cfg.budget.max_total_tokens - len(prompt)] * rows, 1.0)
         peaks["rollout_engine"] = peak_rss_bytes()
-    from agent_rl.train import prepare_batch, update
+    from agent_rl.learn.update import prepare_batch, update
 
     policy = load_policy(cfg, path, "cpu")
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-4)
@@ -85,7 +85,7 @@ def measure(config: str, overrides: list[str]) -> dict:
             trajs.append(t)
     for step in range(2):
         batch = prepare_batch(cfg, policy, None, None, trajs, tok.pad_token_id, need_old=False)
-        update(cfg, policy, None, opt, None, trajs, batch, tok.pad_token_id, random.Random(step))
+        update(cfg, policy, None, opt, None, batch, random.Random(step))
         if engine is not None:
             engine.load_weights(hf_named_weights(policy))
     peaks["update"] = peak_rss_bytes()

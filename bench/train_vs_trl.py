@@ -57,7 +57,7 @@ def run_ours(args) -> dict:
     from agent_rl.learn.policy import load_policy, load_tokenizer
     from agent_rl.rollout.rewards import compute_reward
     from agent_rl.rollout.loop import AgentLoop
-    from agent_rl.train import prepare_batch, update
+    from agent_rl.learn.update import prepare_batch, update
     import random
 
     cfg = _cfg(args)
@@ -74,7 +74,7 @@ def run_ours(args) -> dict:
         for t in trajs:
             t.reward = compute_reward("em", t.response_text, t.golden_answers)
         batch = prepare_batch(cfg, policy, None, None, trajs, tok.pad_token_id, need_old=False)
-        update(cfg, policy, None, opt, None, trajs, batch, tok.pad_token_id, random.Random(0))
+        update(cfg, policy, None, opt, None, batch, random.Random(0))
         if step:
             times.append(time.perf_counter() - start)
             tokens.append(sum(t.total_tokens for t in trajs))

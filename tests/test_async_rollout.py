@@ -21,6 +21,8 @@ BUDGET = TokenBudget(max_turns=3, max_prompt_tokens=64, max_tokens_per_turn=24, 
 
 
 class ScriptedEngine:
+    continuous = False  # whole calls, batched by the asynchronous loop's GenerationBatcher
+    batch_size = 0
     """Deterministic engine: the next turn is a function of the decoded context; it records the
     size of every call (how the async loop batched ready requests) and can be slow per call."""
 

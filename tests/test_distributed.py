@@ -34,9 +34,9 @@ SCENARIOS = {
 
 def _trainer_pads_microbatches() -> bool:
     """Whether train.prepare_batch/update take `dist` and pad micro-batch counts across ranks."""
-    from agent_rl.train import prepare_batch
+    from agent_rl.learn.update import prepare_batch
 
-    return "dist" in inspect.signature(prepare_batch).parameters
+    return "world" in inspect.signature(prepare_batch).parameters
 
 
 # "uneven": the ranks pack their halves into different numbers of micro-batches, which only a
@@ -102,7 +102,7 @@ def _single_process_step(model_dir: Path, trajs, overrides: list[str]):
     """The reference: one process, the whole batch, no `dist`."""
     from agent_rl.config import load_config
     from agent_rl.learn.policy import frozen_copy
-    from agent_rl.train import prepare_batch, update
+    from agent_rl.learn.update import prepare_batch, update
 
     cfg = load_config(None, overrides)
     torch.manual_seed(0)
@@ -110,7 +110,7 @@ def _single_process_step(model_dir: Path, trajs, overrides: list[str]):
     ref = frozen_copy(policy, "cpu") if cfg.algo.kl_coef > 0 else None
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
     batch = prepare_batch(cfg, policy, ref, None, trajs, PAD, need_old=cfg.algo.ppo_epochs > 1)
-    metrics = update(cfg, policy, None, opt, None, trajs, batch, PAD, random.Random(0))
+    metrics = update(cfg, policy, None, opt, None, batch, random.Random(0))
     params = {n: p.detach().clone() for n, p in policy.named_parameters()}
     grads = {n: p.grad.detach().clone() for n, p in policy.named_parameters()}
     return params, grads, metrics
@@ -283,14 +283,17 @@ def test_world_size_checks_name_the_fix(monkeypatch):
         init_distributed(load_config(None, ["rollout.prompts_per_step=4", "algo.group_size=2", "retriever.url=null"]))
 
 
-def test_not_under_torchrun_returns_none(monkeypatch):
-    """Without torchrun's RANK/WORLD_SIZE, init_distributed is a no-op returning None."""
+def test_not_under_torchrun_is_a_world_of_one(monkeypatch):
+    """Without torchrun's RANK/WORLD_SIZE, init_distributed joins nothing: a world of one, whose
+    collectives return their input and whose modules are not sharded."""
     from agent_rl.config import load_config
     from agent_rl.infra.distributed import init_distributed
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert init_distributed(load_config(None)) is None
+    world = init_distributed(load_config(None))
+    assert (world.rank, world.world_size, world.is_main, world.sharded) == (0, 1, True, False)
+    assert world.all_reduce_sum(3.0) == 3.0 and world.all_reduce_max(2.0) == 2.0 and world.broadcast_object("x") == "x"
 
 
 # ---- the torchrun job (each rank runs this) ---------------------------------------------------
@@ -327,9 +330,10 @@ def _full_grads(model) -> dict[str, torch.Tensor]:
 
 def _rank_main(work: Path) -> None:
     from agent_rl.config import load_config
-    from agent_rl.infra.distributed import copy_full_params, even_microbatches, init_distributed, iter_full_params, load_sharded, save_sharded, shard_model, split_groups, sync_rollout_weights
+    from agent_rl.learn.batch import even_microbatches
+    from agent_rl.infra.distributed import copy_full_params, init_distributed, iter_full_params, load_sharded, save_sharded, shard_model, split_groups, sync_rollout_weights
     from agent_rl.learn.policy import frozen_copy
-    from agent_rl.train import prepare_batch, update
+    from agent_rl.learn.update import prepare_batch, update
     from torch.distributed.tensor import DTensor
 
     job = torch.load(work / "job.pt", weights_only=False)
@@ -340,7 +344,7 @@ def _rank_main(work: Path) -> None:
         cfg = load_config(None, overrides)
         if dist is None:
             dist = init_distributed(cfg)
-            assert dist is not None and dist.world_size == 2 and dist.backend == "gloo"
+            assert dist.sharded and dist.world_size == 2 and dist.backend == "gloo"
         mine = [t for g in split_groups(groups, dist.rank, dist.world_size) for t in g]
         torch.manual_seed(0)
         policy = _load(work / "model")
@@ -349,8 +353,8 @@ def _rank_main(work: Path) -> None:
         if ref is not None:
             shard_model(ref, dist, cfg)
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
-        batch = prepare_batch(cfg, policy, ref, None, mine, PAD, need_old=cfg.algo.ppo_epochs > 1, **({"dist": dist} if pads else {}))
-        metrics = update(cfg, policy, None, opt, None, mine, batch, PAD, random.Random(0), dist=dist)
+        batch = prepare_batch(cfg, policy, ref, None, mine, PAD, need_old=cfg.algo.ppo_epochs > 1, **({"world": dist} if pads else {}))
+        metrics = update(cfg, policy, None, opt, None, batch, random.Random(0), world=dist)
         grads, params = _full_grads(policy), {n: t for n, t in _full(policy).items() if not n.endswith("inv_freq")}
         mbs = [0.0, 0.0]
         mbs[dist.rank] = metrics["train/microbatches"]
@@ -392,8 +396,8 @@ def _rank_main(work: Path) -> None:
     # DCP: train a step so AdamW has state, save, scramble, load, compare
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     mine = [t for g in split_groups(groups, dist.rank, dist.world_size) for t in g]
-    batch = prepare_batch(cfg, policy, None, None, mine, PAD, need_old=False, **({"dist": dist} if pads else {}))
-    update(cfg, policy, None, opt, None, mine, batch, PAD, random.Random(0), dist=dist)
+    batch = prepare_batch(cfg, policy, None, None, mine, PAD, need_old=False, **({"world": dist} if pads else {}))
+    update(cfg, policy, None, opt, None, batch, random.Random(0), world=dist)
     saved_params = _full(policy)
     by_name = dict(policy.named_parameters())
     saved_exp_avg = {n: opt.state[p]["exp_avg"].full_tensor().clone() for n, p in by_name.items()}

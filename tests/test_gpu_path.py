@@ -39,7 +39,7 @@ def _trajectories(vocab: int):
 
 def _one_step(model_dir, overrides, pure_bf16=False):
     from agent_rl.learn.policy import load_policy
-    from agent_rl.train import prepare_batch, update
+    from agent_rl.learn.update import prepare_batch, update
 
     cfg = load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", [f"model.path={model_dir}", "model.warm_start=", "train.lr=1e-6", "train.max_grad_norm=0", *overrides])
     torch.manual_seed(0)
@@ -50,7 +50,7 @@ def _one_step(model_dir, overrides, pure_bf16=False):
     trajs = _trajectories(policy.config.vocab_size)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
     batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=False)
-    update(cfg, policy, None, opt, None, trajs, batch, 0, random.Random(0))
+    update(cfg, policy, None, opt, None, batch, random.Random(0))
     dtypes = {p.dtype for p in policy.parameters()}
     return {n: p.detach().float() - before[n] for n, p in policy.named_parameters()}, dtypes
 

@@ -7,7 +7,8 @@ import torch
 from agent_rl.config import load_config
 from agent_rl.learn.policy import assert_no_data_parallel, forward_logprobs, load_policy, reference_mode
 from agent_rl.learn.batch import collate
-from agent_rl.train import build_engine, prepare_batch, sync_weights, update
+from agent_rl.learn.update import prepare_batch, update
+from agent_rl.train import build_engine, sync_weights
 from agent_rl.rollout.trajectory import Trajectory
 
 from agent_fixtures import tiny_model_dir  # noqa: F401
@@ -47,7 +48,7 @@ def test_lora_trains_adapters_only_and_base_is_reference(tiny_model_dir):
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     trajs = _batch(policy.config.vocab_size)
     batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=False)
-    update(cfg, policy, None, opt, None, trajs, batch, 0, random.Random(0))
+    update(cfg, policy, None, opt, None, batch, random.Random(0))
     after = policy.state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all("lora_" in k for k in changed)
@@ -77,7 +78,7 @@ def test_split_devices_sync_weights_explicitly(tiny_model_dir):
     assert same.model is policy  # one device: shared module, nothing to sync
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     trajs = _batch(policy.config.vocab_size)
-    update(cfg, policy, None, opt, None, trajs, prepare_batch(cfg, policy, None, None, trajs, 0, False), 0, random.Random(0))
+    update(cfg, policy, None, opt, None, prepare_batch(cfg, policy, None, None, trajs, 0, False), random.Random(0))
     name, p = next(iter(policy.named_parameters()))
     assert not torch.equal(dict(engine.model.named_parameters())[name], p)
     seconds = sync_weights(engine, policy)
@@ -107,7 +108,7 @@ def test_zero_advantage_rows_skip_the_update_and_leave_the_step_unchanged(tiny_m
                 if t.prompt_id != "toy-0" or (rewards == "all_equal" and step == 1):
                     t.reward = 1.0 if t.prompt_id == "toy-1" else 0.0
             batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=False)
-            metrics.append(update(cfg, policy, None, opt, None, trajs, batch, 0, random.Random(step)))
+            metrics.append(update(cfg, policy, None, opt, None, batch, random.Random(step)))
         results[skip] = ({k: v.clone() for k, v in policy.state_dict().items()}, metrics)
     (skipped_params, skipped_metrics), (plain_params, plain_metrics) = results[True], results[False]
     assert skipped_metrics[0]["train/skipped_zero_advantage_rows"] == 4  # groups toy-1 and toy-2

@@ -15,7 +15,7 @@ from agent_rl.learn.batch import collate
 from agent_rl.learn.policy import ValueModel, forward_logprobs, frozen_copy, load_policy
 from agent_rl.rollout.rewards import compute_reward, extract_answer, well_formed
 from agent_rl.rollout.loop import AgentLoop, PromptItem
-from agent_rl.train import prepare_batch, update
+from agent_rl.learn.update import prepare_batch, update
 from agent_rl.rollout.trajectory import Trajectory
 
 from agent_fixtures import tiny_model_dir  # noqa: F401  (pytest fixture)
@@ -323,12 +323,12 @@ def test_observation_tokens_get_zero_gradient_grpo(tiny_model_dir):
             p.add_(0.02 * torch.randn_like(p))
     trajs = _trajs(policy.config.vocab_size)
     batch = prepare_batch(cfg, policy, ref, None, trajs, 0, need_old=True)
-    assert all(a[torch.tensor([0] * t.prompt_tokens + t.loss_mask) == 0].abs().sum() == 0 for a, t in zip(batch["advantages"], trajs))
+    assert batch.advantages[batch.loss_mask == 0].abs().sum() == 0  # prompt, observations and padding
     records: list = []
     handles = _capture_grads(policy.model.norm, policy.model.embed_tokens, records)  # the last hidden state, which only the LM head reads
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     try:
-        stats = update(cfg, policy, None, opt, None, trajs, batch, 0, random.Random(0))
+        stats = update(cfg, policy, None, opt, None, batch, random.Random(0))
     finally:
         for h in handles:
             h.remove()
@@ -351,8 +351,7 @@ def test_observation_tokens_get_zero_gradient_ppo_policy_and_critic(tiny_model_d
         critic.head.bias.fill_(0.3)  # nonzero values, so GAE has something to skip
     trajs = _trajs(policy.config.vocab_size)
     batch = prepare_batch(cfg, policy, None, critic, trajs, 0, need_old=False)
-    for a, r, t in zip(batch["advantages"], batch["returns"], trajs):
-        m = torch.tensor([0.0] * t.prompt_tokens + t.loss_mask)
+    for a, r, m in zip(batch.advantages, batch.returns, batch.loss_mask):
         assert torch.count_nonzero(a[m == 0]) == 0 and torch.count_nonzero(r[m == 0]) == 0
         assert torch.count_nonzero(r[m == 1]) > 0
     pol_records: list = []
@@ -362,7 +361,7 @@ def test_observation_tokens_get_zero_gradient_ppo_policy_and_critic(tiny_model_d
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=1e-3)
     try:
-        stats = update(cfg, policy, critic, opt, critic_opt, trajs, batch, 0, random.Random(0))
+        stats = update(cfg, policy, critic, opt, critic_opt, batch, random.Random(0))
     finally:
         for h in handles:
             h.remove()
@@ -388,7 +387,7 @@ def test_k1_kl_enters_ppo_token_rewards(tiny_model_dir):
     for need_old in (True, False):
         with_kl = prepare_batch(cfg_kl, policy, ref, critic, trajs, 0, need_old=need_old)
         without = prepare_batch(cfg_nokl, policy, None, critic, trajs, 0, need_old=need_old)
-        diff = sum(float((a - b).abs().sum()) for a, b in zip(with_kl["returns"], without["returns"]))
+        diff = float((with_kl.returns - without.returns).abs().sum())
         assert diff > 1e-3, f"need_old={need_old}: the k1 KL did not change the returns"
 
 
@@ -433,7 +432,7 @@ def test_shared_prompt_prefix_equals_the_full_pass(tiny_model_dir):
         cfg = load_config(None, [*base, f"train.share_prompt_prefix={str(share).lower()}"])
         model = copy.deepcopy(policy)
         batch = prepare_batch(cfg, model, None, None, trajs, 0, need_old=False)
-        update(cfg, model, None, torch.optim.SGD(model.parameters(), lr=0.5), None, trajs, batch, 0, random.Random(0))
+        update(cfg, model, None, torch.optim.SGD(model.parameters(), lr=0.5), None, batch, random.Random(0))
         stepped[share] = [p.detach() for p in model.parameters()]
     moved = max(float((a - b.detach()).abs().max()) for a, b in zip(stepped[True], policy.parameters()))
     assert moved > 1e-4

@@ -141,6 +141,15 @@ def _train(tiny_model_dir, tmp_path, monkeypatch, explode, steps, *extra):
         return engines[-1]
 
     monkeypatch.setattr(train_mod, "build_engine", scripted)
+    kl_coefs = []  # the KL coefficient each update ran with
+    real_update = train_mod.update
+
+    def update(cfg_, *args, **kw):
+        kl_coefs.append(cfg_.algo.kl_coef)
+        return real_update(cfg_, *args, **kw)
+
+    monkeypatch.setattr(train_mod, "update", update)
+    cfg.kl_coefs = kl_coefs
     error = None
     try:
         train_mod.train(cfg)
@@ -180,7 +189,8 @@ def test_trainer_rollback_reloads_with_lower_lr_and_higher_kl(tiny_model_dir, tm
     lrs = [r["train/lr"] for r in rows if "train/lr" in r]
     assert lrs[:4] == pytest.approx([1e-3] * 4)
     assert lrs[4:] == pytest.approx([5e-4] * 3), "the lowered learning rate must hold after the rollback"
-    assert cfg.algo.kl_coef == pytest.approx(0.02)
+    assert cfg.kl_coefs == pytest.approx([0.01] * 4 + [0.02] * 3), "the raised KL must hold after the rollback"
+    assert cfg.algo.kl_coef == 0.01, "the caller's config is not rewritten by the run"
     _, _, error = _train(tiny_model_dir, tmp_path / "again", monkeypatch, lambda call: call >= 4, 10,
                          "guard.action=rollback", "guard.max_rollbacks=2")
     assert error is not None and "gave up after 2 rollbacks" in str(error.code)
@@ -208,7 +218,7 @@ if cfg.rollout.engine == "vllm":  # built first, as `train` does; one full-lengt
     prompt = tok("Question: who wrote the novel the film was based on?", add_special_tokens=False)["input_ids"]
     engine.generate([prompt] * rows, [cfg.budget.max_total_tokens - len(prompt)] * rows, 1.0)
 from agent_rl.learn.policy import load_policy
-from agent_rl.train import prepare_batch, update
+from agent_rl.learn.update import prepare_batch, update
 policy = load_policy(cfg, cfg.model.path, "cpu")
 opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-4)
 V, L, P = policy.config.vocab_size, cfg.budget.max_total_tokens, cfg.budget.max_prompt_tokens
@@ -229,7 +239,7 @@ for step in range(2):  # step 2 runs forward/backward with the AdamW states alre
     if engine is not None:
         engine.load_weights(hf_named_weights(policy))  # LoRA merged, as after every update
     batch = prepare_batch(cfg, policy, None, None, trajs, tok.pad_token_id, need_old=False)
-    update(cfg, policy, None, opt, None, trajs, batch, tok.pad_token_id, random.Random(step))
+    update(cfg, policy, None, opt, None, batch, random.Random(step))
 print(json.dumps({"peak_rss": peak_rss_bytes(),  # VmHWM: ru_maxrss would carry pytest's own peak across exec
                   "params": sum(p.numel() for p in policy.parameters())}))
 """

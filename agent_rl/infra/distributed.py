@@ -1,6 +1,6 @@
 """Scale-out on PyTorch's own engine: torchrun process groups, FSDP2 sharding, sharded checkpoints.
 
-`torchrun --nproc-per-node N -m agent_rl.train CONFIG` starts N ranks; `init_distributed` reads
+`torchrun --nproc-per-node N -m agent_rl train CONFIG` starts N ranks; `init_distributed` reads
 torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK) and joins the group (gloo on CPU, nccl on
 CUDA, one explicit device per rank: `cuda:LOCAL_RANK`). Each rank rolls out its contiguous share
 of the step's prompts (`split_groups`), so the n samples of a prompt, its GRPO group, are drawn on
@@ -38,6 +38,8 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
+from agent_rl.infra.world import LocalWorld
+
 T = TypeVar("T")
 
 
@@ -61,6 +63,11 @@ class DistInfo:
     def is_main(self) -> bool:
         """Rank 0 alone writes logs, metrics and checkpoint metadata."""
         return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        """Under torchrun the trained modules are always FSDP-sharded over the ranks."""
+        return True
 
     @property
     def mesh(self):
@@ -140,8 +147,8 @@ def check_world_size(cfg, world: int) -> None:
         )
 
 
-def init_distributed(cfg) -> DistInfo | None:
-    """Join the torchrun job this process belongs to; None when not launched by torchrun.
+def init_distributed(cfg) -> DistInfo | LocalWorld:
+    """Join the torchrun job this process belongs to; a world of one when not launched by torchrun.
 
     Backend gloo when `train.device` is cpu, nccl when it is cuda. The rank's device is explicit:
     `cuda:LOCAL_RANK`. This rewrites `cfg.train.device` (and `cfg.rollout.device` when it names a
@@ -150,7 +157,7 @@ def init_distributed(cfg) -> DistInfo | None:
     rank picks the GPU (restrict GPUs with CUDA_VISIBLE_DEVICES).
     """
     if not launched_by_torchrun():
-        return None
+        return LocalWorld()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
     check_world_size(cfg, world)
@@ -206,25 +213,6 @@ def split_groups(items: Sequence[T], rank: int, world: int) -> list[T]:
         )
     share = len(items) // world
     return list(items[rank * share : (rank + 1) * share])
-
-
-def even_microbatches(batches: list[list[int]], dist: DistInfo | None) -> list[tuple[list[int], bool]]:
-    """This rank's micro-batches padded to the most any rank has: `(index, real)` pairs.
-
-    FSDP2 all-gathers parameters in every forward and reduce-scatters gradients in every
-    backward, so a rank that ran fewer micro-batches would leave the others waiting forever.
-    Padding entries repeat the first micro-batch with `real=False`: run them with loss weight 0
-    (the gradient is unchanged) and leave them out of the metrics.
-    """
-    out = [(b, True) for b in batches]
-    if dist is None:
-        return out
-    most = int(dist.all_reduce_max(len(batches)))
-    if most > len(batches):
-        if not batches:
-            raise RuntimeError(f"rank {dist.rank} has no trajectories to train on while others have; every rank needs at least one group per step (raise buffer.max_tokens)")
-        out += [(batches[0], False)] * (most - len(batches))
-    return out
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

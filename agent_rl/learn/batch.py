@@ -1,5 +1,8 @@
-"""Trajectories into micro-batches for the update.
+"""Trajectories into the step's batch, and the batch into micro-batches for the forward passes.
 
+`RolloutBatch` is built once from the step's trajectories: padded (rows x longest) tensors of
+ids, masks and engine log-probs, later the old / reference log-probs, values, advantages and
+returns; every pass takes its micro-batches as row slices of it (`RolloutBatch.micro`).
 Micro-batches are packed longest-first so rows of similar length share a batch, and every
 micro-batch satisfies rows x longest row <= `max_tokens_per_microbatch` (a hard cap: config
 validation guarantees one maximal trajectory fits).
@@ -10,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from agent_rl.infra.world import World
 from agent_rl.rollout.trajectory import Trajectory
 
 
@@ -58,6 +62,12 @@ class MicroBatch:
     loss_mask: torch.Tensor  # (B, T) float
     prompt_lengths: list[int] = field(default_factory=list)  # per row; lets the forward share a group's prompt
     rollout_logprobs: torch.Tensor | None = None  # (B, T) the engine's log-probs of the sampled tokens, 0 elsewhere
+    # filled by `RolloutBatch.micro` once the batch is scored
+    old_logprobs: torch.Tensor | None = None  # (B, T)
+    ref_logprobs: torch.Tensor | None = None  # (B, T)
+    values: torch.Tensor | None = None  # (B, T)
+    advantages: torch.Tensor | None = None  # (B, T)
+    returns: torch.Tensor | None = None  # (B, T)
 
     @property
     def num_tokens(self) -> int:
@@ -81,3 +91,76 @@ def collate(trajs: list[Trajectory], index: list[int], pad_id: int, device: torc
         index=list(index), input_ids=ids.to(device), attention_mask=attn.to(device), loss_mask=mask.to(device),
         prompt_lengths=[t.prompt_tokens for t in rows], rollout_logprobs=engine_lp.to(device),
     )
+
+
+def even_microbatches(batches: list[list[int]], world: World) -> list[tuple[list[int], bool]]:
+    """This rank's micro-batches padded to the most any rank has: `(index, real)` pairs.
+
+    FSDP2 all-gathers parameters in every forward and reduce-scatters gradients in every
+    backward, so a rank that ran fewer micro-batches would leave the others waiting forever.
+    Padding entries repeat the first micro-batch with `real=False`: run them with loss weight 0
+    (the gradient is unchanged) and leave them out of the metrics.
+    """
+    out = [(b, True) for b in batches]
+    most = int(world.all_reduce_max(len(batches)))
+    if most > len(batches):
+        if not batches:
+            raise RuntimeError(f"rank {world.rank} has no trajectories to train on while others have; every rank needs at least one group per step (raise buffer.max_tokens)")
+        out += [(batches[0], False)] * (most - len(batches))
+    return out
+
+
+_SCORED = ("old_logprobs", "ref_logprobs", "values", "advantages", "returns")
+
+
+@dataclass
+class RolloutBatch:
+    """The step's trajectories as padded (N, W) tensors on the host, W the longest row.
+
+    Column t of every tensor is token t of the row (prompt + response), as in `MicroBatch`.
+    `old_logprobs` is None on the single-pass path (one epoch, one mini-batch: the update's own
+    forward is the old policy); `ref_logprobs` without a reference, `values` without a critic.
+    """
+
+    trajs: list[Trajectory]
+    rows: MicroBatch  # every row, index 0..N-1
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+
+    @classmethod
+    def from_trajectories(cls, trajs: list[Trajectory], pad_id: int) -> RolloutBatch:
+        return cls(trajs=trajs, rows=collate(trajs, list(range(len(trajs))), pad_id))
+
+    def __len__(self) -> int:
+        return len(self.trajs)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        return self.rows.loss_mask
+
+    @property
+    def on_policy(self) -> bool:
+        """No separate old log-probs: the update's first forward is the sampling policy."""
+        return self.old_logprobs is None
+
+    def lengths(self, members: list[int] | range | None = None) -> list[int]:
+        members = range(len(self.trajs)) if members is None else members
+        return [self.trajs[i].total_tokens for i in members]
+
+    def micro(self, index: list[int], device: torch.device | str) -> MicroBatch:
+        """Rows `index`, cut to their longest row and moved to `device`."""
+        width = max(self.lengths(index))
+        rows = torch.tensor(index, dtype=torch.long)
+
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[rows, :width].to(device)
+
+        scored = {name: take(getattr(self, name)) for name in _SCORED}
+        return MicroBatch(
+            index=list(index), input_ids=take(self.rows.input_ids), attention_mask=take(self.rows.attention_mask),
+            loss_mask=take(self.rows.loss_mask), prompt_lengths=[self.rows.prompt_lengths[i] for i in index],
+            rollout_logprobs=take(self.rows.rollout_logprobs), **scored,
+        )

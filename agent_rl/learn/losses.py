@@ -7,7 +7,6 @@ gradient from the policy, KL, entropy and value terms. The KL estimators follow 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean")
 

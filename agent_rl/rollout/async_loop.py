@@ -201,10 +201,10 @@ async def _run_one(loop: AgentLoop, t: Trajectory, index: int, base: int, gen: G
 
 
 async def _run_all(loop: AgentLoop, trajs: list[Trajectory], base: int, temperature: float, top_p: float) -> tuple[int, int]:
-    if hasattr(loop.engine, "step"):
+    if loop.engine.continuous:
         gen = StepBatcher(loop.engine, temperature, top_p)
     else:
-        gen = GenerationBatcher(loop.engine, temperature, top_p, getattr(loop.engine, "batch_size", 0) or max(1, len(trajs)))
+        gen = GenerationBatcher(loop.engine, temperature, top_p, loop.engine.batch_size or max(1, len(trajs)))
     search = SearchBatcher(loop.client, loop.topk)
     slots = asyncio.Semaphore(loop.max_inflight or max(1, len(trajs)))
     tasks = [asyncio.create_task(_run_one(loop, t, i, base, gen, search, slots)) for i, t in enumerate(trajs)]

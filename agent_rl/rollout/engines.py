@@ -40,6 +40,11 @@ class Engine(Protocol):
 
     generator: torch.Generator
     stats: dict
+    # Whether requests run step by step (`submit`, `step`, `abort`): the asynchronous loop then
+    # lets a request join the running batch at the next step; otherwise it batches whole calls
+    # of up to `batch_size` prompts (0: any number).
+    continuous: bool
+    batch_size: int
 
     def generate(
         self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, top_p: float = 1.0, seeds: list[int] | None = None
@@ -174,6 +179,8 @@ class _LlamaDecoder:
 
 class HFEngine:
     """Batched sampling with a KV cache over a transformers causal LM."""
+
+    continuous = False
 
     def __init__(self, model, tokenizer, device: str = "cpu", batch_size: int = 128, seed: int = 0, fast_decode: bool = True):
         self.model = model
@@ -369,6 +376,9 @@ class VLLMEngine:
     - Under torchrun each rank runs its own engine on its own device (`external_launcher`, as TRL
       does); tensor parallelism across ranks is refused there.
     """
+
+    continuous = True
+    batch_size = 0  # the engine's scheduler sizes its own batches
 
     def __init__(self, model_path: str, tokenizer, cfg, seed: int = 0, distributed: bool = False):
         import os

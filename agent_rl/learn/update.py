@@ -1,0 +1,194 @@
+"""Score the step's batch, then update the policy (and critic) on it.
+
+`prepare_batch`: the no-grad passes (old log-probs, reference log-probs, values) and the
+advantages and returns, into one `RolloutBatch`. `update`: PPO-style epochs over mini-batches,
+each accumulated over token-capped micro-batches sliced from that batch.
+
+Under torchrun (`world.sharded`) every rank holds whole GRPO groups and runs as many forward
+passes as the rank with the most micro-batches (FSDP all-gathers in each one); the padding passes
+have loss weight 0 and report no metrics. The loss is normalised by the mini-batch's global token
+(or row) count, times the world size because FSDP averages gradients over ranks, so N ranks take
+the step one process would take.
+"""
+from __future__ import annotations
+
+import contextlib
+import random
+
+import torch
+
+from agent_rl.config import Config
+from agent_rl.infra.world import LOCAL, World
+from agent_rl.learn import advantages as adv_lib
+from agent_rl.learn import losses
+from agent_rl.learn.batch import MicroBatch, RolloutBatch, even_microbatches, pack_microbatches
+from agent_rl.learn.policy import compute_autocast, forward_logprobs, reference_mode
+from agent_rl.rollout.trajectory import Trajectory
+
+
+def share_prefix(cfg: Config, world: World) -> bool:
+    """Share a group's prompt in the forward? Not under FSDP (every rank must run the same passes)."""
+    return cfg.train.share_prompt_prefix and not world.sharded and not cfg.model.gradient_checkpointing
+
+
+def _autocast(cfg: Config, world: World):
+    """bf16 autocast in one process; under FSDP its mixed-precision policy casts instead."""
+    return contextlib.nullcontext() if world.sharded else compute_autocast(cfg, cfg.train.device)
+
+
+def _pack(cfg: Config, batch: RolloutBatch, members: list[int], share: bool) -> list[list[int]]:
+    """Micro-batches over `members` as rows of the batch, a group's rows together when shared."""
+    groups = [batch.trajs[i].prompt_id for i in members] if share else None
+    local = pack_microbatches(batch.lengths(members), cfg.train.max_tokens_per_microbatch, groups)
+    return [[members[j] for j in b] for b in local]
+
+
+def prepare_batch(cfg: Config, policy, ref, critic, trajs: list[Trajectory], pad_id: int, need_old: bool, world: World = LOCAL) -> RolloutBatch:
+    """The step's batch, scored: old log-probs (when `need_old`), reference log-probs (when a KL
+    term is on), values (PPO), then advantages and returns, each (N, W) over the full sequence."""
+    batch = RolloutBatch.from_trajectories(trajs, pad_id)
+    n, width = batch.rows.input_ids.shape
+    use_ref = cfg.algo.kl_coef > 0
+    # k1 in the reward needs the current policy's log-probs even on the single-pass path
+    k1_reward = use_ref and cfg.algo.kl_type == "k1" and cfg.algo.name == "ppo"
+    wanted = {"old": need_old or k1_reward, "ref": use_ref, "values": critic is not None}
+    out = {k: torch.zeros((n, width), dtype=torch.float32) for k, on in wanted.items() if on}
+    share = share_prefix(cfg, world)
+    with torch.no_grad(), _autocast(cfg, world):
+        for index, real in even_microbatches(_pack(cfg, batch, list(range(n)), share), world):
+            mb = batch.micro(index, cfg.train.device)
+            got = {}
+            if wanted["old"]:
+                got["old"], _ = forward_logprobs(policy, mb, cfg.rollout.temperature, share_prefix=share)
+            if use_ref:
+                with reference_mode(policy, ref) as ref_model:
+                    got["ref"], _ = forward_logprobs(ref_model, mb, cfg.rollout.temperature, share_prefix=share)
+            if critic is not None:
+                got["values"] = critic(mb.input_ids, mb.attention_mask)
+            if real:
+                keep = mb.attention_mask.float()  # right-padded rows: zeros past each row's end
+                for k, v in got.items():
+                    out[k][index, : v.shape[1]] = (v.float() * keep).cpu()
+    mask = batch.loss_mask
+    scores = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    if cfg.algo.name == "grpo":
+        # An excluded trajectory (failed search) is its own group of one: advantage 0, and its
+        # group's mean and std come from the others.
+        keys = [f"{t.prompt_id}#excluded{i}" if t.excluded else t.prompt_id for i, t in enumerate(trajs)]
+        batch.advantages = adv_lib.grpo_advantages(scores, keys, norm_by_std=cfg.algo.norm_adv_by_std)[:, None] * mask
+        batch.returns = torch.zeros_like(mask)
+    else:
+        kl = losses.kl_penalty(out["old"], out["ref"], "k1") if k1_reward else None
+        token_rewards = adv_lib.token_level_rewards(scores, mask, kl, cfg.algo.kl_coef if kl is not None else 0.0)
+        a, batch.returns = adv_lib.gae(token_rewards, out["values"], mask, cfg.algo.gamma, cfg.algo.lam)
+        batch.advantages = adv_lib.whiten(a, mask) * mask
+    batch.old_logprobs = out.get("old") if need_old else None
+    batch.ref_logprobs = out.get("ref")
+    batch.values = out.get("values")
+    return batch
+
+
+def update(cfg: Config, policy, critic, optimizer, critic_opt, batch: RolloutBatch, rng: random.Random, world: World = LOCAL,
+           trainer_logprobs: dict[int, list[float] | None] | None = None) -> dict[str, float]:
+    """PPO-style epochs over mini-batches, each accumulated over token-capped micro-batches.
+
+    `trainer_logprobs`, when given, maps rows of the batch to be reported (`save_trajectories`);
+    the first epoch fills each with that row's old log-probs over its response tokens.
+    """
+    n = len(batch)
+    mini = (cfg.algo.mini_batch_size // world.world_size if cfg.algo.mini_batch_size else 0) or n
+    share = share_prefix(cfg, world)
+    stats: dict[str, list[float]] = {}
+    agree = [0.0, 0.0, 0.0]  # |trainer - engine| log-prob over sampled tokens: sum, max, count (first epoch)
+    policy.train()
+    # A row whose advantage is 0 on every token adds exactly 0 to the policy gradient (every
+    # term of the clipped loss is advantage x ratio) unless a KL, entropy or value loss reads it.
+    skip_zero = cfg.train.skip_zero_advantage and critic is None and cfg.algo.entropy_coef == 0 and not (
+        cfg.algo.kl_coef > 0 and cfg.algo.kl_type == "low_var_kl")
+    skipped = 0
+    for epoch in range(cfg.algo.ppo_epochs):
+        order = list(range(n))
+        rng.shuffle(order)
+        for lo in range(0, n, mini):
+            members = order[lo : lo + mini]
+            mask_tokens = world.all_reduce_sum(float(batch.loss_mask[members].sum())) / world.world_size
+            rows = world.all_reduce_sum(float(len(members))) / world.world_size
+            optimizer.zero_grad(set_to_none=True)
+            if critic_opt is not None:
+                critic_opt.zero_grad(set_to_none=True)
+            if skip_zero:  # kept in the normaliser above, left out of the forward and backward
+                # One row still runs when none would: a zero gradient, not a missing one, so AdamW
+                # moves (momentum, weight decay) exactly as the plain path, and FSDP ranks stay in step.
+                run = [i for i in members if batch.advantages[i].any()] or members[:1]
+                skipped += len(members) - len(run)
+                members = run
+            for index, real in even_microbatches(_pack(cfg, batch, members, share), world):
+                mb = batch.micro(index, cfg.train.device)
+                if cfg.algo.loss_agg == "token-mean":
+                    weight = float(mb.loss_mask.sum()) / max(1.0, mask_tokens)
+                else:
+                    weight = len(index) / rows
+                # an FSDP padding pass: the same collectives, a zero gradient, no metrics
+                mb_stats = _microbatch_step(cfg, policy, critic, batch, mb, weight if real else 0.0, share, world,
+                                            first_epoch=epoch == 0 and real, agree=agree, trainer_logprobs=trainer_logprobs)
+                if real:
+                    for k, v in mb_stats.items():
+                        stats.setdefault(k, []).append(v)
+            if cfg.train.max_grad_norm > 0:
+                params = [p for p in policy.parameters() if p.requires_grad]
+                stats.setdefault("actor/grad_norm", []).append(torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm).item())
+                if critic is not None:
+                    torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.train.max_grad_norm)
+            optimizer.step()
+            if critic_opt is not None:
+                critic_opt.step()
+    out = {k: sum(v) / len(v) for k, v in stats.items()}
+    out["train/skipped_zero_advantage_rows"] = float(skipped)
+    out["rollout/logprob_diff_mean"] = world.all_reduce_sum(agree[0]) / max(1.0, world.all_reduce_sum(agree[2]))
+    out["rollout/logprob_diff_max"] = world.all_reduce_max(agree[1])
+    out["train/microbatch_tokens_max"] = max(stats.get("train/microbatch_tokens", [0]))
+    out["train/microbatches"] = float(len(stats.get("train/microbatch_tokens", [])))
+    return out
+
+
+def _microbatch_step(cfg: Config, policy, critic, batch: RolloutBatch, mb: MicroBatch, weight: float, share: bool, world: World,
+                     first_epoch: bool, agree: list[float], trainer_logprobs: dict[int, list[float] | None] | None) -> dict[str, float]:
+    """Forward and backward of one micro-batch, its loss scaled by `weight`; returns its metrics."""
+    stats: dict[str, float] = {}
+    with _autocast(cfg, world):
+        logprobs, entropy = forward_logprobs(policy, mb, cfg.rollout.temperature, with_entropy=cfg.algo.entropy_coef > 0, share_prefix=share)
+    old = logprobs.detach() if batch.on_policy else mb.old_logprobs
+    if first_epoch:  # old = the weights the engine sampled with
+        total, worst, count = losses.logprob_diff(old, mb.rollout_logprobs, mb.loss_mask)
+        agree[0], agree[1], agree[2] = agree[0] + total, max(agree[1], worst), agree[2] + count
+        for r, i in enumerate(mb.index):
+            if trainer_logprobs is not None and i in trainer_logprobs:
+                t = batch.trajs[i]
+                trainer_logprobs[i] = old[r, t.prompt_tokens : t.total_tokens].float().cpu().tolist()
+    tis = losses.tis_weights(old, mb.rollout_logprobs, mb.loss_mask, cfg.algo.tis_cap) if cfg.algo.tis_cap > 0 else None
+    pg_loss, pg_stats = losses.policy_loss(
+        logprobs, old, mb.advantages, mb.loss_mask, cfg.algo.clip_ratio_low, cfg.algo.clip_ratio_high, cfg.algo.loss_agg, is_weights=tis
+    )
+    if tis is not None:
+        stats["actor/tis_weight_mean"] = float((tis * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1))
+    loss = pg_loss
+    if cfg.algo.kl_coef > 0 and cfg.algo.kl_type == "low_var_kl":
+        kl = losses.aggregate(losses.kl_penalty(logprobs, mb.ref_logprobs, "low_var_kl"), mb.loss_mask, cfg.algo.loss_agg)
+        loss = loss + cfg.algo.kl_coef * kl
+        stats["actor/kl"] = kl.item()
+    if entropy is not None:
+        ent = losses.aggregate(entropy, mb.loss_mask, cfg.algo.loss_agg)
+        loss = loss - cfg.algo.entropy_coef * ent
+        stats["actor/entropy"] = ent.item()
+    (loss * weight).backward()
+    stats["loss/policy"] = pg_loss.item()
+    stats.update({f"actor/{k}": float(v) for k, v in pg_stats.items()})
+    if critic is not None:
+        with _autocast(cfg, world):
+            values = critic(mb.input_ids, mb.attention_mask)
+        v_loss, v_stats = losses.value_loss(values, mb.values, mb.returns, mb.loss_mask, cfg.algo.value_clip or None, cfg.algo.loss_agg)
+        (v_loss * weight).backward()
+        stats["loss/value"] = v_loss.item()
+        stats.update({f"critic/{k}": float(v) for k, v in v_stats.items()})
+    stats["train/microbatch_tokens"] = float(mb.num_tokens)
+    return stats

@@ -1,0 +1,73 @@
+"""The plan of the package holds: stages import only earlier stages, and the loop stays short.
+
+Stages, earliest first: the config and the world of ranks; rollout (budget, engines, retriever
+client, agent loop, rewards); learn (batch, policy forward, advantages, losses, update); infra
+(distributed, checkpoints, logging, guard, memory planning, first-use preparation); the
+entry points at the top (train, sft, cli, view). A module may import its own stage or an
+earlier one, never a later one, also inside functions.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "agent_rl"
+
+FOUNDATION = {"agent_rl.config", "agent_rl.infra.world"}
+
+
+def _stage(module: str) -> int:
+    if module in FOUNDATION:
+        return 0
+    for rank, prefix in enumerate(("agent_rl.rollout", "agent_rl.learn", "agent_rl.infra"), start=1):
+        if module == prefix or module.startswith(prefix + "."):
+            return rank
+    return 4  # agent_rl.train, agent_rl.sft, agent_rl.cli, agent_rl.view, agent_rl.__main__
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _imports(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, module) of every `agent_rl` import; `from agent_rl.x import y` counts y when it is a module."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.startswith("agent_rl")]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("agent_rl"):
+            for a in node.names:
+                sub = f"{node.module}.{a.name}"
+                is_module = (PACKAGE.parent / Path(*sub.split("."))).with_suffix(".py").exists() or (PACKAGE.parent / Path(*sub.split("."))).is_dir()
+                out.append((node.lineno, sub if is_module else node.module))
+    return out
+
+
+def test_no_module_imports_a_later_stage():
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = _module_name(path)
+        for line, target in _imports(ast.parse(path.read_text(), str(path))):
+            if _stage(target) > _stage(name):
+                bad.append(f"{path.relative_to(ROOT)}:{line} ({name}, stage {_stage(name)}) imports {target} (stage {_stage(target)})")
+    assert not bad, "imports from a later stage:\n" + "\n".join(bad)
+
+
+def test_the_retriever_server_does_not_import_the_trainer():
+    bad = [
+        f"{path.relative_to(ROOT)}:{line} imports {target}"
+        for path in sorted((ROOT / "retriever_server").rglob("*.py"))
+        for line, target in _imports(ast.parse(path.read_text(), str(path)))
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_train_is_the_loop_only():
+    """`train()` reads top to bottom in under 150 lines; setup and the pieces live beside it."""
+    tree = ast.parse((PACKAGE / "train.py").read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
+    lines = fn.end_lineno - fn.lineno + 1
+    assert lines < 150, f"train() is {lines} lines"
+    nested = [n.name for n in ast.walk(fn) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and n is not fn and hasattr(n, "name")]
+    assert not nested, f"closures inside train(): {nested}"
