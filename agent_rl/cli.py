@@ -49,39 +49,54 @@ def resolve_model_dir(path: str) -> str:
     raise FileNotFoundError(f"{path} holds no model (no config.json in it or in its model/ folder)")
 
 
+def _is_lora(model_dir: str) -> bool:
+    return (Path(model_dir) / "adapter_config.json").exists()
+
+
+def _load_tokenizer(cfg, model_dir: str):
+    """The model dir's own tokenizer; a checkpoint saved without one uses the run's start model's."""
+    from agent_rl.learn.policy import load_tokenizer
+
+    has_own = (Path(model_dir) / "tokenizer_config.json").exists()
+    return load_tokenizer(model_dir if has_own else (cfg.model.warm_start or cfg.model.path))
+
+
+def _load_model(model_dir: str):
+    """A plain Hugging Face model, or LoRA adapters over their base model (peft finds the base
+    through adapter_config.json), on the CPU."""
+    if _is_lora(model_dir):
+        from peft import AutoPeftModelForCausalLM
+
+        return AutoPeftModelForCausalLM.from_pretrained(model_dir)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir)
+
+
 def _loop(cfg, model_path: str, url: str):
     from agent_rl.rollout.budget import TokenBudget
     from agent_rl.rollout.engines import HFEngine
-    from agent_rl.learn.policy import load_tokenizer
-    from agent_rl.rollout.retriever import RetrieverClient
     from agent_rl.rollout.loop import AgentLoop
+    from agent_rl.rollout.retriever import RetrieverClient
 
-    tok_path = model_path if (Path(model_path) / "tokenizer_config.json").exists() else (cfg.model.warm_start or cfg.model.path)
-    tokenizer = load_tokenizer(tok_path)
-    from transformers import AutoModelForCausalLM
-
+    tokenizer = _load_tokenizer(cfg, model_path)
     if cfg.rollout.engine == "vllm":
         from agent_rl.rollout.engines import VLLMEngine
 
-        if (Path(model_path) / "adapter_config.json").exists():
+        if _is_lora(model_path):
             raise SystemExit(
                 f"{model_path} holds LoRA adapters; vLLM here serves plain weights. Merge them first: "
                 f"agent-rl export CONFIG --checkpoint {model_path} --out DIR --merge, then pass --checkpoint DIR"
             )
         engine = VLLMEngine(model_path, tokenizer, cfg, seed=cfg.trainer.seed)
-        client = RetrieverClient.from_config(cfg.retriever, url)
-        budget = TokenBudget.from_config(cfg.budget)
-        return AgentLoop(engine, tokenizer, client, budget, cfg.retriever.topk, cfg.rollout.mode, cfg.rollout.max_inflight), tokenizer, budget
-    if (Path(model_path) / "adapter_config.json").exists():
-        from peft import AutoPeftModelForCausalLM
-
-        model = AutoPeftModelForCausalLM.from_pretrained(model_path).to(cfg.rollout.device)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_path).to(cfg.rollout.device)
-    engine = HFEngine(model, tokenizer, cfg.rollout.device, cfg.rollout.generation_batch_size, cfg.trainer.seed, cfg.rollout.fast_decode)
+        model = _load_model(model_path).to(cfg.rollout.device)
+        rcfg = cfg.rollout
+        engine = HFEngine(model, tokenizer, rcfg.device, rcfg.generation_batch_size, cfg.trainer.seed, rcfg.fast_decode)
     client = RetrieverClient.from_config(cfg.retriever, url)
     budget = TokenBudget.from_config(cfg.budget)
-    return AgentLoop(engine, tokenizer, client, budget, cfg.retriever.topk, cfg.rollout.mode, cfg.rollout.max_inflight), tokenizer, budget
+    loop = AgentLoop(engine, tokenizer, client, budget, cfg.retriever.topk, cfg.rollout.mode, cfg.rollout.max_inflight)
+    return loop, tokenizer, budget
 
 
 def write_trajectories(path: Path, trajs: list, tokenizer) -> None:
@@ -168,24 +183,15 @@ def cmd_export(args) -> int:
     """Write a checkpoint's model as a plain Hugging Face directory; LoRA adapters merged with --merge."""
     cfg = _config(args)
     src = resolve_model_dir(args.checkpoint)
-    tokenizer_src = src if (Path(src) / "tokenizer_config.json").exists() else (cfg.model.warm_start or cfg.model.path)
-    from agent_rl.learn.policy import load_tokenizer
-
     out = Path(args.out)
-    if (Path(src) / "adapter_config.json").exists():
-        from peft import AutoPeftModelForCausalLM
-
-        model = AutoPeftModelForCausalLM.from_pretrained(src)
+    model = _load_model(src)
+    if _is_lora(src):
         if args.merge:
             model = model.merge_and_unload()
-        elif not args.merge:
+        else:
             print("exporting the LoRA adapters only (add --merge for a full model)")
-    else:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(src)
     model.save_pretrained(out)
-    load_tokenizer(tokenizer_src).save_pretrained(out)
+    _load_tokenizer(cfg, src).save_pretrained(out)
     print(f"wrote {out}")
     return 0
 

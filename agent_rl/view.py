@@ -29,6 +29,7 @@ import json
 from pathlib import Path
 
 from agent_rl.rollout.rewards import answer_scores, extract_answer, policy_text
+from retriever_server.jsonl import iter_jsonl
 
 PAGE_ROWS = 200  # rows of the index table shown at a time
 BUDGET_END_REASONS = {"budget_total": "ended by the total token budget", "max_turns": "ended at budget.max_turns without an answer"}
@@ -51,23 +52,19 @@ def read_records(inputs: list[Path]) -> list[dict]:
             raise FileNotFoundError(f"{p} does not exist: give JSONL files of trajectories (agent-rl rollout --out, agent-rl eval --trajectories) or a run's trajectories/ folder")
     records = []
     for f in files:
-        with f.open() as fh:
-            for n, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{f}:{n}: not a JSON line ({err.msg} at column {err.colno})") from None
-                missing = [k for k in ("response_ids", "loss_mask") if not isinstance(rec, dict) or not isinstance(rec.get(k), list)]
-                if missing:
-                    raise ValueError(f"{f}:{n}: not a trajectory record (no {' or '.join(missing)} list)")
-                if len(rec["loss_mask"]) != len(rec["response_ids"]):
-                    raise ValueError(f"{f}:{n}: loss_mask has {len(rec['loss_mask'])} entries for {len(rec['response_ids'])} response_ids")
-                if "em" not in rec and "response_text" in rec:
-                    rec.update(answer_scores(rec["response_text"], rec.get("golden_answers") or []))
-                rec["_file"], rec["_line"] = str(f), n
-                records.append(rec)
+        for n, rec in iter_jsonl(f):
+            missing = [k for k in ("response_ids", "loss_mask") if not isinstance(rec.get(k), list)]
+            if missing:
+                raise ValueError(f"{f}:{n}: not a trajectory record (no {' or '.join(missing)} list)")
+            if len(rec["loss_mask"]) != len(rec["response_ids"]):
+                raise ValueError(
+                    f"{f}:{n}: loss_mask has {len(rec['loss_mask'])} entries for {len(rec['response_ids'])} "
+                    "response_ids"
+                )
+            if "em" not in rec and "response_text" in rec:
+                rec.update(answer_scores(rec["response_text"], rec.get("golden_answers") or []))
+            rec["_file"], rec["_line"] = str(f), n
+            records.append(rec)
     return records
 
 

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from retriever_server.jsonl import iter_jsonl
+
 FORMATS = ("hipporag", "wiki18", "beir", "cacm")
 
 
@@ -91,20 +93,6 @@ def iter_json_array(fh: IO[str], chunk_size: int = 1 << 20) -> Iterator:
             raise CorpusError(f"expected ',' or ']' after element {index - 1} of the JSON list, got {sep!r}")
 
 
-def _jsonl(path: Path) -> Iterator[tuple[int, dict]]:
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise CorpusError(f"{path}:{n}: not JSON ({err.msg})") from err
-            if not isinstance(rec, dict):
-                raise CorpusError(f"{path}:{n}: expected a JSON object")
-            yield n, rec
-
-
 def _title_text(title, text) -> str:
     return f"{'' if title is None else str(title).strip()}\n{'' if text is None else str(text).strip()}"
 
@@ -121,7 +109,7 @@ def read_hipporag(path: Path) -> Iterator[tuple[str, str]]:
 
 def read_wiki18(path: Path) -> Iterator[tuple[str, str]]:
     """wiki-18 / FlashRAG JSONL: `contents` passes through unchanged (title line included)."""
-    for n, rec in _jsonl(path):
+    for n, rec in iter_jsonl(path, CorpusError):
         if "id" not in rec:
             raise CorpusError(f"{path}:{n}: a wiki18 line needs an 'id'")
         if isinstance(rec.get("contents"), str):
@@ -134,7 +122,7 @@ def read_wiki18(path: Path) -> Iterator[tuple[str, str]]:
 
 def read_beir(path: Path) -> Iterator[tuple[str, str]]:
     """BEIR corpus.jsonl: `_id`, `title`, `text` (`metadata` ignored)."""
-    for n, rec in _jsonl(path):
+    for n, rec in iter_jsonl(path, CorpusError):
         if "_id" not in rec or "text" not in rec:
             raise CorpusError(f"{path}:{n}: a BEIR line needs '_id' and 'text'")
         yield str(rec["_id"]), _title_text(rec.get("title", ""), rec["text"])
@@ -166,7 +154,7 @@ def read_cacm(path: Path) -> Iterator[tuple[str, str]]:
                 markup = fh.read().decode("utf-8", errors="replace")
                 yield name[: -len(".html")], cacm_html_to_contents(markup)
         return
-    for n, rec in _jsonl(path):
+    for n, rec in iter_jsonl(path, CorpusError):
         if "id" not in rec or not isinstance(rec.get("contents"), str):
             raise CorpusError(f"{path}:{n}: a CACM JSONL line needs 'id' and 'contents' (or pass the HTML tarball)")
         yield str(rec["id"]), rec["contents"]

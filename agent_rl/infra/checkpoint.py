@@ -25,14 +25,16 @@ import torch
 _STEP = re.compile(r"^step_(\d+)$")
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
+    """Every RNG stream a run draws from: python, numpy, torch CPU and (when present) CUDA."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def set_rng_state(state: dict) -> None:
+    """Restore the streams saved by `rng_state`; a CUDA state is skipped on a machine without CUDA."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -51,6 +53,16 @@ def checkpoints(root: Path) -> list[Path]:
 def latest_checkpoint(root: Path) -> Path | None:
     found = checkpoints(Path(root))
     return found[-1] if found else None
+
+
+def prune_checkpoints(root: Path, keep_last: int, keep: Path) -> None:
+    """Delete all but the newest `keep_last` finished checkpoints under root, never `keep`.
+
+    `keep_last <= 0` keeps everything.
+    """
+    for old in checkpoints(Path(root))[:-keep_last] if keep_last > 0 else []:
+        if old != keep:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _fsync_tree(path: Path) -> None:
@@ -77,15 +89,13 @@ def save_checkpoint(root: Path, step: int, model, optimizer, scheduler, extra_st
     else:
         torch.save(model.state_dict(), tmp / "model.pt")
     torch.save({"optimizer": optimizer.state_dict() if optimizer is not None else None, "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / "optim.pt")
-    torch.save({"rng": _rng_state(), "extra": extra_state, "step": step}, tmp / "state.pt")
+    torch.save({"rng": rng_state(), "extra": extra_state, "step": step}, tmp / "state.pt")
     (tmp / "config.json").write_text(json.dumps(config_dict, indent=1, default=str))
     _fsync_tree(tmp)  # make the bytes durable before the rename publishes them
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    for old in checkpoints(root)[:-keep_last] if keep_last > 0 else []:
-        if old != final:
-            shutil.rmtree(old, ignore_errors=True)
+    prune_checkpoints(root, keep_last, keep=final)
     return final
 
 
@@ -129,7 +139,7 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
     if scheduler is not None and optim["scheduler"] is not None:
         scheduler.load_state_dict(optim["scheduler"])
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
-    _set_rng_state(state["rng"])
+    set_rng_state(state["rng"])
     return state["extra"]
 
 

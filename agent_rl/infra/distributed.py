@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import shutil
 import sys
 import time
@@ -33,11 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 import torch.distributed as torch_dist
 from torch import nn
 
+from agent_rl.infra.checkpoint import prune_checkpoints, rng_state, set_rng_state
 from agent_rl.infra.world import LocalWorld
 
 T = TypeVar("T")
@@ -334,21 +333,6 @@ def sync_rollout_weights(engine, model: nn.Module) -> float:
 # ---- sharded checkpoints (DCP) ----------------------------------------------------------------
 
 
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def _state(modules: dict[str, tuple[nn.Module, torch.optim.Optimizer | None]]) -> dict:
     """DCP's state: `{name: model state, name + "_optim": optimizer state}` keyed by parameter name."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
@@ -413,7 +397,7 @@ def save_sharded(
         tmp.mkdir(parents=True)
     dist.barrier()
     dcp.save(_state(_modules(model, optimizer, critic, critic_optimizer)), checkpoint_id=str(tmp / "dcp"))
-    torch.save({"rng": _rng_state(), "extra": extra_state or {}}, tmp / f"rank_{dist.rank}.pt")
+    torch.save({"rng": rng_state(), "extra": extra_state or {}}, tmp / f"rank_{dist.rank}.pt")
     if export_hf:
         full = {n: t.cpu() for n, t in iter_full_params(model)} if dist.is_main else None
         if not dist.is_main:
@@ -428,11 +412,7 @@ def save_sharded(
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        from agent_rl.infra.checkpoint import checkpoints
-
-        for old in checkpoints(root)[:-keep_last] if keep_last > 0 else []:
-            if old != final:
-                shutil.rmtree(old, ignore_errors=True)
+        prune_checkpoints(root, keep_last, keep=final)
     dist.barrier()
     return final
 
@@ -470,5 +450,5 @@ def load_sharded(
         scheduler.load_state_dict(meta["scheduler"])
     rank = dist.rank if dist is not None else 0
     own = torch.load(path / f"rank_{rank % meta['world_size']}.pt", map_location="cpu", weights_only=False)
-    _set_rng_state(own["rng"])
+    set_rng_state(own["rng"])
     return {**own["extra"], "step": own["extra"].get("step", meta["step"]), "saved_world_size": meta["world_size"]}

@@ -12,10 +12,11 @@ and chat template; nothing is downloaded at run time.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from retriever_server.jsonl import iter_corpus
 
 TAGS = ["<think>", "</think>", "<search>", "</search>", "<information>", "</information>", "<answer>", "</answer>"]
 EOS, PAD = "<|endoftext|>", "<|pad|>"
@@ -37,8 +38,7 @@ def _default_texts() -> Iterator[str]:
 
     with tempfile.TemporaryDirectory() as tmp:
         info = build_toy_world(Path(tmp), seed=0)
-        with open(info["corpus"]) as fh:
-            texts = [json.loads(line)["contents"] for line in fh]
+        texts = [rec["contents"] for rec in iter_corpus(info["corpus"])]
         texts += pq.read_table(info["train"], columns=["prompt"]).column("prompt").to_pylist()
     yield from texts
 
@@ -170,9 +170,7 @@ def _read_texts(paths: list[str]) -> Iterator[str]:
         if path.suffix == ".parquet":
             yield from pq.read_table(path, columns=["prompt"]).column("prompt").to_pylist()
         elif path.suffix == ".jsonl":
-            with path.open() as fh:
-                for line in fh:
-                    yield json.loads(line)["contents"]
+            yield from (rec["contents"] for rec in iter_corpus(path))
         else:
             yield from path.read_text().splitlines()
 

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from agent_rl.config import Config
+from retriever_server.jsonl import iter_corpus
 
 
 def _log(msg: str) -> None:
@@ -59,9 +60,7 @@ def _training_texts(cfg: Config) -> Iterator[str]:
 
     corpus = Path(cfg.retriever.corpus)
     if corpus.exists():
-        with corpus.open() as fh:
-            for line in fh:
-                yield json.loads(line)["contents"]
+        yield from (rec["contents"] for rec in iter_corpus(corpus))
     for f in cfg.data.train_files:
         if Path(f).exists():
             yield from pq.read_table(f, columns=["prompt"]).column("prompt").to_pylist()
