@@ -3,6 +3,7 @@
 Every subcommand on `configs/tiny_cpu_grpo.yaml` prepares what it lacks (toy world, tiny
 model, index) on first use, so each works on its own on a fresh checkout.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -111,18 +112,27 @@ def write_trajectories(path: Path, trajs: list, tokenizer) -> None:
 
 
 def cmd_rollout(args) -> int:
-    from agent_rl.rollout.prompts import load_prompts
     from agent_rl.infra.prepare import local_retriever, prepare
-    from agent_rl.rollout.rewards import compute_reward
     from agent_rl.rollout.loop import rollout_metrics
+    from agent_rl.rollout.prompts import load_prompts
+    from agent_rl.rollout.rewards import compute_reward
 
     cfg = _config(args)
     prepare(cfg)
-    model_path = resolve_model_dir(args.checkpoint) if args.checkpoint else (cfg.model.warm_start if cfg.model.warm_start and Path(cfg.model.warm_start).exists() else cfg.model.path)
+    model_path = (
+        resolve_model_dir(args.checkpoint)
+        if args.checkpoint
+        else (cfg.model.warm_start if cfg.model.warm_start and Path(cfg.model.warm_start).exists() else cfg.model.path)
+    )
     with local_retriever(cfg) as url:
         loop, tokenizer, budget = _loop(cfg, model_path, url)
         prompts = load_prompts(cfg.data.train_files, tokenizer, budget, args.num_prompts)
-        trajs = loop.run(prompts.items, cfg.algo.group_size if args.group_size is None else args.group_size, cfg.rollout.temperature, cfg.rollout.top_p)
+        trajs = loop.run(
+            prompts.items,
+            cfg.algo.group_size if args.group_size is None else args.group_size,
+            cfg.rollout.temperature,
+            cfg.rollout.top_p,
+        )
     out = Path(args.out)
     for t in trajs:
         t.reward = compute_reward(cfg.reward.name, t.response_text, t.golden_answers, cfg.reward.format_coef)
@@ -134,8 +144,8 @@ def cmd_rollout(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from agent_rl.rollout.prompts import load_prompts
     from agent_rl.infra.prepare import local_retriever, prepare
+    from agent_rl.rollout.prompts import load_prompts
     from agent_rl.rollout.rewards import compute_reward
     from agent_rl.train import evaluate
 
@@ -154,7 +164,10 @@ def cmd_eval(args) -> int:
         for t in trajs:
             t.reward = compute_reward(cfg.reward.name, t.response_text, t.golden_answers, cfg.reward.format_coef)
         write_trajectories(Path(args.trajectories), trajs, tokenizer)
-        print(f"wrote {len(trajs)} trajectories to {args.trajectories} (see them with: agent-rl view {args.trajectories} --out DIR)")
+        print(
+            f"wrote {len(trajs)} trajectories to {args.trajectories} (see them with: agent-rl view "
+            f"{args.trajectories} --out DIR)"
+        )
     sources = sorted({k.split("/")[1] for k in metrics if k.count("/") == 2})
     print(f"{'data_source':<20} {'EM':>7} {'F1':>7}")
     for s in sources:
@@ -207,9 +220,9 @@ def cmd_plot(args) -> int:
 def cmd_demo(args) -> int:
     """The embedded default end to end: prepare, evaluate the base model, SFT warm start, GRPO,
     evaluate, plot, and print test EM at each stage."""
-    from agent_rl.rollout.prompts import load_prompts
     from agent_rl.infra.plot import plot_run
     from agent_rl.infra.prepare import local_retriever, prepare
+    from agent_rl.rollout.prompts import load_prompts
     from agent_rl.train import evaluate_all, train
 
     cfg = _config(args)
@@ -218,7 +231,9 @@ def cmd_demo(args) -> int:
     if cfg.data.test_files:
         with local_retriever(cfg) as url:
             loop, tokenizer, budget = _loop(cfg, cfg.model.path, url)
-            base = evaluate_all(loop, load_prompts(cfg.data.test_files, tokenizer, budget, cfg.trainer.eval_max_samples), cfg)
+            base = evaluate_all(
+                loop, load_prompts(cfg.data.test_files, tokenizer, budget, cfg.trainer.eval_max_samples), cfg
+            )
     final = train(cfg)
     out = Path(cfg.trainer.output_dir)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -229,11 +244,16 @@ def cmd_demo(args) -> int:
     for key, what in (("eval/em", "greedy"), ("eval_sampled/em", f"one sample at T={cfg.rollout.temperature:g}")):
         if evals and key in evals[0]:
             stages = [f"base model {base[key]:.3f}"] if key in base else []
-            stages += [f"after the SFT warm start {evals[0][key]:.3f}", f"after GRPO {final.get(key, evals[-1][key]):.3f}"]
+            stages += [
+                f"after the SFT warm start {evals[0][key]:.3f}",
+                f"after GRPO {final.get(key, evals[-1][key]):.3f}",
+            ]
             print(f"test EM ({what}): " + " -> ".join(stages))
     if len(rewards) >= 10:
         k = max(1, len(rewards) // 4)
-        print(f"train reward (sampled): {sum(rewards[:k]) / k:.3f} over the first {k} steps -> {sum(rewards[-k:]) / k:.3f} over the last {k}")
+        print(
+            f"train reward (sampled): {sum(rewards[:k]) / k:.3f} over the first {k} steps -> {sum(rewards[-k:]) / k:.3f} over the last {k}"
+        )
     print(f"metrics:     {out / 'metrics.jsonl'}")
     print(f"tensorboard: tensorboard --logdir {out / 'tb'}")
     print(f"checkpoints: {out / 'checkpoints'}")
@@ -242,7 +262,9 @@ def cmd_demo(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="agent-rl", description="Search-augmented agentic RL: PPO/GRPO over multi-turn retrieval trajectories.")
+    parser = argparse.ArgumentParser(
+        prog="agent-rl", description="Search-augmented agentic RL: PPO/GRPO over multi-turn retrieval trajectories."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     from agent_rl.infra import model_init
@@ -276,11 +298,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retriever-url", help="use this running retriever instead of starting one")
     p.add_argument("--max-samples", type=int, default=0, help="evaluate at most N prompts (0 = all)")
     p.add_argument("--out", help="JSON output (default OUTPUT_DIR/eval.json)")
-    p.add_argument("--trajectories", help="also write the evaluated trajectories as JSON lines here (for `agent-rl view`)")
+    p.add_argument(
+        "--trajectories", help="also write the evaluated trajectories as JSON lines here (for `agent-rl view`)"
+    )
     p.set_defaults(func=cmd_eval)
 
-    p = sub.add_parser("view", help="write a static HTML report of trajectories, token by token (rollout/eval output or a run's trajectories/)")
-    p.add_argument("inputs", nargs="+", help="JSONL files of trajectories, or folders of them (OUTPUT_DIR/trajectories)")
+    p = sub.add_parser(
+        "view",
+        help="write a static HTML report of trajectories, token by token (rollout/eval output or a run's trajectories/)",
+    )
+    p.add_argument(
+        "inputs", nargs="+", help="JSONL files of trajectories, or folders of them (OUTPUT_DIR/trajectories)"
+    )
     p.add_argument("--out", required=True, help="output directory (index.html and one page per trajectory)")
     p.set_defaults(func=cmd_view)
 

@@ -6,9 +6,12 @@ naming the key and the fix. Departure from Search-R1: its scripts let the prompt
 `max_turns` turns overflow the context and then cut the prompt from the left; here the token
 budget is validated up front (`BudgetConfig.validate`) and the prompt is never truncated.
 """
+
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass, field
@@ -24,22 +27,34 @@ class ConfigError(ValueError):
 
 def _f(default: Any, help: str, **kw: Any) -> Any:
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda d=default: type(d)(d), metadata={"help": help}, **kw)
+        return field(default_factory=functools.partial(copy.deepcopy, default), metadata={"help": help}, **kw)
     return field(default=default, metadata={"help": help}, **kw)
 
 
 @dataclass
 class TrainerConfig:
-    output_dir: str = _f("runs/tiny_cpu_grpo", "Directory for metrics.jsonl, TensorBoard events, checkpoints/ and plots/.")
+    output_dir: str = _f(
+        "runs/tiny_cpu_grpo", "Directory for metrics.jsonl, TensorBoard events, checkpoints/ and plots/."
+    )
     max_steps: int = _f(60, "Number of RL steps (one rollout batch + its update epochs each).")
     save_every: int = _f(20, "Save a checkpoint every N steps (and always at the end or on SIGTERM/SIGINT).")
     keep_last: int = _f(2, "How many checkpoints to keep under OUTPUT_DIR/checkpoints.")
-    save_trajectories_every: int = _f(0, "Every N steps write OUTPUT_DIR/trajectories/step_N.jsonl for `agent-rl view` (0 = off): token ids and strings, loss mask, engine and trainer log-probs, advantages, turns with their documents.")
-    save_trajectories_per_step: int = _f(8, "Trajectories written at each of those steps: the step's first ones (whole groups when a multiple of algo.group_size; rank 0's share under torchrun). Bounds the files' size.")
+    save_trajectories_every: int = _f(
+        0,
+        "Every N steps write OUTPUT_DIR/trajectories/step_N.jsonl for `agent-rl view` (0 = off): token ids and "
+        "strings, loss mask, engine and trainer log-probs, advantages, turns with their documents.",
+    )
+    save_trajectories_per_step: int = _f(
+        8,
+        "Trajectories written at each of those steps: the step's first ones (whole groups when a multiple of "
+        "algo.group_size; rank 0's share under torchrun). Bounds the files' size.",
+    )
     seed: int = _f(0, "Seed for python, numpy and torch; rollouts and updates are reproducible on CPU.")
     eval_every: int = _f(0, "Evaluate on data.test_files every N steps (0 = only at the start and the end).")
     eval_max_samples: int = _f(200, "At most this many test prompts per evaluation (0 = all).")
-    eval_sampled: bool = _f(False, "Also evaluate one sample per prompt at rollout.temperature (logged as eval_sampled/em).")
+    eval_sampled: bool = _f(
+        False, "Also evaluate one sample per prompt at rollout.temperature (logged as eval_sampled/em)."
+    )
     log_every: int = _f(1, "Print a progress line every N steps.")
     tensorboard: bool = _f(True, "Also write TensorBoard events under OUTPUT_DIR/tb.")
     preflight: bool = _f(True, "Before step 1 run one forward+backward at the largest admissible micro-batch.")
@@ -51,37 +66,70 @@ class LoraConfig:
     rank: int = _f(8, "LoRA rank r.")
     alpha: int = _f(16, "LoRA scaling alpha.")
     dropout: float = _f(0.0, "Dropout on the LoRA branch.")
-    target_modules: list = _f(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "Module names that get adapters.")
+    target_modules: list = _f(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "Module names that get adapters."
+    )
 
 
 @dataclass
 class ModelConfig:
     path: str = _f(".cache/tiny_model", "Hugging Face model directory or hub id (policy and reference start from it).")
-    init_size: str = _f("", "When set (tiny|small|medium) and `path` does not exist, `agent-rl init-model` builds it first.")
-    preset: str = _f("", "When set (smollm2-135m) and `path` holds no model, `agent-rl init-model --preset` converts that real pretrained model from its installed package into `path` first.")
-    dtype: str = _f("float32", "Storage dtype of what is not trained: the frozen reference copy, LoRA's frozen base and the rollout engine's weights (float32 | bfloat16). Trained parameters and AdamW state are always float32 (master weights); train.bf16 sets the compute dtype.")
-    warm_start: str = _f("", "Directory of a supervised warm start (`agent-rl sft`); when set, training starts from it, running `sft` first if it is missing.")
+    init_size: str = _f(
+        "", "When set (tiny|small|medium) and `path` does not exist, `agent-rl init-model` builds it first."
+    )
+    preset: str = _f(
+        "",
+        "When set (smollm2-135m) and `path` holds no model, `agent-rl init-model --preset` converts that real "
+        "pretrained model from its installed package into `path` first.",
+    )
+    dtype: str = _f(
+        "float32",
+        "Storage dtype of what is not trained: the frozen reference copy, LoRA's frozen base and the rollout "
+        "engine's weights (float32 | bfloat16). Trained parameters and AdamW state are always float32 (master "
+        "weights); train.bf16 sets the compute dtype.",
+    )
+    warm_start: str = _f(
+        "",
+        "Directory of a supervised warm start (`agent-rl sft`); when set, training starts from it, running `sft` "
+        "first if it is missing.",
+    )
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA adapters (see model.lora.*)."})
 
 
 @dataclass
 class DataConfig:
-    train_files: list = _f([".cache/toy_world/train.parquet"], "Parquet files written by `data-prep qa` / `toy-world` for training.")
+    train_files: list = _f(
+        [".cache/toy_world/train.parquet"], "Parquet files written by `data-prep qa` / `toy-world` for training."
+    )
     test_files: list = _f([".cache/toy_world/test.parquet"], "Parquet files for evaluation (EM per data_source).")
     toy_world: str = _f("", "When set, `data-prep toy-world` writes the toy world to this directory on first use.")
     toy_entities: int = _f(1000, "Entities in the toy world (when data.toy_world is set).")
     shuffle: bool = _f(True, "Shuffle the training prompts each epoch (seeded).")
-    qa_source: str = _f("", "When set, a FlashRAG-layout questions JSONL (`id`, `question`, `golden_answers`, `metadata`) split on first use into data.train_files[0] / data.test_files[0] (the first data.qa_test_size rows are the test split), prompts rendered with data.template.")
+    qa_source: str = _f(
+        "",
+        "When set, a FlashRAG-layout questions JSONL (`id`, `question`, `golden_answers`, `metadata`) split on first "
+        "use into data.train_files[0] / data.test_files[0] (the first data.qa_test_size rows are the test split), "
+        "prompts rendered with data.template.",
+    )
     qa_dataset: str = _f("hotpotqa", "data_source name of data.qa_source's rows (GRPO group ids are prefixed by it).")
     qa_test_size: int = _f(20, "Rows of data.qa_source held out as the test split.")
-    template: str = _f("auto", "Prompt template for data.qa_source: auto (the model's chat template, Search-R1's instruction as the user turn, when the tokenizer has one; else base) | chat | base | compact.")
+    template: str = _f(
+        "auto",
+        "Prompt template for data.qa_source: auto (the model's chat template, Search-R1's instruction as the user "
+        "turn, when the tokenizer has one; else base) | chat | base | compact.",
+    )
 
 
 @dataclass
 class RetrieverConfig:
-    url: str | None = _f(None, "URL of a running retriever (Search-R1 /retrieve API). Unset: start one locally on 127.0.0.1 for `index_dir`.")
-    index_dir: str = _f(".cache/toy_index", "Index directory served when `url` is unset (built on first use from `corpus`).")
+    url: str | None = _f(
+        None,
+        "URL of a running retriever (Search-R1 /retrieve API). Unset: start one locally on 127.0.0.1 for `index_dir`.",
+    )
+    index_dir: str = _f(
+        ".cache/toy_index", "Index directory served when `url` is unset (built on first use from `corpus`)."
+    )
     corpus: str = _f(".cache/toy_world/corpus.jsonl", "Corpus JSONL used to build `index_dir` when it is missing.")
     kind: str = _f("flat", "Index kind built on first use: flat | hnsw | bm25.")
     topk: int = _f(3, "Documents per search inserted into the observation.")
@@ -89,10 +137,26 @@ class RetrieverConfig:
     max_retries: int = _f(3, "Retries (with exponential backoff) before a search counts as failed.")
     backoff_s: float = _f(0.2, "First backoff delay; doubles each retry.")
     api_key: str | None = _f(None, "Bearer token sent to the retriever, if it requires one.")
-    exclude_failed: bool = _f(True, "Keep a trajectory with a failed search out of the update (its loss mask zeroed, its group's GRPO statistics computed without it): its observation said 'retrieval failed', which teaches nothing about the task. false = train on it as on any other.")
-    max_failed_share: float = _f(0.5, "When more than this share of a step's searches fail, the trainer waits for /health (retriever.health_wait_s) before going on; if the server does not come back it checkpoints and exits non-zero, so `--resume` continues once it is back.")
-    health_wait_s: float = _f(120.0, "Longest wait for a failing retriever's /health to answer (exponential backoff from 0.5 s, at most 10 s between tries).")
-    max_queries_per_request: int = _f(128, "Most queries in one /retrieve request; larger batches are split (our server refuses > 256).")
+    exclude_failed: bool = _f(
+        True,
+        "Keep a trajectory with a failed search out of the update (its loss mask zeroed, its group's GRPO statistics "
+        "computed without it): its observation said 'retrieval failed', which teaches nothing about the task. false "
+        "= train on it as on any other.",
+    )
+    max_failed_share: float = _f(
+        0.5,
+        "When more than this share of a step's searches fail, the trainer waits for /health "
+        "(retriever.health_wait_s) before going on; if the server does not come back it checkpoints and exits "
+        "non-zero, so `--resume` continues once it is back.",
+    )
+    health_wait_s: float = _f(
+        120.0,
+        "Longest wait for a failing retriever's /health to answer (exponential backoff from 0.5 s, at most 10 s "
+        "between tries).",
+    )
+    max_queries_per_request: int = _f(
+        128, "Most queries in one /retrieve request; larger batches are split (our server refuses > 256)."
+    )
 
 
 @dataclass
@@ -103,30 +167,55 @@ class RolloutConfig:
     temperature: float = _f(1.0, "Sampling temperature for training rollouts.")
     top_p: float = _f(1.0, "Nucleus sampling for training rollouts.")
     eval_temperature: float = _f(0.0, "Temperature for evaluation (0 = greedy).")
-    mode: str = _f("sync", "sync: Search-R1's turn-synchronous loop (every row generates its turn, then one batched search) | async: each trajectory runs its own turn loop, its searches overlapping other rows' generation (agent_rl/rollout/async_loop.py).")
+    mode: str = _f(
+        "sync",
+        "sync: Search-R1's turn-synchronous loop (every row generates its turn, then one batched search) | async: "
+        "each trajectory runs its own turn loop, its searches overlapping other rows' generation "
+        "(agent_rl/rollout/async_loop.py).",
+    )
     max_inflight: int = _f(0, "async mode: most trajectories in flight at once (0 = all of the step's).")
     generation_batch_size: int = _f(128, "Most sequences generated at once by the HF engine.")
-    fast_decode: bool = _f(True, "HF engine on CPU: decode Qwen2/Llama models with agent-rl's own one-token step (same math and weights, reserved KV buffers, ~30% faster on the tiny model); other models and devices always use transformers' forward.")
+    fast_decode: bool = _f(
+        True,
+        "HF engine on CPU: decode Qwen2/Llama models with agent-rl's own one-token step (same math and weights, "
+        "reserved KV buffers, ~30% faster on the tiny model); other models and devices always use transformers' "
+        "forward.",
+    )
     gpu_memory_utilization: float = _f(0.4, "vLLM: fraction of GPU memory it reserves (weights + KV cache).")
     tensor_parallel_size: int = _f(1, "vLLM: tensor-parallel degree.")
     max_num_seqs: int = _f(256, "vLLM: most sequences in flight.")
-    enforce_eager: bool = _f(True, "vLLM: skip CUDA graph capture / torch.compile (start in seconds; the compiled start takes minutes on CPU).")
-    vllm_in_process: bool = _f(True, "vLLM: run the engine core in the trainer's process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so weight sync hands tensors over; false sends them as safetensors bytes to vLLM's own process.")
+    enforce_eager: bool = _f(
+        True,
+        "vLLM: skip CUDA graph capture / torch.compile (start in seconds; the compiled start takes minutes on CPU).",
+    )
+    vllm_in_process: bool = _f(
+        True,
+        "vLLM: run the engine core in the trainer's process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so weight sync hands "
+        "tensors over; false sends them as safetensors bytes to vLLM's own process.",
+    )
     cpu_kv_cache_gib: float = _f(1.0, "vLLM on CPU: GiB reserved for the KV cache (VLLM_CPU_KVCACHE_SPACE).")
 
 
 @dataclass
 class BudgetConfig:
     max_turns: int = _f(2, "Search turns per trajectory; after them one last turn without search forces an answer.")
-    max_prompt_tokens: int = _f(256, "Longest admissible prompt; longer prompts are dropped at data loading (counted), never cut.")
+    max_prompt_tokens: int = _f(
+        256, "Longest admissible prompt; longer prompts are dropped at data loading (counted), never cut."
+    )
     max_tokens_per_turn: int = _f(32, "Most tokens the policy may generate in one turn (the engine's max_new_tokens).")
-    max_obs_tokens: int = _f(160, "Most tokens of one inserted <information> observation (cut at document boundaries first).")
+    max_obs_tokens: int = _f(
+        160, "Most tokens of one inserted <information> observation (cut at document boundaries first)."
+    )
     max_total_tokens: int = _f(700, "Hard cap on prompt + response tokens of a trajectory.")
 
     def worst_case_total(self) -> int:
         """Prompt + max_turns x (turn + observation) + the final forced-answer turn: the longest a
         trajectory gets when max_total_tokens does not bind (the planner's length when it is lower)."""
-        return self.max_prompt_tokens + self.max_turns * (self.max_tokens_per_turn + self.max_obs_tokens) + self.max_tokens_per_turn
+        return (
+            self.max_prompt_tokens
+            + self.max_turns * (self.max_tokens_per_turn + self.max_obs_tokens)
+            + self.max_tokens_per_turn
+        )
 
     def validate(self) -> None:
         for key in ("max_turns", "max_prompt_tokens", "max_tokens_per_turn", "max_obs_tokens", "max_total_tokens"):
@@ -139,7 +228,8 @@ class BudgetConfig:
             raise ConfigError(
                 f"token budget cannot hold one answer turn after the longest prompt: budget.max_prompt_tokens "
                 f"({self.max_prompt_tokens}) + budget.max_tokens_per_turn ({self.max_tokens_per_turn}) = {need} > "
-                f"budget.max_total_tokens ({self.max_total_tokens}). Raise budget.max_total_tokens to >= {need}, or lower "
+                f"budget.max_total_tokens ({self.max_total_tokens}). Raise budget.max_total_tokens to >= {need}, or "
+                "lower "
                 "budget.max_prompt_tokens / budget.max_tokens_per_turn."
             )
 
@@ -155,11 +245,17 @@ class AlgoConfig:
     clip_ratio_high: float = _f(0.2, "Upper clip of the probability ratio (1 + high).")
     loss_agg: str = _f("token-mean", "Loss aggregation: token-mean | seq-mean-token-mean.")
     kl_coef: float = _f(0.0, "Coefficient of the KL to the frozen reference (0 = no reference model is kept).")
-    kl_type: str = _f("low_var_kl", "low_var_kl (k3, as a loss term) | k1 (subtracted from the token rewards, PPO style).")
+    kl_type: str = _f(
+        "low_var_kl", "low_var_kl (k3, as a loss term) | k1 (subtracted from the token rewards, PPO style)."
+    )
     entropy_coef: float = _f(0.0, "Entropy bonus coefficient.")
     ppo_epochs: int = _f(1, "Update epochs over each rollout batch.")
     mini_batch_size: int = _f(0, "Trajectories per optimizer step (0 = the whole rollout batch in one step).")
-    tis_cap: float = _f(0.0, "Truncated importance sampling: weight each token's surrogate by min(pi_old / pi_engine, tis_cap) to correct the engine-trainer mismatch (verl, OpenRLHF; 2.0 is common). 0 = off.")
+    tis_cap: float = _f(
+        0.0,
+        "Truncated importance sampling: weight each token's surrogate by min(pi_old / pi_engine, tis_cap) to correct "
+        "the engine-trainer mismatch (verl, OpenRLHF; 2.0 is common). 0 = off.",
+    )
     value_clip: float = _f(0.2, "PPO: clip range of the value loss (0 = unclipped).")
     critic_lr: float = _f(1e-4, "PPO: learning rate of the critic.")
 
@@ -174,12 +270,33 @@ class TrainConfig:
     lr_schedule: str = _f("constant", "constant | cosine (after warmup).")
     max_grad_norm: float = _f(1.0, "Gradient clipping norm (0 = off).")
     max_tokens_per_microbatch: int = _f(8192, "Hard cap on padded tokens (rows x longest row) in one forward/backward.")
-    share_prompt_prefix: bool = _f(True, "Run a GRPO group's common prompt through the model once per micro-batch (its KV cache, with gradient, serves every response); same loss and gradient up to float rounding. Not used under torchrun or with gradient checkpointing.")
+    share_prompt_prefix: bool = _f(
+        True,
+        "Run a GRPO group's common prompt through the model once per micro-batch (its KV cache, with gradient, "
+        "serves every response); same loss and gradient up to float rounding. Not used under torchrun or with "
+        "gradient checkpointing.",
+    )
     offload_optimizer: bool = _f(False, "Keep AdamW states in host RAM (a no-op on CPU-only runs, which says so).")
     offload_params: bool = _f(False, "FSDP: keep parameters in host RAM between uses (torchrun/GPU only).")
-    skip_zero_advantage: bool = _f(True, "Leave rows whose advantage is 0 on every token (a GRPO group with equal rewards) out of the update's forward and backward; they stay in the loss normaliser, so the gradient is unchanged. Only when no KL-in-loss, entropy or value term reads them.")
-    host_mmap_threshold_mib: float = _f(1.0, "CPU training on glibc: host allocations of at least this size get their own mapping, returned to the system when freed (mallopt M_MMAP_THRESHOLD). glibc's default moves the threshold up as tensors are freed, so freed activations stay in the heap as holes: on SmolLM2 with LoRA that held 2x the saved activations (8.7 GB peak vs 6.6 GB fixed, for ~11% update speed). 0 = glibc's default.")
-    bf16: bool = _f(False, "Compute in bfloat16 over float32 master weights: torch.autocast in one process (CPU or CUDA), FSDP2 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) under torchrun. Updates smaller than a bf16 ulp are kept.")
+    skip_zero_advantage: bool = _f(
+        True,
+        "Leave rows whose advantage is 0 on every token (a GRPO group with equal rewards) out of the update's "
+        "forward and backward; they stay in the loss normaliser, so the gradient is unchanged. Only when no "
+        "KL-in-loss, entropy or value term reads them.",
+    )
+    host_mmap_threshold_mib: float = _f(
+        1.0,
+        "CPU training on glibc: host allocations of at least this size get their own mapping, returned to the system "
+        "when freed (mallopt M_MMAP_THRESHOLD). glibc's default moves the threshold up as tensors are freed, so "
+        "freed activations stay in the heap as holes: on SmolLM2 with LoRA that held 2x the saved activations (8.7 "
+        "GB peak vs 6.6 GB fixed, for ~11% update speed). 0 = glibc's default.",
+    )
+    bf16: bool = _f(
+        False,
+        "Compute in bfloat16 over float32 master weights: torch.autocast in one process (CPU or CUDA), FSDP2 "
+        "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) under torchrun. Updates smaller than a bf16 ulp "
+        "are kept.",
+    )
 
 
 @dataclass
@@ -199,7 +316,9 @@ class SftConfig:
     steps: int = _f(800, "Optimizer steps of the supervised warm start on scripted demonstrations.")
     batch_size: int = _f(32, "Demonstrations per step.")
     lr: float = _f(2e-3, "Learning rate of the warm start.")
-    wrong_fraction: float = _f(0.5, "Chance that a drawn demonstration ends with a wrong answer, redrawn on every draw (keeps RL headroom).")
+    wrong_fraction: float = _f(
+        0.5, "Chance that a drawn demonstration ends with a wrong answer, redrawn on every draw (keeps RL headroom)."
+    )
 
 
 @dataclass
@@ -216,17 +335,25 @@ class GuardConfig:
 
 @dataclass
 class MemoryConfig:
-    host_mem_gib: float = _f(0.0, "Host RAM budget checked by `agent-rl plan` and at start-up (0 = this machine's RAM).")
+    host_mem_gib: float = _f(
+        0.0, "Host RAM budget checked by `agent-rl plan` and at start-up (0 = this machine's RAM)."
+    )
     gpu_mem_gib: float = _f(0.0, "GPU memory per device for `agent-rl plan` (0 = the visible device's).")
-    retriever_on_gpu_gib: float = _f(0.0, "GPU memory a retriever index takes on the training GPUs (Search-R1's flat wiki-18 is ~65).")
+    retriever_on_gpu_gib: float = _f(
+        0.0, "GPU memory a retriever index takes on the training GPUs (Search-R1's flat wiki-18 is ~65)."
+    )
 
 
 @dataclass
 class Config:
-    trainer: TrainerConfig = field(default_factory=TrainerConfig, metadata={"help": "Run control: steps, checkpoints, evaluation."})
+    trainer: TrainerConfig = field(
+        default_factory=TrainerConfig, metadata={"help": "Run control: steps, checkpoints, evaluation."}
+    )
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Policy model."})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Training and test prompts."})
-    retriever: RetrieverConfig = field(default_factory=RetrieverConfig, metadata={"help": "Retrieval server and client."})
+    retriever: RetrieverConfig = field(
+        default_factory=RetrieverConfig, metadata={"help": "Retrieval server and client."}
+    )
     rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"help": "Generation engine and sampling."})
     budget: BudgetConfig = field(default_factory=BudgetConfig, metadata={"help": "Hard token budgets of a trajectory."})
     algo: AlgoConfig = field(default_factory=AlgoConfig, metadata={"help": "PPO / GRPO."})
@@ -260,7 +387,10 @@ class Config:
         if self.model.preset not in ("", "smollm2-135m"):
             raise ConfigError(f"model.preset = {self.model.preset!r}: use smollm2-135m or leave it empty")
         if self.model.preset and self.model.init_size:
-            raise ConfigError("model.preset and model.init_size both set: a model is either a converted preset or a random init; clear one")
+            raise ConfigError(
+                "model.preset and model.init_size both set: a model is either a converted preset or a random init; "
+                "clear one"
+            )
         if self.model.init_size not in ("", "tiny", "small", "medium"):
             raise ConfigError(f"model.init_size = {self.model.init_size!r}: use tiny, small, medium or leave it empty")
         if self.algo.name == "grpo" and self.algo.kl_type == "k1" and self.algo.kl_coef > 0:
@@ -269,14 +399,21 @@ class Config:
                 "Set algo.kl_type=low_var_kl (KL as a loss term, as Search-R1's GRPO runs do) or algo.name=ppo"
             )
         if self.algo.name == "grpo" and self.algo.group_size < 2:
-            raise ConfigError("algo.group_size must be >= 2 for GRPO (advantages are relative to the group); set algo.group_size=5 or more")
+            raise ConfigError(
+                "algo.group_size must be >= 2 for GRPO (advantages are relative to the group); set algo.group_size=5 "
+                "or more"
+            )
         if self.algo.group_size < 1 or self.rollout.prompts_per_step < 1:
             raise ConfigError("algo.group_size and rollout.prompts_per_step must be >= 1")
         if self.trainer.save_trajectories_every < 0:
-            raise ConfigError(f"trainer.save_trajectories_every = {self.trainer.save_trajectories_every}: use 0 (off) or N >= 1 (write every N steps)")
+            raise ConfigError(
+                f"trainer.save_trajectories_every = {self.trainer.save_trajectories_every}: use 0 (off) or N >= 1 "
+                "(write every N steps)"
+            )
         if self.trainer.save_trajectories_every and self.trainer.save_trajectories_per_step < 1:
             raise ConfigError(
-                f"trainer.save_trajectories_per_step = {self.trainer.save_trajectories_per_step} with trainer.save_trajectories_every set: "
+                f"trainer.save_trajectories_per_step = {self.trainer.save_trajectories_per_step} with "
+                "trainer.save_trajectories_every set: "
                 "keep at least 1 trajectory per saved step, or set trainer.save_trajectories_every=0"
             )
         for key in ("topk", "max_queries_per_request"):
@@ -286,7 +423,8 @@ class Config:
             raise ConfigError(
                 f"train.max_tokens_per_microbatch ({self.train.max_tokens_per_microbatch}) < budget.max_total_tokens "
                 f"({self.budget.max_total_tokens}): one maximal trajectory would not fit in a micro-batch. Raise "
-                f"train.max_tokens_per_microbatch to >= {self.budget.max_total_tokens} or lower budget.max_total_tokens."
+                f"train.max_tokens_per_microbatch to >= {self.budget.max_total_tokens} or lower "
+                "budget.max_total_tokens."
             )
         if self.buffer.max_tokens < self.budget.max_total_tokens * self.algo.group_size:
             raise ConfigError(
@@ -296,14 +434,18 @@ class Config:
         batch = self.rollout.prompts_per_step * self.algo.group_size
         if self.algo.mini_batch_size and batch % self.algo.mini_batch_size:
             raise ConfigError(
-                f"algo.mini_batch_size ({self.algo.mini_batch_size}) must divide rollout.prompts_per_step x algo.group_size ({batch})"
+                f"algo.mini_batch_size ({self.algo.mini_batch_size}) must divide rollout.prompts_per_step x "
+                f"algo.group_size ({batch})"
             )
         if self.rollout.temperature <= 0:
-            raise ConfigError("rollout.temperature must be > 0 for training rollouts (use rollout.eval_temperature=0 for greedy eval)")
+            raise ConfigError(
+                "rollout.temperature must be > 0 for training rollouts (use rollout.eval_temperature=0 for greedy eval)"
+            )
         if self.train.offload_optimizer and self.train.device.startswith("cuda"):
             raise ConfigError(
                 "train.offload_optimizer is not implemented on CUDA: under torchrun set train.offload_params=true "
-                "(FSDP2 CPU offload keeps parameters, gradients and the AdamW step in host RAM), or set train.offload_optimizer=false"
+                "(FSDP2 CPU offload keeps parameters, gradients and the AdamW step in host RAM), or set "
+                "train.offload_optimizer=false"
             )
         if self.rollout.engine == "vllm":
             dev = self.rollout.device
@@ -311,8 +453,10 @@ class Config:
                 raise ConfigError(f"rollout.device={dev!r} with rollout.engine=vllm: use cpu (vllm-cpu) or cuda")
             if dev.startswith("cuda:") and dev != "cuda:0":
                 raise ConfigError(
-                    f"rollout.device={dev}: vLLM in one process runs on the first visible GPU. Set rollout.device=cuda:0 and "
-                    "choose the GPU with CUDA_VISIBLE_DEVICES, or run under torchrun (each rank's engine takes the rank's GPU)"
+                    f"rollout.device={dev}: vLLM in one process runs on the first visible GPU. Set "
+                    "rollout.device=cuda:0 and "
+                    "choose the GPU with CUDA_VISIBLE_DEVICES, or run under torchrun (each rank's engine takes the "
+                    "rank's GPU)"
                 )
         if self.algo.tis_cap < 0 or 0 < self.algo.tis_cap < 1:
             raise ConfigError(f"algo.tis_cap={self.algo.tis_cap}: use 0 (off) or a cap >= 1 (2.0 is common)")
@@ -369,14 +513,18 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
         if key not in fields:
             close = [k for k in fields if k.startswith(key[:3])]
             hint = f" Did you mean {', '.join(prefix + k for k in close)}?" if close else ""
-            raise ConfigError(f"unknown config key '{prefix}{key}'. Valid keys here: {', '.join(sorted(fields))}.{hint}")
+            raise ConfigError(
+                f"unknown config key '{prefix}{key}'. Valid keys here: {', '.join(sorted(fields))}.{hint}"
+            )
         hint_t = hints[key]
-        if dataclasses.is_dataclass(hint_t):
+        if isinstance(hint_t, type) and dataclasses.is_dataclass(hint_t):
             kwargs[key] = _build(hint_t, value or {}, f"{prefix}{key}.")
             continue
         ok, coerced = _type_ok(value, hint_t)
         if not ok:
-            raise ConfigError(f"config key '{prefix}{key}' expects {getattr(hint_t, '__name__', hint_t)}, got {value!r}")
+            raise ConfigError(
+                f"config key '{prefix}{key}' expects {getattr(hint_t, '__name__', hint_t)}, got {value!r}"
+            )
         kwargs[key] = coerced
     return cls(**kwargs)
 
@@ -418,7 +566,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     if path is not None:
         path = Path(path)
         if not path.is_file():
-            raise ConfigError(f"config file not found: {path} (the shipped configs are in configs/, e.g. configs/tiny_cpu_grpo.yaml)")
+            raise ConfigError(
+                f"config file not found: {path} (the shipped configs are in configs/, e.g. configs/tiny_cpu_grpo.yaml)"
+            )
         data = yaml.safe_load(path.read_text()) or {}
     data = _merge(data, parse_overrides(overrides or []))
     cfg = _build(Config, data, "")

@@ -9,6 +9,7 @@ headroom. The wrong answer is redrawn on every draw, never fixed per demonstrati
 wrong answer can only be learnt by memorising the entity, which pulls the policy away from
 reading the passage.
 """
+
 from __future__ import annotations
 
 import random
@@ -18,13 +19,13 @@ from pathlib import Path
 
 import torch
 
-from agent_rl.rollout.budget import TokenBudget
-from agent_rl.learn.batch import collate, pack_microbatches
 from agent_rl.config import Config
-from agent_rl.rollout.prompts import load_prompts
+from agent_rl.learn.batch import collate, pack_microbatches
 from agent_rl.learn.policy import forward_logprobs, load_policy, load_tokenizer
-from agent_rl.rollout.retriever import RetrieverClient, format_documents
+from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.loop import ObservationBuilder
+from agent_rl.rollout.prompts import load_prompts
+from agent_rl.rollout.retriever import RetrieverClient, format_documents
 from agent_rl.rollout.trajectory import Trajectory
 
 
@@ -36,7 +37,9 @@ def build_demonstrations(cfg: Config, tokenizer, client: RetrieverClient) -> Dem
     answers_pool = sorted({a for it in prompts.items for a in it.golden_answers[:1]})
     rows = [(it, meta) for it, meta in zip(prompts.items, prompts.metadata) if meta.get("queries")]
     if not rows:
-        raise ValueError("no training row carries metadata.queries: scripted demonstrations need the toy world (data.toy_world)")
+        raise ValueError(
+            "no training row carries metadata.queries: scripted demonstrations need the toy world (data.toy_world)"
+        )
     unique = sorted({q for _, m in rows for q in m["queries"][: cfg.budget.max_turns]})
     cache: dict[str, list[dict]] = {}
     for lo in range(0, len(unique), 64):
@@ -54,7 +57,9 @@ def build_demonstrations(cfg: Config, tokenizer, client: RetrieverClient) -> Dem
         demos.append(t)  # the prefix: prompt, searches and observations; the answer is added per draw
     answer_ids = {a: enc(f"<answer> {a} </answer>") for a in answers_pool + [it.golden_answers[0] for it, _ in rows]}
     longest = max(len(v) for v in answer_ids.values())
-    return Demonstrations([t for t in demos if t.total_tokens + longest <= budget.max_total_tokens], answers_pool, answer_ids)
+    return Demonstrations(
+        [t for t in demos if t.total_tokens + longest <= budget.max_total_tokens], answers_pool, answer_ids
+    )
 
 
 class Demonstrations:
@@ -74,7 +79,11 @@ class Demonstrations:
             wrong = [a for a in self.pool if a not in prefix.golden_answers]
             answer = rng.choice(wrong) if wrong else answer
         t = Trajectory(prefix.prompt_id, prefix.data_source, prefix.prompt_ids, prefix.golden_answers)
-        t.response_ids, t.loss_mask, t.logprobs = list(prefix.response_ids), list(prefix.loss_mask), list(prefix.logprobs)
+        t.response_ids, t.loss_mask, t.logprobs = (
+            list(prefix.response_ids),
+            list(prefix.loss_mask),
+            list(prefix.logprobs),
+        )
         t.append(self.answer_ids[answer], sampled=True)
         return t
 
@@ -95,9 +104,14 @@ def sft(cfg: Config) -> Path:
         client = RetrieverClient.from_config(cfg.retriever, url)
         demos = build_demonstrations(cfg, tokenizer, client)
         client.close()
-    print(f"[sft] {len(demos)} scripted demonstrations; {cfg.sft.steps} steps of batch {cfg.sft.batch_size}", file=sys.stderr)
+    print(
+        f"[sft] {len(demos)} scripted demonstrations; {cfg.sft.steps} steps of batch {cfg.sft.batch_size}",
+        file=sys.stderr,
+    )
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.sft.lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / max(1, cfg.sft.steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / max(1, cfg.sft.steps))
+    )
     model.train()
     start = time.perf_counter()
     for step in range(1, cfg.sft.steps + 1):
@@ -116,7 +130,9 @@ def sft(cfg: Config) -> Path:
         optimizer.step()
         sched.step()
         if step % 100 == 0 or step == cfg.sft.steps:
-            print(f"[sft] step {step}/{cfg.sft.steps} loss {total:.4f} ({time.perf_counter() - start:.0f}s)", flush=True)
+            print(
+                f"[sft] step {step}/{cfg.sft.steps} loss {total:.4f} ({time.perf_counter() - start:.0f}s)", flush=True
+            )
     if hasattr(model, "merge_and_unload"):
         model = model.merge_and_unload()
     tmp = out.with_name(out.name + ".tmp")

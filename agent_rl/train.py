@@ -6,6 +6,7 @@ evaluate. Departures from Search-R1 / verl: token budgets are hard and checked b
 append; observation tokens carry loss mask 0 in every term (policy, KL, entropy, value, GAE);
 the update is micro-batched by token count, not by a fixed row count.
 """
+
 from __future__ import annotations
 
 import copy
@@ -18,13 +19,20 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from agent_rl.config import Config
 from agent_rl.infra import distributed as dist_lib
-from agent_rl.infra.checkpoint import StopFlag, install_signal_handlers, latest_checkpoint, load_checkpoint, save_checkpoint
+from agent_rl.infra.checkpoint import (
+    StopFlag,
+    install_signal_handlers,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from agent_rl.infra.guard import CollapseGuard
 from agent_rl.infra.logger import MetricsLogger
 from agent_rl.infra.preflight import fix_mmap_threshold, peak_rss_bytes, run_preflight
@@ -75,20 +83,32 @@ class PromptStream:
         return out
 
 
-def build_engine(cfg: Config, policy, tokenizer, seed: int | None = None, own_copy: bool = False, distributed: bool = False):
+def build_engine(
+    cfg: Config, policy, tokenizer, seed: int | None = None, own_copy: bool = False, distributed: bool = False
+):
     """The rollout engine on `rollout.device`. The HF engine shares the policy module when devices
     match (and `own_copy` is off: under FSDP the engine needs its own unsharded copy); vLLM loads
     the start weights itself (`policy` may be None: build it before the trainer's modules)."""
     seed = cfg.trainer.seed if seed is None else seed
     if cfg.rollout.engine == "vllm":
         if distributed and cfg.rollout.tensor_parallel_size > 1:
-            raise ValueError("rollout.tensor_parallel_size > 1 under torchrun is not supported yet: each rank runs its own engine (set it to 1)")
+            raise ValueError(
+                "rollout.tensor_parallel_size > 1 under torchrun is not supported yet: each rank runs its own engine "
+                "(set it to 1)"
+            )
         return VLLMEngine(cfg.model.warm_start or cfg.model.path, tokenizer, cfg, seed=seed, distributed=distributed)
     if cfg.rollout.device == cfg.train.device and not own_copy:
         module = policy
     else:
         module = frozen_copy(policy, cfg.rollout.device)
-    return HFEngine(module, tokenizer, device=cfg.rollout.device, batch_size=cfg.rollout.generation_batch_size, seed=seed, fast_decode=cfg.rollout.fast_decode)
+    return HFEngine(
+        module,
+        tokenizer,
+        device=cfg.rollout.device,
+        batch_size=cfg.rollout.generation_batch_size,
+        seed=seed,
+        fast_decode=cfg.rollout.fast_decode,
+    )
 
 
 def sync_weights(engine: Engine, policy) -> float:
@@ -96,7 +116,7 @@ def sync_weights(engine: Engine, policy) -> float:
     start = time.perf_counter()
     if isinstance(engine, VLLMEngine):
         engine.load_weights(hf_named_weights(policy))  # LoRA merged under the base names
-    elif engine.model is not policy:
+    elif isinstance(engine, HFEngine) and engine.model is not policy:
         engine.load_weights(policy.state_dict().items())
     return time.perf_counter() - start
 
@@ -115,8 +135,14 @@ def make_scheduler(cfg: Config, optimizer):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def evaluate(loop: AgentLoop, prompts: PromptSet, cfg: Config, temperature: float | None = None, prefix: str = "eval",
-             keep: list[Trajectory] | None = None) -> dict[str, float]:
+def evaluate(
+    loop: AgentLoop,
+    prompts: PromptSet,
+    cfg: Config,
+    temperature: float | None = None,
+    prefix: str = "eval",
+    keep: list[Trajectory] | None = None,
+) -> dict[str, float]:
     """Rollouts over the test prompts (greedy by default: rollout.eval_temperature): EM and F1
     overall and per data_source, under `prefix/`. The trajectories are appended to `keep` if given."""
     temperature = cfg.rollout.eval_temperature if temperature is None else temperature
@@ -156,7 +182,9 @@ def evaluate_all(loop: AgentLoop, prompts: PromptSet, cfg: Config) -> dict[str, 
     return out
 
 
-def save_trajectories(out_dir: Path, step: int, batch: RolloutBatch, trainer_logprobs: dict[int, list[float] | None], tokenizer) -> Path:
+def save_trajectories(
+    out_dir: Path, step: int, batch: RolloutBatch, trainer_logprobs: dict[int, list[float] | None], tokenizer
+) -> Path:
     """`trainer.save_trajectories_every`: write `OUTPUT_DIR/trajectories/step_N.jsonl` for
     `agent-rl view`: the rows named by `trainer_logprobs` with the step, the trainer's (old)
     log-probs and the advantages of their response tokens, each aligned with `response_ids`.
@@ -164,6 +192,7 @@ def save_trajectories(out_dir: Path, step: int, batch: RolloutBatch, trainer_log
     The log-probs are the ones the update (or `prepare_batch`) computed, never an extra pass: a
     row the update skipped (advantage 0 on every token) has `trainer_logprobs` null.
     """
+    assert batch.advantages is not None, "a scored batch (prepare_batch)"
     path = out_dir / "trajectories" / f"step_{step}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as fh:
@@ -173,7 +202,12 @@ def save_trajectories(out_dir: Path, step: int, batch: RolloutBatch, trainer_log
             if lp is None and batch.old_logprobs is not None:
                 lp = batch.old_logprobs[i, span].tolist()
             rec = t.to_record(tokenizer)
-            rec.update(step=step, trainer_logprobs=lp, advantages=batch.advantages[i, span].tolist(), **answer_scores(t.response_text, t.golden_answers))
+            rec.update(
+                step=step,
+                trainer_logprobs=lp,
+                advantages=batch.advantages[i, span].tolist(),
+                **answer_scores(t.response_text, t.golden_answers),
+            )
             fh.write(json.dumps(rec) + "\n")
     return path
 
@@ -185,7 +219,7 @@ class Run:
     cfg: Config
     world: World
     out_dir: Path
-    tokenizer: object
+    tokenizer: Any  # a transformers tokenizer
     engine: Engine
     policy: torch.nn.Module
     ref: torch.nn.Module | None
@@ -215,20 +249,48 @@ class Run:
         return sync_weights(self.engine, self.policy)
 
     def checkpoint(self) -> Path:
-        extra = {"step": self.step, "cursor": self.stream.cursor, "update_rng": self.update_rng.getstate(), "engine_rng": self.engine.generator.get_state()}
+        extra = {
+            "step": self.step,
+            "cursor": self.stream.cursor,
+            "update_rng": self.update_rng.getstate(),
+            "engine_rng": self.engine.generator.get_state(),
+        }
         if self.world.sharded:
-            return dist_lib.save_sharded(self.ckpt_root, self.step, self.policy, self.optimizer, self.world, self.scheduler, extra, self.cfg.to_dict(),
-                                         self.cfg.trainer.keep_last, export_hf=True, critic=self.critic, critic_optimizer=self.critic_opt)
-        if self.critic is not None:
+            return dist_lib.save_sharded(
+                self.ckpt_root,
+                self.step,
+                self.policy,
+                self.optimizer,
+                self.world,
+                self.scheduler,
+                extra,
+                self.cfg.to_dict(),
+                self.cfg.trainer.keep_last,
+                export_hf=True,
+                critic=self.critic,
+                critic_optimizer=self.critic_opt,
+            )
+        if self.critic is not None and self.critic_opt is not None:
             extra["critic"], extra["critic_opt"] = self.critic.state_dict(), self.critic_opt.state_dict()
-        return save_checkpoint(self.ckpt_root, self.step, self.policy, self.optimizer, self.scheduler, extra, self.cfg.to_dict(), self.cfg.trainer.keep_last)
+        return save_checkpoint(
+            self.ckpt_root,
+            self.step,
+            self.policy,
+            self.optimizer,
+            self.scheduler,
+            extra,
+            self.cfg.to_dict(),
+            self.cfg.trainer.keep_last,
+        )
 
     def restore(self, path: Path) -> None:
         if self.world.sharded or (path / "dcp").is_dir():  # DCP reshards a torchrun checkpoint into one process
-            extra = dist_lib.load_sharded(path, self.policy, self.optimizer, self.world, self.scheduler, self.critic, self.critic_opt)
+            extra = dist_lib.load_sharded(
+                path, self.policy, self.optimizer, self.world, self.scheduler, self.critic, self.critic_opt
+            )
         else:
             extra = load_checkpoint(path, self.policy, self.optimizer, self.scheduler)
-            if self.critic is not None:
+            if self.critic is not None and self.critic_opt is not None:
                 self.critic.load_state_dict(extra["critic"])
                 self.critic_opt.load_state_dict(extra["critic_opt"])
         self.step, self.stream.cursor = int(extra["step"]), int(extra["cursor"])
@@ -249,7 +311,7 @@ class Run:
 
     def evaluate(self, loop: AgentLoop) -> dict[str, float]:
         """Rank 0 evaluates with its own unsharded rollout model (no collectives); the rest wait."""
-        result = evaluate_all(loop, self.test_set, self.cfg) if self.world.is_main else {}
+        result = evaluate_all(loop, self.test_set, self.cfg) if self.world.is_main and self.test_set is not None else {}
         self.world.barrier()
         return result
 
@@ -260,12 +322,22 @@ class Run:
     def retriever_ok(self, client: RetrieverClient, counters) -> bool:
         """Too many of this step's searches failed: wait for /health (rank 0; all ranks agree)."""
         searched, errors = counters["retriever/queries"], counters["retriever/errors"]
-        if not self.world.all_reduce_max(float(searched > 0 and errors / searched > self.cfg.retriever.max_failed_share)):
+        if not self.world.all_reduce_max(
+            float(searched > 0 and errors / searched > self.cfg.retriever.max_failed_share)
+        ):
             return True
         back = 0.0
         if self.world.is_main:
-            print(f"[train] step {self.step}: {int(errors)} of {int(searched)} searches failed; waiting for {client.url}/health", file=sys.stderr)
-            back = float(client.wait_healthy(self.cfg.retriever.health_wait_s, log=lambda m: print(f"[train] {m}", file=sys.stderr)))
+            print(
+                f"[train] step {self.step}: {int(errors)} of {int(searched)} searches failed; waiting for "
+                f"{client.url}/health",
+                file=sys.stderr,
+            )
+            back = float(
+                client.wait_healthy(
+                    self.cfg.retriever.health_wait_s, log=lambda m: print(f"[train] {m}", file=sys.stderr)
+                )
+            )
         return self.world.all_reduce_max(back) > 0
 
     def rollback(self) -> None:
@@ -280,7 +352,9 @@ class Run:
         for group, base, factor in zip(self.optimizer.param_groups, base_lrs, self.scheduler.lr_lambdas):
             group["lr"] = base * factor(self.scheduler.last_epoch)
         algo = self.cfg.algo
-        self.cfg = dataclasses.replace(self.cfg, algo=dataclasses.replace(algo, kl_coef=algo.kl_coef * self.cfg.guard.kl_factor))
+        self.cfg = dataclasses.replace(
+            self.cfg, algo=dataclasses.replace(algo, kl_coef=algo.kl_coef * self.cfg.guard.kl_factor)
+        )
 
     def exit(self, message: str) -> None:
         """Save this step, close the logs and the process group, and stop with `message`."""
@@ -292,7 +366,9 @@ class Run:
 
 def setup(cfg: Config, resume: bool = False) -> Run:
     """Build a run: ranks, first-use preparation, engine, models, optimizers, data, logs."""
-    cfg = copy.deepcopy(cfg)  # the run may rewrite devices (torchrun) and, on rollback, the KL; the caller's config stays as given
+    cfg = copy.deepcopy(
+        cfg
+    )  # the run may rewrite devices (torchrun) and, on rollback, the KL; the caller's config stays as given
     world = dist_lib.init_distributed(cfg)
     # Same seed everywhere for data order and model init; each rank samples its own rollouts.
     seed_everything(cfg.trainer.seed)
@@ -302,24 +378,37 @@ def setup(cfg: Config, resume: bool = False) -> Run:
         out_dir.mkdir(parents=True, exist_ok=True)
         prepare(cfg)
         if cfg.model.warm_start and not Path(cfg.model.warm_start).exists():
-            print(f"[train] warm start {cfg.model.warm_start} is missing: running `agent-rl sft` first", file=sys.stderr)
+            print(
+                f"[train] warm start {cfg.model.warm_start} is missing: running `agent-rl sft` first", file=sys.stderr
+            )
             sft(cfg)
     world.barrier()  # rank 0 built whatever was missing (toy world, model, index, warm start)
     start_path = cfg.model.warm_start or cfg.model.path
     tokenizer = load_tokenizer(start_path)
     engine_seed = cfg.trainer.seed + world.rank
     # vLLM first, before the trainer's modules take device memory (its reservation is a fraction of what is free).
-    engine = build_engine(cfg, None, tokenizer, seed=engine_seed, distributed=world.sharded) if cfg.rollout.engine == "vllm" else None
+    engine = (
+        build_engine(cfg, None, tokenizer, seed=engine_seed, distributed=world.sharded)
+        if cfg.rollout.engine == "vllm"
+        else None
+    )
     policy = load_policy(cfg, start_path, cfg.train.device)
-    ref = frozen_copy(policy, cfg.train.device, _DTYPES[cfg.model.dtype]) if cfg.algo.kl_coef > 0 and not cfg.model.lora.enabled else None
+    ref = (
+        frozen_copy(policy, cfg.train.device, _DTYPES[cfg.model.dtype])
+        if cfg.algo.kl_coef > 0 and not cfg.model.lora.enabled
+        else None
+    )
     critic = ValueModel(frozen_copy(policy, cfg.train.device)).to(cfg.train.device) if cfg.algo.name == "ppo" else None
     if critic is not None:
         for p in critic.parameters():
             p.requires_grad_(True)
     assert_no_data_parallel(policy, ref, critic)
-    if world.sharded:
+    if isinstance(world, dist_lib.DistInfo):  # torchrun: FSDP2 over the ranks
         if cfg.model.lora.enabled:
-            raise ValueError("model.lora.enabled under torchrun is not supported yet: train LoRA in one process, or full weights with FSDP")
+            raise ValueError(
+                "model.lora.enabled under torchrun is not supported yet: train LoRA in one process, or full weights "
+                "with FSDP"
+            )
         # The HF engine generates with its own unsharded copy: ranks sample different lengths,
         # and a sharded forward would wait on the other ranks' all-gathers.
         engine = engine or build_engine(cfg, policy, tokenizer, seed=engine_seed, own_copy=True)
@@ -327,21 +416,40 @@ def setup(cfg: Config, resume: bool = False) -> Run:
             if module is not None:
                 dist_lib.shard_model(module, world, cfg)
     trainable = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay)
+    optimizer = torch.optim.AdamW(
+        trainable, lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay
+    )
     if cfg.train.offload_optimizer and not cfg.train.device.startswith("cuda"):
-        print("[train] train.offload_optimizer: the optimizer state already lives in host RAM on a CPU run; nothing to offload", file=sys.stderr)
+        print(
+            "[train] train.offload_optimizer: the optimizer state already lives in host RAM on a CPU run; nothing to "
+            "offload",
+            file=sys.stderr,
+        )
     budget = TokenBudget.from_config(cfg.budget)
     train_set = load_prompts(cfg.data.train_files, tokenizer, budget)
     run = Run(
-        cfg=cfg, world=world, out_dir=out_dir, tokenizer=tokenizer, engine=engine or build_engine(cfg, policy, tokenizer, seed=engine_seed),
-        policy=policy, ref=ref, critic=critic, optimizer=optimizer,
+        cfg=cfg,
+        world=world,
+        out_dir=out_dir,
+        tokenizer=tokenizer,
+        engine=engine or build_engine(cfg, policy, tokenizer, seed=engine_seed),
+        policy=policy,
+        ref=ref,
+        critic=critic,
+        optimizer=optimizer,
         critic_opt=torch.optim.AdamW(critic.parameters(), lr=cfg.algo.critic_lr) if critic is not None else None,
-        scheduler=make_scheduler(cfg, optimizer), budget=budget, train_set=train_set,
-        test_set=load_prompts(cfg.data.test_files, tokenizer, budget, cfg.trainer.eval_max_samples) if cfg.data.test_files else None,
+        scheduler=make_scheduler(cfg, optimizer),
+        budget=budget,
+        train_set=train_set,
+        test_set=load_prompts(cfg.data.test_files, tokenizer, budget, cfg.trainer.eval_max_samples)
+        if cfg.data.test_files
+        else None,
         stream=PromptStream(len(train_set.items), cfg.trainer.seed, cfg.data.shuffle),
         buffer=TrajectoryBuffer(cfg.buffer.max_tokens, cfg.buffer.max_trajectories),
         logger=MetricsLogger(out_dir, cfg.trainer.tensorboard, enabled=world.is_main),  # only rank 0 writes
-        guard=CollapseGuard(cfg.guard), stop=install_signal_handlers(), update_rng=random.Random(cfg.trainer.seed),
+        guard=CollapseGuard(cfg.guard),
+        stop=install_signal_handlers(),
+        update_rng=random.Random(cfg.trainer.seed),
     )
     if resume:
         run.resume()
@@ -351,14 +459,24 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     return run
 
 
-def step_metrics(run: Run, trajs: list[Trajectory], rollout_m: dict, client: RetrieverClient, upd: dict, times: dict[str, float], gen_tokens: int) -> dict[str, float]:
+def step_metrics(
+    run: Run,
+    trajs: list[Trajectory],
+    rollout_m: dict,
+    client: RetrieverClient,
+    upd: dict,
+    times: dict[str, float],
+    gen_tokens: int,
+) -> dict[str, float]:
     """One step's metrics, reduced over ranks (identical on every rank, so the guard agrees)."""
     rewards = [t.reward for t in trajs]
     t0, t1, t2, t3 = times["start"], times["rollout"], times["prepared"], times["updated"]
     metrics = {
         **rollout_m,
         **{k: float(v) for k, v in run.buffer.counters.items()},
-        **{f"retriever/total_{k}": float(v) for k, v in client.stats.items()},  # cumulative; retriever/queries|errors are this step's
+        **{
+            f"retriever/total_{k}": float(v) for k, v in client.stats.items()
+        },  # cumulative; retriever/queries|errors are this step's
         "retriever/failed_trajectories": float(sum(t.retrieval_failed for t in trajs)),
         "train/excluded_trajectories": float(sum(t.excluded for t in trajs)),
         **upd,
@@ -391,7 +509,9 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
     with local_retriever(cfg) if world.is_main else nullcontext(None) as url:
         url = world.broadcast_object(url)  # the server rank 0 started, or retriever.url
         client = RetrieverClient.from_config(cfg.retriever, url)
-        loop = AgentLoop(engine, run.tokenizer, client, run.budget, cfg.retriever.topk, cfg.rollout.mode, cfg.rollout.max_inflight)
+        loop = AgentLoop(
+            engine, run.tokenizer, client, run.budget, cfg.retriever.topk, cfg.rollout.mode, cfg.rollout.max_inflight
+        )
         if run.test_set is not None and run.step == 0:
             last_eval = run.evaluate(loop)
             run.logger.log(0, last_eval)
@@ -421,31 +541,66 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
                 run.step, (run.stream.cursor, rng) = run.step - 1, resume_point
                 engine.generator.set_state(rng)
                 run.exit(
-                    f"retriever at {client.url} failed {int(loop.counters['retriever/errors'])} of {int(loop.counters['retriever/queries'])} searches "
-                    f"at step {run.step + 1} and did not answer /health within retriever.health_wait_s={cfg.retriever.health_wait_s:g} s. "
+                    f"retriever at {client.url} failed {int(loop.counters['retriever/errors'])} of "
+                    f"{int(loop.counters['retriever/queries'])} searches "
+                    f"at step {run.step + 1} and did not answer /health within "
+                    f"retriever.health_wait_s={cfg.retriever.health_wait_s:g} s. "
                     "Saved {path}; start the server again and rerun with --resume."
                 )
             if cfg.retriever.exclude_failed:
                 for t in trajs:
                     if t.retrieval_failed:
                         t.excluded, t.loss_mask = True, [0] * len(t.loss_mask)
-            # 4. old / reference log-probs, values, advantages (the engine sleeps where it can: weights offloaded, KV freed)
+            # 4. old / reference log-probs, values, advantages (the engine sleeps where it can: weights offloaded, KV
+            # freed)
             engine.sleep()
-            single_pass = cfg.algo.ppo_epochs == 1 and (cfg.algo.mini_batch_size == 0 or cfg.algo.mini_batch_size // world.world_size >= len(trajs))
-            batch = prepare_batch(cfg, run.policy, run.ref, run.critic, trajs, run.tokenizer.pad_token_id, need_old=not single_pass, world=world)
+            single_pass = cfg.algo.ppo_epochs == 1 and (
+                cfg.algo.mini_batch_size == 0 or cfg.algo.mini_batch_size // world.world_size >= len(trajs)
+            )
+            batch = prepare_batch(
+                cfg,
+                run.policy,
+                run.ref,
+                run.critic,
+                trajs,
+                run.tokenizer.pad_token_id,
+                need_old=not single_pass,
+                world=world,
+            )
             times["prepared"] = time.perf_counter()
             # 5. update; this step's first rows (this rank's share) reported with the update's log-probs
             every = cfg.trainer.save_trajectories_every
-            report = dict.fromkeys(range(min(len(trajs), cfg.trainer.save_trajectories_per_step))) if every and run.step % every == 0 else None
-            upd = update(cfg, run.policy, run.critic, run.optimizer, run.critic_opt, batch, run.update_rng, world=world, trainer_logprobs=report)
+            report = (
+                dict.fromkeys(range(min(len(trajs), cfg.trainer.save_trajectories_per_step)))
+                if every and run.step % every == 0
+                else None
+            )
+            upd = update(
+                cfg,
+                run.policy,
+                run.critic,
+                run.optimizer,
+                run.critic_opt,
+                batch,
+                run.update_rng,
+                world=world,
+                trainer_logprobs=report,
+            )
             run.scheduler.step()
             times["sync_s"] = run.push_weights()
             times["updated"] = time.perf_counter()
             if report and world.is_main:
                 save_trajectories(run.out_dir, run.step, batch, report, run.tokenizer)
             # 6. log, and evaluate every trainer.eval_every steps
-            metrics = step_metrics(run, trajs, rollout_m, client, upd, times, engine.stats["generated_tokens"] - gen_before)
-            if cfg.trainer.eval_every and run.step % cfg.trainer.eval_every == 0 and run.test_set is not None and run.step < cfg.trainer.max_steps:
+            metrics = step_metrics(
+                run, trajs, rollout_m, client, upd, times, engine.stats["generated_tokens"] - gen_before
+            )
+            if (
+                cfg.trainer.eval_every
+                and run.step % cfg.trainer.eval_every == 0
+                and run.test_set is not None
+                and run.step < cfg.trainer.max_steps
+            ):
                 last_eval = run.evaluate(loop)
                 metrics.update(last_eval)
             run.logger.log(run.step, metrics)

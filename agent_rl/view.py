@@ -20,6 +20,7 @@ Model output and documents are untrusted: every text goes through `html.escape`,
 in a page has `<`, `>` and `&` escaped (it cannot close its `<script>` element), and each
 page's Content-Security-Policy runs only the page's own script (by hash) and loads nothing.
 """
+
 from __future__ import annotations
 
 import base64
@@ -32,7 +33,10 @@ from agent_rl.rollout.rewards import answer_scores, extract_answer, policy_text
 from retriever_server.jsonl import iter_jsonl
 
 PAGE_ROWS = 200  # rows of the index table shown at a time
-BUDGET_END_REASONS = {"budget_total": "ended by the total token budget", "max_turns": "ended at budget.max_turns without an answer"}
+BUDGET_END_REASONS = {
+    "budget_total": "ended by the total token budget",
+    "max_turns": "ended at budget.max_turns without an answer",
+}
 
 
 def read_records(inputs: list[Path]) -> list[dict]:
@@ -49,7 +53,10 @@ def read_records(inputs: list[Path]) -> list[dict]:
         elif p.is_file():
             files.append(p)
         else:
-            raise FileNotFoundError(f"{p} does not exist: give JSONL files of trajectories (agent-rl rollout --out, agent-rl eval --trajectories) or a run's trajectories/ folder")
+            raise FileNotFoundError(
+                f"{p} does not exist: give JSONL files of trajectories (agent-rl rollout --out, agent-rl eval "
+                "--trajectories) or a run's trajectories/ folder"
+            )
     records = []
     for f in files:
         for n, rec in iter_jsonl(f):
@@ -149,10 +156,12 @@ def _page(title: str, body: str, script: str = "", data: dict | None = None) -> 
         digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
         csp += f"; script-src 'sha256-{digest}'"
         tail += f"<script>{script}</script>"
-    return (f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
-            f"<meta http-equiv='Content-Security-Policy' content=\"{csp}\">"
-            f"<meta name='viewport' content='width=device-width'><title>{_esc(title)}</title>"
-            f"<style>{STYLE}</style></head><body>{body}{tail}</body></html>")
+    return (
+        f"<!doctype html><html lang='en'><head><meta charset='utf-8'>"
+        f"<meta http-equiv='Content-Security-Policy' content=\"{csp}\">"
+        f"<meta name='viewport' content='width=device-width'><title>{_esc(title)}</title>"
+        f"<style>{STYLE}</style></head><body>{body}{tail}</body></html>"
+    )
 
 
 TRAJECTORY_SCRIPT = """
@@ -177,7 +186,11 @@ sel.addEventListener('input', () => shade(sel.value));
 
 def _token_spans(rec: dict, positions: range) -> str:
     tokens, ids, mask = rec.get("tokens"), rec["response_ids"], rec["loss_mask"]
-    series = [("engine", rec.get("logprobs")), ("trainer", rec.get("trainer_logprobs")), ("advantage", rec.get("advantages"))]
+    series = [
+        ("engine", rec.get("logprobs")),
+        ("trainer", rec.get("trainer_logprobs")),
+        ("advantage", rec.get("advantages")),
+    ]
     out = []
     for i in positions:
         hover = [f"id {ids[i]}", "trained" if mask[i] else "inserted (mask 0)"]
@@ -185,7 +198,9 @@ def _token_spans(rec: dict, positions: range) -> str:
             if values is not None and i < len(values) and values[i] is not None:
                 hover.append(f"{label} {values[i]:.4f}")
         text = tokens[i] if tokens is not None and i < len(tokens) else f"\u27e8{ids[i]}\u27e9"
-        out.append(f"<span class='m{1 if mask[i] else 0}' data-i='{i}' title='{_esc(' | '.join(hover))}'>{_esc(text)}</span>")
+        out.append(
+            f"<span class='m{1 if mask[i] else 0}' data-i='{i}' title='{_esc(' | '.join(hover))}'>{_esc(text)}</span>"
+        )
     return "".join(out)
 
 
@@ -193,9 +208,11 @@ def _docs_html(turn: dict) -> str:
     parts = []
     for k, d in enumerate(turn.get("docs") or [], 1):
         score = d.get("score")
-        parts.append(f"<div class='doc'>{k}. <b class='doc-title'>{_esc(d.get('title'))}</b>"
-                     f"{'' if score is None else f' <span class=num>(score {float(score):.4f})</span>'}"
-                     f" <span class='doc-text'>{_esc(d.get('text'))}</span></div>")
+        parts.append(
+            f"<div class='doc'>{k}. <b class='doc-title'>{_esc(d.get('title'))}</b>"
+            f"{'' if score is None else f' <span class=num>(score {float(score):.4f})</span>'}"
+            f" <span class='doc-text'>{_esc(d.get('text'))}</span></div>"
+        )
     return "".join(parts)
 
 
@@ -212,44 +229,81 @@ def trajectory_page(rec: dict, n: int, total: int) -> str:
         ("answer", _esc(answer) if answer is not None else "<i>none</i>"),
         ("gold answers", _esc(", ".join(map(str, rec.get("golden_answers") or [])))),
         ("budget hits", _esc("; ".join(hits)) if hits else "none"),
-        ("tokens", f"prompt {_esc(rec.get('prompt_tokens'))}, response {len(mask)}: "
-                   f"<span id='trained-count'>{trained}</span> trained, <span id='masked-count'>{len(mask) - trained}</span> masked"),
+        (
+            "tokens",
+            f"prompt {_esc(rec.get('prompt_tokens'))}, response {len(mask)}: "
+            f"<span id='trained-count'>{trained}</span> trained, <span id='masked-count'>{len(mask) - trained}</span> masked",
+        ),
         ("data source", _esc(rec.get("data_source"))),
         ("prompt", f"{_esc(rec.get('prompt_id'))}, sample {_esc(rec.get('sample_idx'))}"),
         ("step", _esc(rec.get("step")) if rec.get("step") is not None else "-"),
         ("from", f"{_esc(rec['_file'])}, line {rec['_line']}"),
     ]
     if rec.get("excluded"):
-        facts.append(("excluded", "<span class='err'>a search failed: kept out of the loss (mask zeroed) and of its group's statistics</span>"))
+        facts.append(
+            (
+                "excluded",
+                "<span class='err'>a search failed: kept out of the loss (mask zeroed) and of its group's "
+                "statistics</span>",
+            )
+        )
     if rec.get("trainer_logprobs") is None and rec.get("step") is not None:
         facts.append(("trainer log-probs", "not computed: the update skipped this row (advantage 0 on every token)"))
-    nav = " ".join(x for x in (f"<a href='{n - 1}.html'>previous</a>" if n > 0 else "", "<a href='../index.html'>index</a>",
-                                f"<a href='{n + 1}.html'>next</a>" if n + 1 < total else "") if x)
-    body = [f"<p>{nav}</p><h1>Trajectory {n}: {_esc(rec.get('prompt_id'))} #{_esc(rec.get('sample_idx'))}</h1>",
-            "<div class='meta'>" + "".join(f"<b>{k}</b><span>{v}</span>" for k, v in facts) + "</div>"]
+    nav = " ".join(
+        x
+        for x in (
+            f"<a href='{n - 1}.html'>previous</a>" if n > 0 else "",
+            "<a href='../index.html'>index</a>",
+            f"<a href='{n + 1}.html'>next</a>" if n + 1 < total else "",
+        )
+        if x
+    )
+    body = [
+        f"<p>{nav}</p><h1>Trajectory {n}: {_esc(rec.get('prompt_id'))} #{_esc(rec.get('sample_idx'))}</h1>",
+        "<div class='meta'>" + "".join(f"<b>{k}</b><span>{v}</span>" for k, v in facts) + "</div>",
+    ]
     if rec.get("prompt_text") is not None:
-        body.append(f"<details><summary>prompt ({_esc(rec.get('prompt_tokens'))} tokens)</summary><div class='tok obs'>{_esc(rec['prompt_text'])}</div></details>")
-    body.append("<p class='legend'>shade tokens by <select id='shade'><option value='mask'>loss mask</option>"
-                "<option value='engine'>engine probability (darker: less likely)</option><option value='diff'>|trainer - engine| log-prob (darker: larger)</option>"
-                "<option value='advantage'>advantage (green +, red -)</option></select> "
-                "<span class='m1'>trained (mask 1)</span><span class='m0'>inserted (mask 0)</span> hover a token for its id and values</p>")
+        body.append(
+            f"<details><summary>prompt ({_esc(rec.get('prompt_tokens'))} tokens)</summary><div class='tok "
+            f"obs'>{_esc(rec['prompt_text'])}</div></details>"
+        )
+    body.append(
+        "<p class='legend'>shade tokens by <select id='shade'><option value='mask'>loss mask</option>"
+        "<option value='engine'>engine probability (darker: less likely)</option><option value='diff'>|trainer - "
+        "engine| log-prob (darker: larger)</option>"
+        "<option value='advantage'>advantage (green +, red -)</option></select> "
+        "<span class='m1'>trained (mask 1)</span><span class='m0'>inserted (mask 0)</span> hover a token for its id "
+        "and values</p>"
+    )
     for k, (turn, gen, obs) in enumerate(turn_segments(rec), 1):
         flags = " <span class='warn'>(stopped at budget.max_tokens_per_turn)</span>" if turn.get("truncated") else ""
-        body.append(f"<div class='turn'><div>turn {k}: <b>{_esc(turn.get('action'))}</b>, {len(gen)} generated tokens{flags}</div>"
-                    f"<div class='tok'>{_token_spans(rec, gen)}</div>")
+        body.append(
+            f"<div class='turn'><div>turn {k}: <b>{_esc(turn.get('action'))}</b>, {len(gen)} generated "
+            f"tokens{flags}</div>"
+            f"<div class='tok'>{_token_spans(rec, gen)}</div>"
+        )
         if turn.get("query") is not None or turn.get("retriever_error") or turn.get("docs"):
-            body.append(f"<div class='obs'><div>query: <b class='query'>{_esc(turn.get('query'))}</b> &middot; "
-                        f"retrieval {float(turn.get('retrieval_ms') or 0.0):.1f} ms</div>")
+            body.append(
+                f"<div class='obs'><div>query: <b class='query'>{_esc(turn.get('query'))}</b> &middot; "
+                f"retrieval {float(turn.get('retrieval_ms') or 0.0):.1f} ms</div>"
+            )
             if turn.get("retriever_error"):
                 body.append(f"<div class='err'>retriever error: {_esc(turn['retriever_error'])}</div>")
             body.append(_docs_html(turn) or "<div><i>no documents</i></div>")
             body.append("</div>")
         if len(obs):
             cut = " <span class='warn'>(cut to fit the budget)</span>" if turn.get("obs_truncated") else ""
-            body.append(f"<details class='obs'><summary>inserted after the turn: {len(obs)} tokens{cut}</summary>"
-                        f"<div class='tok'>{_token_spans(rec, obs)}</div></details>")
+            body.append(
+                f"<details class='obs'><summary>inserted after the turn: {len(obs)} tokens{cut}</summary>"
+                f"<div class='tok'>{_token_spans(rec, obs)}</div></details>"
+            )
         body.append("</div>")
-    data = {"mask": mask, "engine": rec.get("logprobs"), "trainer": rec.get("trainer_logprobs"), "advantage": rec.get("advantages")}
+    data = {
+        "mask": mask,
+        "engine": rec.get("logprobs"),
+        "trainer": rec.get("trainer_logprobs"),
+        "advantage": rec.get("advantages"),
+    }
     return _page(f"trajectory {n}", "".join(body), TRAJECTORY_SCRIPT, data)
 
 
@@ -265,9 +319,17 @@ def step_summaries(rows: list[dict]) -> list[dict]:
         reasons: dict[str, int] = {}
         for r in rs:
             reasons[str(r["end_reason"])] = reasons.get(str(r["end_reason"]), 0) + 1
-        out.append({"step": step, "n": len(rs), "reward": sum(r["reward"] for r in rs) / len(rs),
-                    "em": sum(r["em"] or 0.0 for r in rs) / len(rs), "length": sum(r["length"] for r in rs) / len(rs),
-                    "max_length": max(r["length"] for r in rs), "reasons": dict(sorted(reasons.items()))})
+        out.append(
+            {
+                "step": step,
+                "n": len(rs),
+                "reward": sum(r["reward"] for r in rs) / len(rs),
+                "em": sum(r["em"] or 0.0 for r in rs) / len(rs),
+                "length": sum(r["length"] for r in rs) / len(rs),
+                "max_length": max(r["length"] for r in rs),
+                "reasons": dict(sorted(reasons.items())),
+            }
+        )
     return out
 
 
@@ -280,15 +342,22 @@ def _plot(steps: list[dict], key: str, label: str, color: str) -> str:
     xs = [left + (w - left - pad) * i / (len(vals) - 1) for i in range(len(vals))]
     ys = [h - pad - (h - 2 * pad) * (v - lo) / (hi - lo) for v in vals]
     pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in zip(xs, ys))
-    dots = "".join(f"<circle cx='{x:.1f}' cy='{y:.1f}' r='2.5' fill='{color}'><title>step {_esc(s['step'])}: {v:.3f}</title></circle>"
-                   for x, y, s, v in zip(xs, ys, steps, vals))
+    dots = "".join(
+        f"<circle cx='{x:.1f}' cy='{y:.1f}' r='2.5' fill='{color}'><title>step {_esc(s['step'])}: "
+        f"{v:.3f}</title></circle>"
+        for x, y, s, v in zip(xs, ys, steps, vals)
+    )
     first, last = steps[0]["step"], steps[-1]["step"]
-    return (f"<svg width='{w}' height='{h}' role='img' aria-label='{_esc(label)} per step'><rect width='{w}' height='{h}' fill='#fafafa' stroke='#ddd'/>"
-            f"<text x='{left}' y='13' font-size='12' fill='{color}'>{_esc(label)}</text>"
-            f"<text x='4' y='{pad + 4}' font-size='10'>{hi:.3g}</text><text x='4' y='{h - pad + 4}' font-size='10'>{lo:.3g}</text>"
-            f"<text x='{left}' y='{h - 4}' font-size='10'>step {_esc(first if first is not None else '-')}</text>"
-            f"<text x='{w - pad}' y='{h - 4}' font-size='10' text-anchor='end'>step {_esc(last if last is not None else '-')}</text>"
-            f"<polyline fill='none' stroke='{color}' stroke-width='2' points='{pts}'/>{dots}</svg>")
+    return (
+        f"<svg width='{w}' height='{h}' role='img' aria-label='{_esc(label)} per step'><rect width='{w}' "
+        f"height='{h}' fill='#fafafa' stroke='#ddd'/>"
+        f"<text x='{left}' y='13' font-size='12' fill='{color}'>{_esc(label)}</text>"
+        f"<text x='4' y='{pad + 4}' font-size='10'>{hi:.3g}</text><text x='4' y='{h - pad + 4}' "
+        f"font-size='10'>{lo:.3g}</text>"
+        f"<text x='{left}' y='{h - 4}' font-size='10'>step {_esc(first if first is not None else '-')}</text>"
+        f"<text x='{w - pad}' y='{h - 4}' font-size='10' text-anchor='end'>step {_esc(last if last is not None else '-')}</text>"
+        f"<polyline fill='none' stroke='{color}' stroke-width='2' points='{pts}'/>{dots}</svg>"
+    )
 
 
 INDEX_SCRIPT = """
@@ -332,9 +401,22 @@ $('prev').addEventListener('click', () => { page -= 1; render(); });
 $('next').addEventListener('click', () => { page += 1; render(); });
 render();
 """
-COLUMNS = {"n": "#", "step": "step", "data_source": "data source", "prompt_id": "prompt", "sample_idx": "sample", "end_reason": "end reason",
-           "reward": "reward", "em": "EM", "f1": "F1", "length": "response tokens", "trained": "trained tokens", "turns": "turns",
-           "searches": "searches", "answer": "answer"}
+COLUMNS = {
+    "n": "#",
+    "step": "step",
+    "data_source": "data source",
+    "prompt_id": "prompt",
+    "sample_idx": "sample",
+    "end_reason": "end reason",
+    "reward": "reward",
+    "em": "EM",
+    "f1": "F1",
+    "length": "response tokens",
+    "trained": "trained tokens",
+    "turns": "turns",
+    "searches": "searches",
+    "answer": "answer",
+}
 
 
 def _step_link(step) -> str:
@@ -351,9 +433,19 @@ def index_page(rows: list[dict], inputs: list[Path]) -> str:
     summary = "".join(
         f"<tr><td>{_step_link(s['step'])}</td><td class=num>{s['n']}</td><td class=num>{s['reward']:.3f}</td>"
         f"<td class=num>{s['em']:.3f}</td><td class=num>{s['length']:.1f}</td><td class=num>{s['max_length']}</td>"
-        f"<td>{_esc(', '.join(f'{k} {v}' for k, v in s['reasons'].items()))}</td></tr>" for s in steps)
-    plots = "" if len(steps) < 2 else ("<div class='plots'>" + _plot(steps, "reward", "mean reward", "#1b7f3b")
-                                       + _plot(steps, "length", "mean response tokens", "#c2410c") + "</div>")
+        f"<td>{_esc(', '.join(f'{k} {v}' for k, v in s['reasons'].items()))}</td></tr>"
+        for s in steps
+    )
+    plots = (
+        ""
+        if len(steps) < 2
+        else (
+            "<div class='plots'>"
+            + _plot(steps, "reward", "mean reward", "#1b7f3b")
+            + _plot(steps, "length", "mean response tokens", "#c2410c")
+            + "</div>"
+        )
+    )
     reasons = sorted({str(r["end_reason"]) for r in rows})
     sources = sorted({str(r["data_source"]) for r in rows})
     step_values = [s["step"] for s in steps if s["step"] is not None]
@@ -361,32 +453,49 @@ def index_page(rows: list[dict], inputs: list[Path]) -> str:
         f"<h1>Trajectories: {len(rows)}</h1><p>from {_esc(', '.join(map(str, inputs)))}</p>"
         f"<h2>Per step</h2>{plots}<details{' open' if len(steps) <= 20 else ''}><summary>{len(steps)} step(s)</summary>"
         "<table><thead><tr><th>step</th><th>n</th><th>mean reward</th><th>mean EM</th>"
-        f"<th>mean response tokens</th><th>longest</th><th>end reasons</th></tr></thead><tbody>{summary}</tbody></table></details>"
+        "<th>mean response tokens</th><th>longest</th><th>end "
+        f"reasons</th></tr></thead><tbody>{summary}</tbody></table></details>"
         "<h2 id='table'>Trajectories</h2><p>"
         f"end reason <select id='f-reason'>{_options(reasons)}</select> "
         f"data source <select id='f-source'>{_options(sources)}</select> "
         f"step <select id='f-step'>{_options(step_values)}</select> "
         "reward from <input id='f-rmin' type='number' step='0.1' value='' placeholder='min' size='5'> "
         "to <input id='f-rmax' type='number' step='0.1' value='' placeholder='max' size='5'> "
-        "sort <select id='f-sort'><option value=''>as read</option><option value='reward:desc'>reward, high first</option>"
+        "sort <select id='f-sort'><option value=''>as read</option><option value='reward:desc'>reward, high "
+        "first</option>"
         "<option value='reward:asc'>reward, low first</option><option value='length:desc'>length, long first</option>"
         "<option value='length:asc'>length, short first</option></select></p>"
         "<p><button id='prev'>previous page</button> <span id='count'></span> <button id='next'>next page</button></p>"
         "<noscript><p>The table needs JavaScript; each trajectory's page is in t/N.html.</p></noscript>"
-        "<table><thead><tr>" + "".join(f"<th>{_esc(v)}</th>" for v in COLUMNS.values()) + "</tr></thead><tbody id='rows'></tbody></table>"
+        "<table><thead><tr>"
+        + "".join(f"<th>{_esc(v)}</th>" for v in COLUMNS.values())
+        + "</tr></thead><tbody id='rows'></tbody></table>"
     )
-    return _page("agent-rl trajectories", body, INDEX_SCRIPT, {"rows": rows, "page_rows": PAGE_ROWS, "columns": list(COLUMNS)})
+    return _page(
+        "agent-rl trajectories", body, INDEX_SCRIPT, {"rows": rows, "page_rows": PAGE_ROWS, "columns": list(COLUMNS)}
+    )
 
 
 def _row(n: int, rec: dict) -> dict:
     """What the index table shows (and filters and sorts by) for one trajectory."""
     turns = rec.get("turns") or []
     answer = extract_answer(policy_text(rec.get("response_text", "")))
-    return {"n": n, "step": rec.get("step"), "data_source": rec.get("data_source"), "prompt_id": rec.get("prompt_id"),
-            "sample_idx": rec.get("sample_idx"), "end_reason": rec.get("end_reason"), "reward": float(rec.get("reward") or 0.0),
-            "em": rec.get("em"), "f1": rec.get("f1"), "length": len(rec["response_ids"]), "trained": sum(1 for m in rec["loss_mask"] if m),
-            "turns": len(turns), "searches": sum(1 for t in turns if t.get("action") == "search"),
-            "answer": None if answer is None else answer[:60]}
+    return {
+        "n": n,
+        "step": rec.get("step"),
+        "data_source": rec.get("data_source"),
+        "prompt_id": rec.get("prompt_id"),
+        "sample_idx": rec.get("sample_idx"),
+        "end_reason": rec.get("end_reason"),
+        "reward": float(rec.get("reward") or 0.0),
+        "em": rec.get("em"),
+        "f1": rec.get("f1"),
+        "length": len(rec["response_ids"]),
+        "trained": sum(1 for m in rec["loss_mask"] if m),
+        "turns": len(turns),
+        "searches": sum(1 for t in turns if t.get("action") == "search"),
+        "answer": None if answer is None else answer[:60],
+    }
 
 
 def write_report(inputs: list[Path], out_dir: Path) -> Path:

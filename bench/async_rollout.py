@@ -11,6 +11,7 @@ requests overlap, as with a remote or loaded server). Each measurement is a fres
 (one warm-up rollout, then one timed rollout of the whole batch at temperature 1); the two modes
 alternate within each pair; medians are printed with peak RSS (VmHWM of the rollout process).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,16 +36,26 @@ CONFIGS = {"tiny": ("tiny_cpu_grpo.yaml", 64, 4), "smollm2": ("smollm2_hotpotqa_
 def point(args) -> dict:
     from agent_rl.cli import _loop
     from agent_rl.config import load_config
-    from agent_rl.rollout.prompts import load_prompts
-    from agent_rl.infra.prepare import prepare, spawn_retriever, stop_process, wait_ready
     from agent_rl.infra.preflight import peak_rss_bytes
+    from agent_rl.infra.prepare import prepare, spawn_retriever, stop_process, wait_ready
+    from agent_rl.rollout.prompts import load_prompts
 
     name, prompts_n, group = CONFIGS[args.model]
     cfg = load_config(ROOT / "configs" / name, [f"rollout.mode={args.mode}"])
     prepare(cfg)
-    model_path = cfg.model.warm_start if cfg.model.warm_start and Path(cfg.model.warm_start).exists() else cfg.model.path
+    model_path = (
+        cfg.model.warm_start if cfg.model.warm_start and Path(cfg.model.warm_start).exists() else cfg.model.path
+    )
     work = Path(tempfile.mkdtemp(prefix="bench_async_"))
-    proc = spawn_retriever(cfg.retriever.index_dir, work / "ready.json", work / "server.log", "--topk", str(cfg.retriever.topk), "--delay-ms", str(args.delay))
+    proc = spawn_retriever(
+        cfg.retriever.index_dir,
+        work / "ready.json",
+        work / "server.log",
+        "--topk",
+        str(cfg.retriever.topk),
+        "--delay-ms",
+        str(args.delay),
+    )
     try:
         url = wait_ready(proc, work / "ready.json", work / "server.log", 180.0)
         loop, tokenizer, budget = _loop(cfg, model_path, url)
@@ -58,9 +69,15 @@ def point(args) -> dict:
         stop_process(proc)
         shutil.rmtree(work, ignore_errors=True)
     return {
-        "mode": args.mode, "delay": args.delay, "model": model_path, "trajectories": len(trajs), "wall_s": wall,
-        "traj_s": len(trajs) / wall, "tok_s": (loop.engine.stats["generated_tokens"] - gen0) / wall,
-        "turns": sum(len(t.turns) for t in trajs) / len(trajs), "searches": loop.counters["retriever/queries"],
+        "mode": args.mode,
+        "delay": args.delay,
+        "model": model_path,
+        "trajectories": len(trajs),
+        "wall_s": wall,
+        "traj_s": len(trajs) / wall,
+        "tok_s": (loop.engine.stats["generated_tokens"] - gen0) / wall,
+        "turns": sum(len(t.turns) for t in trajs) / len(trajs),
+        "searches": loop.counters["retriever/queries"],
         "peak_rss_mib": peak_rss_bytes() / 2**20,
     }
 
@@ -89,13 +106,17 @@ def main() -> None:
     for delay in [float(d) for d in args.delays.split(",")]:
         res: dict[str, list[dict]] = {"sync": [], "async": []}
         for i in range(args.pairs):
-            for mode in (("sync", "async") if i % 2 == 0 else ("async", "sync")):
+            for mode in ("sync", "async") if i % 2 == 0 else ("async", "sync"):
                 res[mode].append(_run(args.model, mode, delay))
         for mode, rs in res.items():
             med = {k: statistics.median(r[k] for r in rs) for k in ("traj_s", "tok_s", "turns", "peak_rss_mib")}
-            print(f"{delay:>8.0f} {mode:>6} {med['traj_s']:>7.2f} {med['tok_s']:>7.1f} {med['turns']:>6.2f} {med['peak_rss_mib']:>9.0f}   "
-                  + ", ".join(f"{r['traj_s']:.2f}" for r in rs))
-        ratio = statistics.median(r["traj_s"] for r in res["async"]) / statistics.median(r["traj_s"] for r in res["sync"])
+            print(
+                f"{delay:>8.0f} {mode:>6} {med['traj_s']:>7.2f} {med['tok_s']:>7.1f} {med['turns']:>6.2f} "
+                f"{med['peak_rss_mib']:>9.0f}   " + ", ".join(f"{r['traj_s']:.2f}" for r in rs)
+            )
+        ratio = statistics.median(r["traj_s"] for r in res["async"]) / statistics.median(
+            r["traj_s"] for r in res["sync"]
+        )
         print(f"{'':>8} async/sync: {ratio:.2f}x  (model {res['sync'][0]['model']})")
 
 

@@ -9,6 +9,7 @@ measures peak RSS (VmHWM, reset through /proc/self/clear_refs before each phase)
 `load_checkpoint` restores them. "extra" is the peak above the RSS the process held before the
 phase: what a host needs free on top of the training state to checkpoint it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,7 +55,12 @@ def run_one(size: str) -> dict:
     opt.step()
     opt.zero_grad(set_to_none=True)
     n_params = sum(p.numel() for p in model.parameters())
-    out = {"size": size, "params_m": n_params / 1e6, "weights_mib": n_params * 4 / 2**20, "adam_mib": n_params * 8 / 2**20}
+    out = {
+        "size": size,
+        "params_m": n_params / 1e6,
+        "weights_mib": n_params * 4 / 2**20,
+        "adam_mib": n_params * 8 / 2**20,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         before = _status("VmRSS")
         _reset_peak()
@@ -79,15 +85,22 @@ def main() -> None:
         print(json.dumps(run_one(args.size)))
         return
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    print(f"{'size':<7} {'params M':>8} {'weights':>8} {'adam':>8} {'ckpt MiB':>9} {'RSS before':>10} {'save peak':>10} {'save extra':>10} {'load extra':>10}")
+    print(
+        f"{'size':<7} {'params M':>8} {'weights':>8} {'adam':>8} {'ckpt MiB':>9} {'RSS before':>10} "
+        f"{'save peak':>10} {'save extra':>10} {'load extra':>10}"
+    )
     for size in args.sizes.split(","):
         res = subprocess.run([sys.executable, __file__, "--size", size], capture_output=True, text=True, env=env)
         if res.returncode:
             print(res.stderr[-2000:])
             raise SystemExit(f"{size} failed")
         r = json.loads(res.stdout.strip().splitlines()[-1])
-        print(f"{r['size']:<7} {r['params_m']:>8.1f} {r['weights_mib']:>8.0f} {r['adam_mib']:>8.0f} {r['checkpoint_mib']:>9.0f} "
-              f"{r['rss_before_save_mib']:>10.0f} {r['save_peak_mib']:>10.0f} {r['save_extra_mib']:>10.0f} {r['load_extra_mib']:>10.0f}")
+        print(
+            f"{r['size']:<7} {r['params_m']:>8.1f} {r['weights_mib']:>8.0f} {r['adam_mib']:>8.0f} "
+            f"{r['checkpoint_mib']:>9.0f} "
+            f"{r['rss_before_save_mib']:>10.0f} {r['save_peak_mib']:>10.0f} {r['save_extra_mib']:>10.0f} "
+            f"{r['load_extra_mib']:>10.0f}"
+        )
 
 
 if __name__ == "__main__":

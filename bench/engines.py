@@ -8,6 +8,7 @@ no stop before `--new-tokens` other than eos / the tags). The two engines altern
 pair (HF first in odd pairs, vLLM first in even ones) and the medians over pairs are printed,
 with the per-pair ratio. Run it on an idle machine: two jobs on 2 cores slow each other.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,11 +28,21 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _prompts(tok, rows: int) -> list[list[int]]:
-    questions = [json.loads(line)["question"] for line in (ROOT / "tests" / "fixtures" / "hotpotqa100" / "questions.jsonl").read_text().splitlines()]
+    questions = [
+        json.loads(line)["question"]
+        for line in (ROOT / "tests" / "fixtures" / "hotpotqa100" / "questions.jsonl").read_text().splitlines()
+    ]
     out = []
     for i in range(rows):
         q = questions[i % len(questions)]
-        out.append(tok.apply_chat_template([{"role": "user", "content": f"Answer the question briefly, then explain.\nQuestion: {q}"}], add_generation_prompt=True, tokenize=True, return_dict=False))
+        out.append(
+            tok.apply_chat_template(
+                [{"role": "user", "content": f"Answer the question briefly, then explain.\nQuestion: {q}"}],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
+        )
     return out
 
 
@@ -48,10 +59,18 @@ def worker(args) -> None:
     if args.worker == "vllm":
         from agent_rl.rollout.engines import VLLMEngine
 
-        cfg = load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", [
-            "rollout.engine=vllm", "rollout.device=cpu", f"model.path={args.model}", "model.warm_start=", "model.init_size=",
-            "budget.max_total_tokens=1024", f"rollout.max_num_seqs={max(64, rows)}",
-        ])
+        cfg = load_config(
+            ROOT / "configs" / "tiny_cpu_grpo.yaml",
+            [
+                "rollout.engine=vllm",
+                "rollout.device=cpu",
+                f"model.path={args.model}",
+                "model.warm_start=",
+                "model.init_size=",
+                "budget.max_total_tokens=1024",
+                f"rollout.max_num_seqs={max(64, rows)}",
+            ],
+        )
         engine = VLLMEngine(args.model, tok, cfg, seed=0)
     else:
         from transformers import AutoModelForCausalLM
@@ -72,7 +91,18 @@ def worker(args) -> None:
 
 
 def _run(engine: str, rows: int, args) -> dict:
-    cmd = [sys.executable, __file__, "--worker", engine, "--model", args.model, "--rows", str(rows), "--new-tokens", str(args.new_tokens)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        engine,
+        "--model",
+        args.model,
+        "--rows",
+        str(rows),
+        "--new-tokens",
+        str(args.new_tokens),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if res.returncode != 0:
         raise SystemExit(f"{engine} worker failed:\n{res.stderr[-3000:]}")
@@ -81,7 +111,11 @@ def _run(engine: str, rows: int, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", required=True, help="Hugging Face model directory, e.g. the converted SmolLM2 (agent-rl init-model --preset smollm2-135m)")
+    ap.add_argument(
+        "--model",
+        required=True,
+        help="Hugging Face model directory, e.g. the converted SmolLM2 (agent-rl init-model --preset smollm2-135m)",
+    )
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--pairs", type=int, default=3)
@@ -99,8 +133,20 @@ def main() -> None:
             for e, r in got.items():
                 tps[e].append(r["tokens"] / r["seconds"])
             ratios.append(tps["vllm"][-1] / tps["hf"][-1])
-            print(f"rows {rows} pair {pair + 1}: " + ", ".join(f"{e} {got[e]['tokens']} tok in {got[e]['seconds']:.2f} s ({got[e]['tokens'] / got[e]['seconds']:.1f} tok/s, start {got[e]['startup_s']:.1f} s)" for e in order), flush=True)
-        print(f"rows {rows}: median tokens/s  hf {statistics.median(tps['hf']):.1f}  vllm {statistics.median(tps['vllm']):.1f}  vllm/hf {statistics.median(ratios):.2f}x", flush=True)
+            print(
+                f"rows {rows} pair {pair + 1}: "
+                + ", ".join(
+                    f"{e} {got[e]['tokens']} tok in {got[e]['seconds']:.2f} s "
+                    f"({got[e]['tokens'] / got[e]['seconds']:.1f} tok/s, start {got[e]['startup_s']:.1f} s)"
+                    for e in order
+                ),
+                flush=True,
+            )
+        print(
+            f"rows {rows}: median tokens/s  hf {statistics.median(tps['hf']):.1f}  vllm "
+            f"{statistics.median(tps['vllm']):.1f}  vllm/hf {statistics.median(ratios):.2f}x",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

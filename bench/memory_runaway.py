@@ -23,6 +23,7 @@ peak shown apart). The plan column is `agent_rl.infra.plan.plan(cfg).host_peak_b
 config. Torch runs one thread by default: on a shared 2-core machine two OpenMP threads make
 the flash-attention backward 10-20x slower.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,17 @@ sys.path.insert(0, str(ROOT))
 from agent_rl.infra.preflight import peak_rss_bytes  # noqa: E402
 
 L0 = 440
-DEMO_BUDGET = ["budget.max_turns=2", "budget.max_prompt_tokens=64", "budget.max_tokens_per_turn=24", "budget.max_obs_tokens=150", f"budget.max_total_tokens={L0}"]
-PROMPT = "Search with <search> query </search>, answer with <answer> answer </answer>. Question: Where was Mira Halder born?\n"
+DEMO_BUDGET = [
+    "budget.max_turns=2",
+    "budget.max_prompt_tokens=64",
+    "budget.max_tokens_per_turn=24",
+    "budget.max_obs_tokens=150",
+    f"budget.max_total_tokens={L0}",
+]
+PROMPT = (
+    "Search with <search> query </search>, answer with <answer> answer </answer>. "
+    "Question: Where was Mira Halder born?\n"
+)
 
 
 def point(setting: str, scale: int, args) -> dict:
@@ -52,13 +62,13 @@ def point(setting: str, scale: int, args) -> dict:
 
     import torch
 
-    from agent_rl.rollout.budget import TokenBudget
     from agent_rl.config import load_config
-    from agent_rl.rollout.engines import HFEngine
-    from agent_rl.learn.policy import load_policy, load_tokenizer
     from agent_rl.infra.plan import plan
-    from agent_rl.rollout.loop import INVALID_MESSAGE, AgentLoop, PromptItem
+    from agent_rl.learn.policy import load_policy, load_tokenizer
     from agent_rl.learn.update import prepare_batch, update
+    from agent_rl.rollout.budget import TokenBudget
+    from agent_rl.rollout.engines import HFEngine
+    from agent_rl.rollout.loop import INVALID_MESSAGE, AgentLoop, PromptItem
 
     torch.set_num_threads(args.threads)
     tok = load_tokenizer(args.model_dir)
@@ -70,18 +80,35 @@ def point(setting: str, scale: int, args) -> dict:
     else:
         turn = -(-(would_be - len(prompt) - 2 * corrective) // 3)
         total = len(prompt) + 3 * turn + 2 * corrective
-        budget = ["budget.max_turns=2", f"budget.max_prompt_tokens={len(prompt)}", f"budget.max_tokens_per_turn={turn}",
-                  f"budget.max_obs_tokens={corrective}", f"budget.max_total_tokens={total}"]
-    cfg = load_config(None, [f"model.path={args.model_dir}", *budget, f"train.max_tokens_per_microbatch={args.group * total}",
-                             "rollout.prompts_per_step=1", f"algo.group_size={args.group}"])
+        budget = [
+            "budget.max_turns=2",
+            f"budget.max_prompt_tokens={len(prompt)}",
+            f"budget.max_tokens_per_turn={turn}",
+            f"budget.max_obs_tokens={corrective}",
+            f"budget.max_total_tokens={total}",
+        ]
+    cfg = load_config(
+        None,
+        [
+            f"model.path={args.model_dir}",
+            *budget,
+            f"train.max_tokens_per_microbatch={args.group * total}",
+            "rollout.prompts_per_step=1",
+            f"algo.group_size={args.group}",
+        ],
+    )
     predicted = plan(cfg).host_peak_bytes
     start = time.perf_counter()
     policy = load_policy(cfg, cfg.model.path, "cpu")
     engine = HFEngine(policy, tok, "cpu", batch_size=cfg.rollout.generation_batch_size, seed=0)
     engine.stop_ids, engine.stop_strings = [], []  # a runaway policy: never emits a stop tag
     banned = torch.tensor(tok.all_special_ids)
-    hook = policy.get_output_embeddings().register_forward_hook(lambda m, i, out: out.index_fill_(-1, banned, float("-inf")))
-    trajs = AgentLoop(engine, tok, None, TokenBudget.from_config(cfg.budget)).run([PromptItem("toy-0", "toy", prompt, ["x"])], args.group)
+    hook = policy.get_output_embeddings().register_forward_hook(
+        lambda m, i, out: out.index_fill_(-1, banned, float("-inf"))
+    )
+    trajs = AgentLoop(engine, tok, None, TokenBudget.from_config(cfg.budget)).run(
+        [PromptItem("toy-0", "toy", prompt, ["x"])], args.group
+    )
     hook.remove()
     rollout_peak, rollout_s = peak_rss_bytes(), time.perf_counter() - start
     for j, t in enumerate(trajs):
@@ -91,11 +118,19 @@ def point(setting: str, scale: int, args) -> dict:
         batch = prepare_batch(cfg, policy, None, None, trajs, tok.pad_token_id, need_old=False)
         update(cfg, policy, None, opt, None, batch, random.Random(step))
     return {
-        "budget": setting, "scale": scale, "would_be_tokens": would_be, "max_total_tokens": cfg.budget.max_total_tokens,
-        "max_tokens_per_turn": cfg.budget.max_tokens_per_turn, "tokens_per_row": max(t.total_tokens for t in trajs),
-        "end_reasons": dict(Counter(t.end_reason for t in trajs)), "rollout_peak_mib": rollout_peak / 2**20,
-        "peak_rss_mib": peak_rss_bytes() / 2**20, "plan_mib": predicted / 2**20, "ratio": predicted / peak_rss_bytes(),
-        "rollout_s": rollout_s, "train_s": time.perf_counter() - start - rollout_s,
+        "budget": setting,
+        "scale": scale,
+        "would_be_tokens": would_be,
+        "max_total_tokens": cfg.budget.max_total_tokens,
+        "max_tokens_per_turn": cfg.budget.max_tokens_per_turn,
+        "tokens_per_row": max(t.total_tokens for t in trajs),
+        "end_reasons": dict(Counter(t.end_reason for t in trajs)),
+        "rollout_peak_mib": rollout_peak / 2**20,
+        "peak_rss_mib": peak_rss_bytes() / 2**20,
+        "plan_mib": predicted / 2**20,
+        "ratio": predicted / peak_rss_bytes(),
+        "rollout_s": rollout_s,
+        "train_s": time.perf_counter() - start - rollout_s,
     }
 
 
@@ -106,14 +141,18 @@ def ensure_model(model_dir: Path) -> None:
     from agent_rl.infra.model_init import init_model
 
     corpus = ROOT / "tests" / "fixtures" / "hotpotqa100" / "corpus.jsonl"
-    init_model(model_dir, size="tiny", texts=[json.loads(line)["contents"] for line in corpus.read_text().splitlines()], seed=0)
+    init_model(
+        model_dir, size="tiny", texts=[json.loads(line)["contents"] for line in corpus.read_text().splitlines()], seed=0
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--group", type=int, default=8, help="trajectories per GRPO group (one prompt)")
     parser.add_argument("--scales", default="1,4,16", help=f"would-be lengths as multiples of L0 = {L0} tokens")
-    parser.add_argument("--model-dir", type=Path, default=ROOT / ".cache" / "tiny_model", help="built (tiny, seed 0) when missing")
+    parser.add_argument(
+        "--model-dir", type=Path, default=ROOT / ".cache" / "tiny_model", help="built (tiny, seed 0) when missing"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads in each point's process")
     parser.add_argument("--point", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -122,19 +161,40 @@ def main() -> None:
         print(json.dumps(point(setting, int(scale), args)))
         return
     ensure_model(args.model_dir)
-    print(f"runaway policy, group of {args.group}, L0 = {L0} tokens, {args.threads} torch thread(s); each point: rollout + 2 training steps in a fresh process")
-    print(f"{'budget':>6} {'would-be':>8} {'per-turn cap':>12} {'tokens/row':>10} {'rollout MiB':>11} {'peak MiB':>8} {'plan MiB':>8} {'plan/peak':>9} {'rollout s':>9} {'train s':>7}")
+    print(
+        f"runaway policy, group of {args.group}, L0 = {L0} tokens, {args.threads} torch thread(s); each point: "
+        "rollout + 2 training steps in a fresh process"
+    )
+    print(
+        f"{'budget':>6} {'would-be':>8} {'per-turn cap':>12} {'tokens/row':>10} {'rollout MiB':>11} {'peak MiB':>8} "
+        f"{'plan MiB':>8} {'plan/peak':>9} {'rollout s':>9} {'train s':>7}"
+    )
     results = []
     for setting in ("on", "off"):
         for scale in (int(s) for s in args.scales.split(",")):
-            cmd = [sys.executable, __file__, "--point", f"{setting}:{scale}", "--group", str(args.group), "--model-dir", str(args.model_dir), "--threads", str(args.threads)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--point",
+                f"{setting}:{scale}",
+                "--group",
+                str(args.group),
+                "--model-dir",
+                str(args.model_dir),
+                "--threads",
+                str(args.threads),
+            ]
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode != 0:
                 sys.exit(f"point {setting}:{scale} failed:\n{res.stderr[-3000:]}")
             r = json.loads(res.stdout.strip().splitlines()[-1])
             results.append(r)
-            print(f"{r['budget']:>6} {r['would_be_tokens']:>8} {r['max_tokens_per_turn']:>12} {r['tokens_per_row']:>10} {r['rollout_peak_mib']:>11.0f} {r['peak_rss_mib']:>8.0f} "
-                  f"{r['plan_mib']:>8.0f} {r['ratio']:>9.2f} {r['rollout_s']:>9.1f} {r['train_s']:>7.1f}", flush=True)
+            print(
+                f"{r['budget']:>6} {r['would_be_tokens']:>8} {r['max_tokens_per_turn']:>12} "
+                f"{r['tokens_per_row']:>10} {r['rollout_peak_mib']:>11.0f} {r['peak_rss_mib']:>8.0f} "
+                f"{r['plan_mib']:>8.0f} {r['ratio']:>9.2f} {r['rollout_s']:>9.1f} {r['train_s']:>7.1f}",
+                flush=True,
+            )
     print(json.dumps({"group": args.group, "L0": L0, "threads": args.threads, "results": results}))
 
 

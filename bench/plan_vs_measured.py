@@ -12,6 +12,7 @@ VmHWM is read after each phase. The plan's host peak uses this environment's imp
 (a fresh process that imports the trainer and loads the tokenizer), as tests/test_memory_safety
 does, so the comparison is of what the planner models.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,12 +44,10 @@ def measure(config: str, overrides: list[str]) -> dict:
     import torch
 
     from agent_rl.config import load_config
-    from agent_rl.rollout.engines import VLLMEngine, hf_named_weights
+    from agent_rl.infra.preflight import fix_mmap_threshold, peak_rss_bytes
     from agent_rl.learn.policy import load_policy, load_tokenizer
-    from agent_rl.infra.preflight import peak_rss_bytes
+    from agent_rl.rollout.engines import VLLMEngine, hf_named_weights
     from agent_rl.rollout.trajectory import Trajectory
-
-    from agent_rl.infra.preflight import fix_mmap_threshold
 
     cfg = load_config(config, overrides)
     fix_mmap_threshold(cfg.train.host_mmap_threshold_mib)  # as `train` does
@@ -59,7 +58,9 @@ def measure(config: str, overrides: list[str]) -> dict:
     engine = None
     if cfg.rollout.engine == "vllm":
         engine = VLLMEngine(path, tok, cfg, seed=0)
-        prompt = tok("Question: who wrote the novel that the film was based on?\n", add_special_tokens=False)["input_ids"]
+        prompt = tok("Question: who wrote the novel that the film was based on?\n", add_special_tokens=False)[
+            "input_ids"
+        ]
         engine.stop_ids = []  # every row runs to its allowance
         engine.generate([prompt] * rows, [cfg.budget.max_total_tokens - len(prompt)] * rows, 1.0)
         peaks["rollout_engine"] = peak_rss_bytes()
@@ -79,8 +80,19 @@ def measure(config: str, overrides: list[str]) -> dict:
             t = Trajectory(f"p{pi}", "toy", prompt, ["x"], sample_idx=j)
             for _ in range(B.max_turns):
                 t.append(torch.randint(10, V, (B.max_tokens_per_turn,), generator=g).tolist(), sampled=True)
-                t.append(torch.randint(10, V, (max(0, min(B.max_obs_tokens, L - t.total_tokens - 2 * B.max_tokens_per_turn)),), generator=g).tolist(), sampled=False)
-            t.append(torch.randint(10, V, (min(B.max_tokens_per_turn, L - t.total_tokens),), generator=g).tolist(), sampled=True)
+                t.append(
+                    torch.randint(
+                        10,
+                        V,
+                        (max(0, min(B.max_obs_tokens, L - t.total_tokens - 2 * B.max_tokens_per_turn)),),
+                        generator=g,
+                    ).tolist(),
+                    sampled=False,
+                )
+            t.append(
+                torch.randint(10, V, (min(B.max_tokens_per_turn, L - t.total_tokens),), generator=g).tolist(),
+                sampled=True,
+            )
             t.reward = float(j % 2)
             trajs.append(t)
     for step in range(2):
@@ -97,7 +109,7 @@ def main() -> None:
     if args and args[0] == "--point":
         print(json.dumps(measure(args[1], args[2:])))
         return
-    config = args[0] if args and not "=" in args[0] else str(ROOT / "configs" / "smollm2_hotpotqa_grpo.yaml")
+    config = args[0] if args and "=" not in args[0] else str(ROOT / "configs" / "smollm2_hotpotqa_grpo.yaml")
     overrides = [a for a in args if "=" in a]
     from agent_rl.config import load_config
     from agent_rl.infra.plan import BASELINE_HOST_BYTES, plan
@@ -106,9 +118,18 @@ def main() -> None:
     cfg = load_config(config, overrides)
     ensure_model(cfg)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    base = subprocess.run([sys.executable, "-c", BASELINE, config, *overrides], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    base = subprocess.run(
+        [sys.executable, "-c", BASELINE, config, *overrides],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     baseline = json.loads(base.stdout.strip().splitlines()[-1])["peak_rss"]
-    res = subprocess.run([sys.executable, __file__, "--point", config, *overrides], cwd=ROOT, env=env, capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, __file__, "--point", config, *overrides], cwd=ROOT, env=env, capture_output=True, text=True
+    )
     if res.returncode != 0:
         raise SystemExit(res.stderr[-4000:])
     measured = json.loads(res.stdout.strip().splitlines()[-1])
@@ -117,11 +138,16 @@ def main() -> None:
     print(f"config {config} {' '.join(overrides)}")
     print(f"import baseline measured {baseline / 2**30:.2f} GiB (planner constant {BASELINE_HOST_BYTES / 2**30:.2f})")
     for name, ph in p.phases.items():
-        print(f"plan {name:>7}: {(ph['host_bytes'] + shift) / 2**30:6.2f} GiB  " + ", ".join(f"{k.split('/')[-1]} {v / 2**30:.2f}" for k, v in ph["components"].items()))
+        print(
+            f"plan {name:>7}: {(ph['host_bytes'] + shift) / 2**30:6.2f} GiB  "
+            + ", ".join(f"{k.split('/')[-1]} {v / 2**30:.2f}" for k, v in ph["components"].items())
+        )
     for name, v in measured["peaks"].items():
         print(f"measured VmHWM after {name:>14}: {v / 2**30:6.2f} GiB")
     predicted, actual = p.host_peak_bytes + shift, max(measured["peaks"].values())
-    print(f"peak: planned {predicted / 2**30:.2f} GiB, measured {actual / 2**30:.2f} GiB, ratio {predicted / actual:.3f}")
+    print(
+        f"peak: planned {predicted / 2**30:.2f} GiB, measured {actual / 2**30:.2f} GiB, ratio {predicted / actual:.3f}"
+    )
 
 
 if __name__ == "__main__":

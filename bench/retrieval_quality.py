@@ -8,6 +8,7 @@ For each of the 100 questions (`metadata.supporting_titles`, two gold paragraphs
 flat's top-10 that HNSW also returns). Indexes are built with `build_index` into --work and
 reused on the next run when their manifest still matches the corpus.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,7 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--corpus", type=Path, default=FIXTURE / "corpus.jsonl")
     p.add_argument("--questions", type=Path, default=FIXTURE / "questions.jsonl")
-    p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "agent-rl-bench-hotpotqa100", help="where indexes are built and reused")
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "agent-rl-bench-hotpotqa100",
+        help="where indexes are built and reused",
+    )
     p.add_argument("--kinds", default="flat,hnsw,bm25")
     a = p.parse_args(argv)
 

@@ -8,7 +8,8 @@ Usage: .venv/bin/python bench/retriever_load.py [--index DIR] [--duration 8] [--
 2. A real server subprocess with batching + cache on (the defaults), then one with
    --no-batching --no-cache (one request at a time, Search-R1's behaviour), each driven by N
    concurrent clients (asyncio, one keep-alive connection each; `--client httpx` for httpx) for
-   every concurrency × queries per request, bounded by --duration seconds and --max-requests per cell. Every query is distinct
+   every concurrency × queries per request, bounded by --duration seconds and --max-requests per cell.
+   Every query is distinct
    across the whole run, so the cache never answers and throughput is the encoder's and the
    batcher's; a last row repeats a few queries (GRPO's groups) to show what the cache adds.
 Prints queries/s, requests/s, p50/p95/p99 request latency, the server's mean batch size and the
@@ -17,6 +18,7 @@ the issue's goals: at concurrency 32, batching on >= 3x batching off, and >= 80%
 Without --index it builds a flat MiniLM index of the HotpotQA fixture (994 paragraphs) into
 --work, reused on later runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -109,7 +111,11 @@ def server_batches(url: str) -> tuple[float, float]:
     """(sum, count) of the server's batch-size histogram."""
     import httpx
 
-    m = dict(line.rsplit(" ", 1) for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines() if line and not line.startswith("#"))
+    m = dict(
+        line.rsplit(" ", 1)
+        for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
+        if line and not line.startswith("#")
+    )
     return float(m["retriever_batch_size_sum"]), float(m["retriever_batch_size_count"])
 
 
@@ -128,7 +134,10 @@ class RawConnection:
         if self.writer is None:
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
         body = json.dumps(payload).encode()
-        head = f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
         self.writer.write(head.encode() + body)
         lines = (await self.reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
         fields = dict(line.split(":", 1) for line in lines[1:] if ":" in line)
@@ -142,7 +151,9 @@ class RawConnection:
             self.writer.close()
 
 
-async def drive(url: str, make_queries, concurrency: int, duration: float, max_requests: int, topk: int, client: str = "raw") -> dict:
+async def drive(
+    url: str, make_queries, concurrency: int, duration: float, max_requests: int, topk: int, client: str = "raw"
+) -> dict:
     """`concurrency` clients, each sending its next request as soon as the last one is answered,
     until `duration` seconds or `max_requests` requests have been started. Every answer is
     checked: status 200 and one result list per query."""
@@ -152,7 +163,9 @@ async def drive(url: str, make_queries, concurrency: int, duration: float, max_r
     failures = 0
     started = 0
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(limits=limits, timeout=120) if client == "httpx" else contextlib.nullcontext() as shared:
+    async with (
+        httpx.AsyncClient(limits=limits, timeout=120) if client == "httpx" else contextlib.nullcontext() as shared
+    ):
         t0 = time.perf_counter()
 
         async def worker() -> None:
@@ -181,7 +194,14 @@ async def drive(url: str, make_queries, concurrency: int, duration: float, max_r
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     lat = np.array(latencies) * 1000 if latencies else np.array([np.nan])
-    return {"requests": len(latencies), "failures": failures, "wall": wall, "p50": np.percentile(lat, 50), "p95": np.percentile(lat, 95), "p99": np.percentile(lat, 99)}
+    return {
+        "requests": len(latencies),
+        "failures": failures,
+        "wall": wall,
+        "p50": np.percentile(lat, 50),
+        "p95": np.percentile(lat, 95),
+        "p99": np.percentile(lat, 99),
+    }
 
 
 def run_cell(url: str, make_queries, qpr: int, concurrency: int, args, server_pid: int) -> dict:
@@ -199,8 +219,11 @@ def run_cell(url: str, make_queries, qpr: int, concurrency: int, args, server_pi
 
 
 def _row(label: str, concurrency: int, qpr: int, r: dict) -> str:
-    return (f"{label:<16} {concurrency:>4} {qpr:>5} {r['qps']:>9.1f} {r['rps']:>7.1f} {r['p50']:>8.1f} {r['p95']:>8.1f} {r['p99']:>8.1f} "
-            f"{r['batch']:>6.1f} {r['failures']:>4} {r['server_cpu']:>7.2f} {r['client_cpu']:>7.2f}")
+    return (
+        f"{label:<16} {concurrency:>4} {qpr:>5} {r['qps']:>9.1f} {r['rps']:>7.1f} {r['p50']:>8.1f} {r['p95']:>8.1f} "
+        f"{r['p99']:>8.1f} "
+        f"{r['batch']:>6.1f} {r['failures']:>4} {r['server_cpu']:>7.2f} {r['client_cpu']:>7.2f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,10 +237,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=8.0, help="seconds per cell (and per ceiling measurement)")
     p.add_argument("--max-requests", type=int, default=5000, help="most requests per cell")
     p.add_argument("--topk", type=int, default=3)
-    p.add_argument("--modes", default="batching,plain", help="servers to run: batching (defaults), plain (--no-batching --no-cache)")
-    p.add_argument("--client", choices=["raw", "httpx"], default="raw", help="load generator: raw keep-alive HTTP/1.1 on asyncio (light), or httpx's async client")
+    p.add_argument(
+        "--modes",
+        default="batching,plain",
+        help="servers to run: batching (defaults), plain (--no-batching --no-cache)",
+    )
+    p.add_argument(
+        "--client",
+        choices=["raw", "httpx"],
+        default="raw",
+        help="load generator: raw keep-alive HTTP/1.1 on asyncio (light), or httpx's async client",
+    )
     p.add_argument("--no-ceiling", action="store_true", help="skip the in-process measurement")
-    p.add_argument("--server-args", default="", help="extra flags for the batching server, e.g. '--batch-window-ms 2 --max-batch 128'")
+    p.add_argument(
+        "--server-args",
+        default="",
+        help="extra flags for the batching server, e.g. '--batch-window-ms 2 --max-batch 128'",
+    )
     a = p.parse_args(argv)
     a.work.mkdir(parents=True, exist_ok=True)
     concurrencies = [int(x) for x in a.concurrency.split(",")]
@@ -228,13 +264,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"index {index_dir}; {os.cpu_count()} CPUs; {a.duration:.0f}s per cell; topk {a.topk}", flush=True)
     ceiling = None if a.no_ceiling else Ceiling(index_dir, queries, a.topk)
     ceil = {b: float("nan") if ceiling is None else ceiling.measure(b, a.duration) for b in (1, 32)}
-    print(f"in-process ceiling (encode + search, no HTTP): batch 1 {ceil[1]:.1f} q/s, batch 32 {ceil[32]:.1f} q/s", flush=True)
-    beside: dict[int, tuple[float, float]] = {}  # qpr -> the batch-32 ceiling just before and after the top-concurrency cell
+    print(
+        f"in-process ceiling (encode + search, no HTTP): batch 1 {ceil[1]:.1f} q/s, batch 32 {ceil[32]:.1f} q/s",
+        flush=True,
+    )
+    beside: dict[
+        int, tuple[float, float]
+    ] = {}  # qpr -> the batch-32 ceiling just before and after the top-concurrency cell
 
-    header = f"{'server':<16} {'conc':>4} {'q/req':>5} {'queries/s':>9} {'req/s':>7} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'batch':>6} {'fail':>4} {'srv CPU':>7} {'cli CPU':>7}"
+    header = (
+        f"{'server':<16} {'conc':>4} {'q/req':>5} {'queries/s':>9} {'req/s':>7} {'p50 ms':>8} {'p95 ms':>8} "
+        f"{'p99 ms':>8} {'batch':>6} {'fail':>4} {'srv CPU':>7} {'cli CPU':>7}"
+    )
     rows: list[str] = []
     results: dict[tuple[str, int, int], dict] = {}
-    modes = [(name, extra) for key, name, extra in (("batching", "batching+cache", a.server_args.split()), ("plain", "one-at-a-time", ["--no-batching", "--no-cache"])) if key in a.modes.split(",")]
+    modes = [
+        (name, extra)
+        for key, name, extra in (
+            ("batching", "batching+cache", a.server_args.split()),
+            ("plain", "one-at-a-time", ["--no-batching", "--no-cache"]),
+        )
+        if key in a.modes.split(",")
+    ]
     for mode, extra in modes:
         with start_server(index_dir, *extra, ready_timeout=300) as (proc, url):
             asyncio.run(drive(url, lambda: queries.take(1), 8, 2.0, 32, a.topk))  # warm-up
@@ -258,7 +309,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(rows))
     print(f"{'in-process':<16} {'':>4} {1:>5} {ceil[1]:>9.1f}\n{'in-process':<16} {'':>4} {32:>5} {ceil[32]:>9.1f}")
     c = max(concurrencies)
-    print(f"in-process batch 32 / batch 1 = {ceil[32] / ceil[1]:.2f}x: the most batching can give over one-at-a-time on this machine")
+    print(
+        f"in-process batch 32 / batch 1 = {ceil[32] / ceil[1]:.2f}x: the most batching can give over one-at-a-time "
+        "on this machine"
+    )
     for qpr in qprs:
         on, off = results.get(("batching+cache", c, qpr)), results.get(("one-at-a-time", c, qpr))
         if on and off:
@@ -266,9 +320,12 @@ def main(argv: list[str] | None = None) -> int:
             # The 3x goal is for one query per request (one tool call per trajectory): with 8 per
             # request, one-at-a-time already encodes batches of 8.
             goal = " (goal >= 3x)" if qpr == 1 else f" (one-at-a-time already encodes {qpr} per batch)"
-            print(f"concurrency {c}, {qpr} q/request: batching on / off = {on['qps'] / off['qps']:.2f}x{goal}; "
-                  f"server / in-process ceiling at batch 32 = {on['qps'] / near:.0%} (goal >= 80%; ceiling {beside.get(qpr, (near, near))[0]:.1f} "
-                  f"before the cell, {beside.get(qpr, (near, near))[1]:.1f} after)")
+            print(
+                f"concurrency {c}, {qpr} q/request: batching on / off = {on['qps'] / off['qps']:.2f}x{goal}; "
+                f"server / in-process ceiling at batch 32 = {on['qps'] / near:.0%} (goal >= 80%; ceiling "
+                f"{beside.get(qpr, (near, near))[0]:.1f} "
+                f"before the cell, {beside.get(qpr, (near, near))[1]:.1f} after)"
+            )
     return 0
 
 

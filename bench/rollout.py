@@ -11,6 +11,7 @@ Usage: .venv/bin/python bench/rollout.py [--prompts 32] [--group 4]
    (only the engine's per-turn cap, raised with the would-be length). Each point runs in a
    fresh subprocess so its peak RSS (VmHWM) is its own.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,13 +43,13 @@ def throughput(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agent_rl.rollout.budget import TokenBudget
-    from agent_rl.rollout.prompts import load_prompts
-    from agent_rl.rollout.engines import HFEngine
-    from agent_rl.learn.policy import load_tokenizer
     from agent_rl.infra.prepare import local_retriever
-    from agent_rl.rollout.retriever import RetrieverClient
+    from agent_rl.learn.policy import load_tokenizer
+    from agent_rl.rollout.budget import TokenBudget
+    from agent_rl.rollout.engines import HFEngine
     from agent_rl.rollout.loop import AgentLoop
+    from agent_rl.rollout.prompts import load_prompts
+    from agent_rl.rollout.retriever import RetrieverClient
 
     cfg = _setup([])
     path = cfg.model.warm_start if Path(cfg.model.warm_start).exists() else cfg.model.path
@@ -78,20 +79,29 @@ def throughput(args) -> None:
                 first = next((k for k, x in enumerate(turn) if x in stop_ids), None)
                 wasted += 0 if first is None else len(turn) - first - 1
                 turn = []
-    print(f"model: {path}  ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params), {len(trajs)} trajectories ({args.prompts} prompts x {args.group})")
+    print(
+        f"model: {path}  ({sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params), {len(trajs)} trajectories "
+        f"({args.prompts} prompts x {args.group})"
+    )
     print(f"trajectories/s:        {len(trajs) / wall:8.2f}")
-    print(f"generated tokens/s:    {generated / wall:8.1f}   (generation only: {engine.stats['generated_tokens'] / max(1e-9, engine.stats['generate_s']):.1f})")
+    print(
+        f"generated tokens/s:    {generated / wall:8.1f}   "
+        f"(generation only: {engine.stats['generated_tokens'] / max(1e-9, engine.stats['generate_s']):.1f})"
+    )
     print(f"mean turns:            {sum(len(t.turns) for t in trajs) / len(trajs):8.2f}")
-    print(f"tokens after a stop:   {wasted} of {generated} generated = {100.0 * wasted / max(1, generated):.2f}%  (Search-R1: >20%)")
+    print(
+        f"tokens after a stop:   {wasted} of {generated} generated = {100.0 * wasted / max(1, generated):.2f}%  "
+        "(Search-R1: >20%)"
+    )
 
 
 def runaway_point(mult: int, budget_on: bool) -> dict:
     """One runaway rollout in this process; returns its peak RSS."""
     from transformers import AutoModelForCausalLM
 
+    from agent_rl.learn.policy import load_tokenizer
     from agent_rl.rollout.budget import TokenBudget
     from agent_rl.rollout.engines import HFEngine
-    from agent_rl.learn.policy import load_tokenizer
     from agent_rl.rollout.loop import AgentLoop, PromptItem
 
     cfg = _setup([])
@@ -100,14 +110,28 @@ def runaway_point(mult: int, budget_on: bool) -> dict:
     base_turn = 64
     would_be = base_turn * mult
     if budget_on:
-        budget = TokenBudget(max_turns=2, max_prompt_tokens=200, max_tokens_per_turn=base_turn, max_obs_tokens=150, max_total_tokens=200 + 2 * (base_turn + 150) + base_turn)
+        budget = TokenBudget(
+            max_turns=2,
+            max_prompt_tokens=200,
+            max_tokens_per_turn=base_turn,
+            max_obs_tokens=150,
+            max_total_tokens=200 + 2 * (base_turn + 150) + base_turn,
+        )
     else:
-        budget = TokenBudget(max_turns=2, max_prompt_tokens=200, max_tokens_per_turn=would_be, max_obs_tokens=10**9, max_total_tokens=10**9)
+        budget = TokenBudget(
+            max_turns=2,
+            max_prompt_tokens=200,
+            max_tokens_per_turn=would_be,
+            max_obs_tokens=10**9,
+            max_total_tokens=10**9,
+        )
     engine = HFEngine(model, tok, "cpu", batch_size=64, seed=0)
     engine.stop_ids = []  # a runaway policy: never emits a stop tag
     engine.stop_strings = []
     loop = AgentLoop(engine, tok, None, budget)
-    prompt = tok("Answer the given question. Question: where was Doran Velk born?\n", add_special_tokens=False)["input_ids"]
+    prompt = tok("Answer the given question. Question: where was Doran Velk born?\n", add_special_tokens=False)[
+        "input_ids"
+    ]
     items = [PromptItem(f"toy-{i}", "toy", prompt, ["x"]) for i in range(16)]
     rss0 = peak_rss_bytes()
     start = time.perf_counter()
@@ -124,12 +148,24 @@ def runaway_point(mult: int, budget_on: bool) -> dict:
 
 
 def runaway(args) -> None:
-    print(f"\n{'budget':>6} {'x':>3} {'would-be/turn':>13} {'longest traj':>12} {'peak RSS MiB':>12} {'growth MiB':>10} {'s':>6}")
+    print(
+        f"\n{'budget':>6} {'x':>3} {'would-be/turn':>13} {'longest traj':>12} {'peak RSS MiB':>12} "
+        f"{'growth MiB':>10} {'s':>6}"
+    )
     for budget_on in (True, False):
         for mult in (1, 4, 16):
-            res = subprocess.run([sys.executable, __file__, "--point", str(mult), "--budget", "on" if budget_on else "off"], capture_output=True, text=True, check=True)
+            res = subprocess.run(
+                [sys.executable, __file__, "--point", str(mult), "--budget", "on" if budget_on else "off"],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             r = json.loads(res.stdout.strip().splitlines()[-1])
-            print(f"{r['budget']:>6} {r['mult']:>3} {r['would_be_tokens_per_turn']:>13} {r['max_total_tokens_seen']:>12} {r['peak_rss_mib']:>12.0f} {r['rss_growth_mib']:>10.0f} {r['seconds']:>6.1f}")
+            print(
+                f"{r['budget']:>6} {r['mult']:>3} {r['would_be_tokens_per_turn']:>13} "
+                f"{r['max_total_tokens_seen']:>12} {r['peak_rss_mib']:>12.0f} {r['rss_growth_mib']:>10.0f} "
+                f"{r['seconds']:>6.1f}"
+            )
 
 
 def main() -> None:

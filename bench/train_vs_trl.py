@@ -9,6 +9,7 @@ CPU. Each side runs in its own fresh subprocess (a process pair) so peak RSS is 
 first step is a warm-up and is left out of the timing. Printed as ratios agent-rl / TRL; on a
 shared 2-core machine one pair can swing by 20%, so the pairs alternate and the median counts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,24 +42,31 @@ def _cfg(args):
 
     cfg = load_config(
         ROOT / "configs" / "tiny_cpu_grpo.yaml",
-        [f"rollout.prompts_per_step={args.prompts}", f"algo.group_size={args.group}", "budget.max_turns=0",
-         f"budget.max_tokens_per_turn={args.max_new}", f"budget.max_total_tokens={200 + args.max_new}", "train.lr=1e-5"],
+        [
+            f"rollout.prompts_per_step={args.prompts}",
+            f"algo.group_size={args.group}",
+            "budget.max_turns=0",
+            f"budget.max_tokens_per_turn={args.max_new}",
+            f"budget.max_total_tokens={200 + args.max_new}",
+            "train.lr=1e-5",
+        ],
     )
     prepare(cfg, need_index=False)
     return cfg
 
 
 def run_ours(args) -> dict:
+    import random
+
     import torch
 
-    from agent_rl.rollout.budget import TokenBudget
-    from agent_rl.rollout.prompts import load_prompts
-    from agent_rl.rollout.engines import HFEngine
     from agent_rl.learn.policy import load_policy, load_tokenizer
-    from agent_rl.rollout.rewards import compute_reward
-    from agent_rl.rollout.loop import AgentLoop
     from agent_rl.learn.update import prepare_batch, update
-    import random
+    from agent_rl.rollout.budget import TokenBudget
+    from agent_rl.rollout.engines import HFEngine
+    from agent_rl.rollout.loop import AgentLoop
+    from agent_rl.rollout.prompts import load_prompts
+    from agent_rl.rollout.rewards import compute_reward
 
     cfg = _cfg(args)
     tok = load_tokenizer(cfg.model.path)
@@ -78,9 +86,13 @@ def run_ours(args) -> dict:
         if step:
             times.append(time.perf_counter() - start)
             tokens.append(sum(t.total_tokens for t in trajs))
-    return {"side": "agent-rl", "tokens_per_s": sum(tokens) / sum(times), "step_s": sum(times) / len(times),
-            "completion_tokens_mean": sum(t.response_tokens for t in trajs) / len(trajs),
-            "peak_rss_mib": peak_rss_bytes() / 2**20}
+    return {
+        "side": "agent-rl",
+        "tokens_per_s": sum(tokens) / sum(times),
+        "step_s": sum(times) / len(times),
+        "completion_tokens_mean": sum(t.response_tokens for t in trajs) / len(trajs),
+        "peak_rss_mib": peak_rss_bytes() / 2**20,
+    }
 
 
 def run_trl(args) -> dict:
@@ -101,20 +113,33 @@ def run_trl(args) -> dict:
         return [compute_reward("em", c, g) for c, g in zip(completions, golden)]
 
     stamps: list[float] = []
-    toks: list[int] = []
 
     class Timer(TrainerCallback):
         def on_step_end(self, a, state, control, **kw):
             stamps.append(time.perf_counter())
 
     conf = GRPOConfig(
-        output_dir=str(Path("/tmp") / "trl_bench"), per_device_train_batch_size=args.prompts * args.group, num_generations=args.group,
-        max_completion_length=args.max_new, learning_rate=cfg.train.lr, max_steps=args.steps, use_cpu=True, report_to=[],
-        save_strategy="no", logging_steps=1, temperature=1.0, beta=0.0, bf16=False, gradient_accumulation_steps=1,
-        dataloader_num_workers=0, seed=0,
+        output_dir=str(Path("/tmp") / "trl_bench"),
+        per_device_train_batch_size=args.prompts * args.group,
+        num_generations=args.group,
+        max_completion_length=args.max_new,
+        learning_rate=cfg.train.lr,
+        max_steps=args.steps,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=1,
+        temperature=1.0,
+        beta=0.0,
+        bf16=False,
+        gradient_accumulation_steps=1,
+        dataloader_num_workers=0,
+        seed=0,
     )
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path)
-    trainer = GRPOTrainer(model=model, reward_funcs=em, args=conf, train_dataset=data, processing_class=tok, callbacks=[Timer()])
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=em, args=conf, train_dataset=data, processing_class=tok, callbacks=[Timer()]
+    )
     start = time.perf_counter()
     trainer.train()
     logs = [h for h in trainer.state.log_history if "completions/mean_length" in h]
@@ -122,8 +147,14 @@ def run_trl(args) -> dict:
     prompt_len = sum(len(tok(p, add_special_tokens=False)["input_ids"]) for p in prompts) / len(prompts)
     per_step_tokens = (prompt_len + comp) * args.prompts * args.group
     step_s = (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1)
-    return {"side": "trl", "tokens_per_s": per_step_tokens / step_s, "step_s": step_s, "completion_tokens_mean": comp,
-            "peak_rss_mib": peak_rss_bytes() / 2**20, "wall_s": time.perf_counter() - start}
+    return {
+        "side": "trl",
+        "tokens_per_s": per_step_tokens / step_s,
+        "step_s": step_s,
+        "completion_tokens_mean": comp,
+        "peak_rss_mib": peak_rss_bytes() / 2**20,
+        "wall_s": time.perf_counter() - start,
+    }
 
 
 def main() -> None:
@@ -132,7 +163,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--max-new", type=int, default=48)
-    parser.add_argument("--repeats", type=int, default=3, help="process pairs, run alternately; the median ratio is the result")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="process pairs, run alternately; the median ratio is the result"
+    )
     parser.add_argument("--side", choices=["ours", "trl"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
@@ -143,18 +176,37 @@ def main() -> None:
     for pair in range(args.repeats):
         results = {}
         for side in ("ours", "trl"):
-            cmd = [sys.executable, __file__, "--side", side, "--steps", str(args.steps), "--prompts", str(args.prompts), "--group", str(args.group), "--max-new", str(args.max_new)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--side",
+                side,
+                "--steps",
+                str(args.steps),
+                "--prompts",
+                str(args.prompts),
+                "--group",
+                str(args.group),
+                "--max-new",
+                str(args.max_new),
+            ]
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode:
                 print(res.stderr[-3000:])
                 raise SystemExit(f"{side} failed")
             results[side] = r = json.loads(res.stdout.strip().splitlines()[-1])
-            print(f"{pair:<5} {r['side']:<10} {r['tokens_per_s']:>10.0f} {r['step_s']:>8.2f} {r['completion_tokens_mean']:>10.1f} {r['peak_rss_mib']:>13.0f}")
+            print(
+                f"{pair:<5} {r['side']:<10} {r['tokens_per_s']:>10.0f} {r['step_s']:>8.2f} "
+                f"{r['completion_tokens_mean']:>10.1f} {r['peak_rss_mib']:>13.0f}"
+            )
         o, t = results["ours"], results["trl"]
         speed.append(o["tokens_per_s"] / t["tokens_per_s"])
         memory.append(o["peak_rss_mib"] / t["peak_rss_mib"])
     print("throughput ratio agent-rl/TRL per pair: " + " ".join(f"{x:.2f}x" for x in speed))
-    print(f"median throughput ratio agent-rl/TRL: {statistics.median(speed):.2f}x   median peak RSS ratio: {statistics.median(memory):.2f}x")
+    print(
+        f"median throughput ratio agent-rl/TRL: {statistics.median(speed):.2f}x   median peak RSS ratio: "
+        f"{statistics.median(memory):.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ the set of ids seen is the one thing held in memory (roughly 1.5 GB for wiki-18'
 CACM from HTML: title lines, then the rest with whitespace collapsed as Anserini's converter
 does, so its contents match Anserini's JSONL but for the newline after the title.
 """
+
 from __future__ import annotations
 
 import html

@@ -12,6 +12,7 @@ split (as Search-R1's merge script does), and the summary says so; with `--token
 --max-prompt-tokens`, over-long prompts are dropped here and counted per dataset, never
 truncated.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,16 +31,18 @@ HUB_REPO = "RUC-NLPIR/FlashRAG_datasets"
 DATASETS = ("nq", "triviaqa", "popqa", "hotpotqa", "2wikimultihopqa", "musique", "bamboogle")
 # A split asked for but missing is taken from its stand-in, as Search-R1 does for test sets.
 FALLBACK_SPLIT = {"test": "dev"}
-SCHEMA = pa.schema([
-    ("id", pa.string()),
-    ("uid", pa.string()),
-    ("data_source", pa.string()),
-    ("question", pa.string()),
-    ("golden_answers", pa.list_(pa.string())),
-    ("split", pa.string()),
-    ("prompt", pa.string()),
-    ("metadata", pa.string()),
-])
+SCHEMA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("uid", pa.string()),
+        ("data_source", pa.string()),
+        ("question", pa.string()),
+        ("golden_answers", pa.list_(pa.string())),
+        ("split", pa.string()),
+        ("prompt", pa.string()),
+        ("metadata", pa.string()),
+    ]
+)
 _LOCAL_SUFFIXES = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
@@ -98,18 +101,24 @@ def resolve_splits(dataset: str, splits: list[str], input_path: Path | None) -> 
             raise DataPrepError(f"--input {input_path} does not exist")
         if input_path.is_file():
             if len(splits) != 1:
-                raise DataPrepError(f"--input {input_path} is one file: name its split with --split (one of train, dev, test), not {','.join(splits)}")
+                raise DataPrepError(
+                    f"--input {input_path} is one file: name its split with --split (one of train, dev, test), not "
+                    f"{','.join(splits)}"
+                )
             return [(splits[0], splits[0], input_path)]
         for split in splits:
             for source in (split, FALLBACK_SPLIT.get(split)):
                 path = _find_local_split(input_path, dataset, source) if source else None
                 if path is not None:
-                    found.append((split, source, path))
+                    found.append((split, str(source), path))
                     break
             else:
                 print(f"[data-prep] {dataset}: no {split} split under {input_path}; skipped", file=sys.stderr)
         if not found:
-            raise DataPrepError(f"--input {input_path} holds no {'/'.join(splits)} file for {dataset} (expected e.g. {input_path}/{dataset}/train.jsonl)")
+            raise DataPrepError(
+                f"--input {input_path} holds no {'/'.join(splits)} file for {dataset} (expected e.g. "
+                f"{input_path}/{dataset}/train.jsonl)"
+            )
         return found
     available = hub_split_names(dataset)
     for split in splits:
@@ -118,7 +127,10 @@ def resolve_splits(dataset: str, splits: list[str], input_path: Path | None) -> 
                 found.append((split, source, "hub"))
                 break
         else:
-            print(f"[data-prep] {dataset}: {HUB_REPO} has no {split} split (it has {', '.join(available)}); skipped", file=sys.stderr)
+            print(
+                f"[data-prep] {dataset}: {HUB_REPO} has no {split} split (it has {', '.join(available)}); skipped",
+                file=sys.stderr,
+            )
     if not found:
         raise DataPrepError(f"{HUB_REPO}/{dataset} has none of the splits {splits} (it has {available})")
     return found
@@ -155,7 +167,9 @@ def load_records(dataset: str, source_split: str, where: str | Path):
     try:
         return datasets.load_dataset(builder, data_files=path, split="train")
     except Exception as err:
-        raise DataPrepError(f"could not read {path} as {builder} in FlashRAG layout ({type(err).__name__}: {err})") from err
+        raise DataPrepError(
+            f"could not read {path} as {builder} in FlashRAG layout ({type(err).__name__}: {err})"
+        ) from err
 
 
 # --------------------------------------------------------------------------- rows
@@ -169,11 +183,15 @@ def _answers(value) -> list[str]:
     return [str(a).strip() for a in value if a is not None and str(a).strip()]
 
 
-def build_rows(records, dataset: str, split: str, template: str = "base", tokenizer=None) -> tuple[dict[str, list], int]:
+def build_rows(
+    records, dataset: str, split: str, template: str = "base", tokenizer=None
+) -> tuple[dict[str, list], int]:
     """FlashRAG records -> column dict in SCHEMA order, and the count of rows skipped as unusable."""
     missing = {"id", "question", "golden_answers"} - set(records.column_names)
     if missing:
-        raise DataPrepError(f"{dataset}/{split} lacks the FlashRAG fields {sorted(missing)} (has {records.column_names})")
+        raise DataPrepError(
+            f"{dataset}/{split} lacks the FlashRAG fields {sorted(missing)} (has {records.column_names})"
+        )
     has_meta = "metadata" in records.column_names
     cols: dict[str, list] = {name: [] for name in SCHEMA.names}
     skipped = 0
@@ -193,12 +211,20 @@ def build_rows(records, dataset: str, split: str, template: str = "base", tokeni
         cols["golden_answers"].append(answers)
         cols["split"].append(split)
         cols["prompt"].append(render_prompt(question, template, tokenizer))
-        cols["metadata"].append(json.dumps(meta, sort_keys=True, ensure_ascii=False, default=str) if meta is not None else "{}")
+        cols["metadata"].append(
+            json.dumps(meta, sort_keys=True, ensure_ascii=False, default=str) if meta is not None else "{}"
+        )
     if skipped:
-        print(f"[data-prep] {dataset}/{split}: skipped {skipped} rows without a question or a golden answer", file=sys.stderr)
+        print(
+            f"[data-prep] {dataset}/{split}: skipped {skipped} rows without a question or a golden answer",
+            file=sys.stderr,
+        )
     dupes = [k for k, n in Counter(cols["id"]).items() if n > 1]
     if dupes:
-        raise DataPrepError(f"{dataset}/{split}: {len(dupes)} ids occur more than once (e.g. {dupes[:3]}); GRPO groups would mix questions")
+        raise DataPrepError(
+            f"{dataset}/{split}: {len(dupes)} ids occur more than once (e.g. {dupes[:3]}); GRPO groups would mix "
+            "questions"
+        )
     return cols, skipped
 
 
@@ -206,12 +232,14 @@ def count_tokens(prompts: list[str], tokenizer, batch: int = 1024) -> list[int]:
     """Prompt lengths as the trainer counts them (`add_special_tokens=False`, see agent_rl.rollout.prompts)."""
     lengths: list[int] = []
     for start in range(0, len(prompts), batch):
-        ids = tokenizer(prompts[start:start + batch], add_special_tokens=False)["input_ids"]
+        ids = tokenizer(prompts[start : start + batch], add_special_tokens=False)["input_ids"]
         lengths.extend(len(x) for x in ids)
     return lengths
 
 
-def filter_long(cols: dict[str, list], lengths: list[int], max_tokens: int | None) -> tuple[dict[str, list], list[int], int]:
+def filter_long(
+    cols: dict[str, list], lengths: list[int], max_tokens: int | None
+) -> tuple[dict[str, list], list[int], int]:
     """Drop rows whose prompt exceeds max_tokens; -> (kept columns, kept lengths, dropped count)."""
     if not max_tokens:
         return cols, lengths, 0
@@ -234,12 +262,19 @@ def load_tokenizer(path: str):
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as err:
-        raise DataPrepError(f"could not load the tokenizer {path!r} ({type(err).__name__}: {err}); pass a local model directory offline") from err
+        raise DataPrepError(
+            f"could not load the tokenizer {path!r} ({type(err).__name__}: {err}); pass a local model directory offline"
+        ) from err
 
 
 def prepare_qa(
-    dataset: str, out_dir: Path, splits: list[str] | None = None, input_path: Path | None = None, template: str = "base",
-    tokenizer=None, max_prompt_tokens: int | None = None,
+    dataset: str,
+    out_dir: Path,
+    splits: list[str] | None = None,
+    input_path: Path | None = None,
+    template: str = "base",
+    tokenizer=None,
+    max_prompt_tokens: int | None = None,
 ) -> list[SplitSummary]:
     """Write out_dir/{split}.parquet for each split found; `tokenizer` is a path or a loaded tokenizer."""
     if dataset not in DATASETS:
@@ -253,7 +288,9 @@ def prepare_qa(
     if max_prompt_tokens and tokenizer is None:
         raise DataPrepError("--max-prompt-tokens counts tokens: pass --tokenizer PATH too")
     if template == "chat" and not getattr(tokenizer, "chat_template", None):
-        raise DataPrepError("--template chat: the tokenizer has no chat_template; use --template base or a tokenizer with one")
+        raise DataPrepError(
+            "--template chat: the tokenizer has no chat_template; use --template base or a tokenizer with one"
+        )
     splits = splits or ["train", "test"]
     out_dir = Path(out_dir)
     summaries = []
@@ -263,21 +300,40 @@ def prepare_qa(
         lengths = count_tokens(cols["prompt"], tokenizer) if tokenizer is not None else []
         cols, lengths, dropped = filter_long(cols, lengths, max_prompt_tokens)
         if dropped and not cols["id"]:
-            print(f"[data-prep] {dataset}/{split}: every prompt is longer than {max_prompt_tokens} tokens; the file is empty", file=sys.stderr)
+            print(
+                f"[data-prep] {dataset}/{split}: every prompt is longer than {max_prompt_tokens} tokens; the file is "
+                "empty",
+                file=sys.stderr,
+            )
         path = out_dir / f"{split}.parquet"
         write_parquet(cols, path)
-        summaries.append(SplitSummary(dataset, split, source, str(path), len(cols["id"]), dropped, skipped, lengths if tokenizer is not None else None))
+        summaries.append(
+            SplitSummary(
+                dataset,
+                split,
+                source,
+                str(path),
+                len(cols["id"]),
+                dropped,
+                skipped,
+                lengths if tokenizer is not None else None,
+            )
+        )
     return summaries
 
 
 def format_summary(summaries: list[SplitSummary]) -> str:
-    header = f"{'dataset':<16} {'split':<12} {'rows':>8} {'dropped':>8} {'skipped':>8} {'mean_tok':>9} {'max_tok':>8}  file"
+    header = (
+        f"{'dataset':<16} {'split':<12} {'rows':>8} {'dropped':>8} {'skipped':>8} {'mean_tok':>9} {'max_tok':>8}  file"
+    )
     lines = [header, "-" * len(header)]
     for s in summaries:
         split = s.split if s.source_split == s.split else f"{s.split}<{s.source_split}"
         mean = f"{s.mean_tokens:.1f}" if s.mean_tokens is not None else "-"
         mx = str(s.max_tokens) if s.max_tokens is not None else "-"
-        lines.append(f"{s.dataset:<16} {split:<12} {s.rows:>8} {s.dropped:>8} {s.skipped:>8} {mean:>9} {mx:>8}  {s.path}")
+        lines.append(
+            f"{s.dataset:<16} {split:<12} {s.rows:>8} {s.dropped:>8} {s.skipped:>8} {mean:>9} {mx:>8}  {s.path}"
+        )
     if any(s.source_split != s.split for s in summaries):
         lines.append("(test<dev: the dataset has no test split; its dev split is used, as in Search-R1)")
     if all(s.prompt_tokens is None for s in summaries):
@@ -300,13 +356,14 @@ def merge_tables(inputs: list[Path], out: Path, shuffle_seed: int | None = None)
     merged = pa.concat_tables(tables, promote_options="permissive")
     key = "uid" if "uid" in merged.column_names else "id"
     if key not in merged.column_names:
-        raise DataPrepError(f"merge inputs have neither a uid nor an id column: write them with `data-prep qa`")
+        raise DataPrepError("merge inputs have neither a uid nor an id column: write them with `data-prep qa`")
     counts = Counter(merged.column(key).to_pylist())
     dupes = [k for k, n in counts.items() if n > 1]
     if dupes:
         raise DataPrepError(
             f"{len(dupes)} {key}s occur in more than one row (e.g. {dupes[:3]}): GRPO would group different questions. "
-            f"Did you pass the same file twice, or files not written by `data-prep qa` (which prefixes ids with the data source)?"
+            "Did you pass the same file twice, or files not written by `data-prep qa` (which prefixes ids with the "
+            "data source)?"
         )
     if shuffle_seed is not None:
         import numpy as np
@@ -317,7 +374,11 @@ def merge_tables(inputs: list[Path], out: Path, shuffle_seed: int | None = None)
     tmp = out.with_name(f".{out.name}.tmp")
     pq.write_table(merged, tmp, compression="zstd")
     os.replace(tmp, out)
-    return Counter(merged.column("data_source").to_pylist()) if "data_source" in merged.column_names else Counter({"?": merged.num_rows})
+    return (
+        Counter(merged.column("data_source").to_pylist())
+        if "data_source" in merged.column_names
+        else Counter({"?": merged.num_rows})
+    )
 
 
 def merge(inputs: list[Path], out: Path, shuffle_seed: int | None = None) -> dict[str, Counter]:
@@ -329,7 +390,10 @@ def merge(inputs: list[Path], out: Path, shuffle_seed: int | None = None) -> dic
         names = sorted({f.name for p in inputs for f in p.glob("*.parquet")})
         if not names:
             raise DataPrepError(f"no .parquet files in {[str(p) for p in inputs]}")
-        return {name: merge_tables([p / name for p in inputs if (p / name).is_file()], Path(out) / name, shuffle_seed) for name in names}
+        return {
+            name: merge_tables([p / name for p in inputs if (p / name).is_file()], Path(out) / name, shuffle_seed)
+            for name in names
+        }
     if any(p.is_dir() for p in inputs):
         raise DataPrepError("merge --inputs: pass either parquet files or `data-prep qa` output folders, not a mix")
     return {Path(out).name: merge_tables(inputs, Path(out), shuffle_seed)}

@@ -3,13 +3,18 @@
 The chat variant sends the same instruction as one user message through the tokenizer's chat
 template, for instruct models.
 """
+
 from __future__ import annotations
 
 BASE_TEMPLATE = (
-    "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get new information. "
-    "After reasoning, if you find you lack some knowledge, you can call a search engine by <search> query </search> and it will "
-    "return the top searched results between <information> and </information>. You can search as many times as your want. "
-    "If you find no further external knowledge needed, you can directly provide the answer inside <answer> and </answer>, without "
+    "Answer the given question. You must conduct reasoning inside <think> and </think> first every time you get new "
+    "information. "
+    "After reasoning, if you find you lack some knowledge, you can call a search engine by <search> query </search> "
+    "and it will "
+    "return the top searched results between <information> and </information>. You can search as many times as your "
+    "want. "
+    "If you find no further external knowledge needed, you can directly provide the answer inside <answer> and "
+    "</answer>, without "
     "detailed illustrations. For example, <answer> Beijing </answer>. Question: {question}\n"
 )
 # The toy world's prompt: the same protocol in ~25 tokens instead of ~100, so the CPU demo spends
@@ -36,5 +41,7 @@ def render_prompt(question: str, template: str = "base", tokenizer=None) -> str:
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise ValueError("--template chat needs --tokenizer PATH with a chat template")
         content = BASE_TEMPLATE.format(question=question).rstrip("\n")
-        return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
     raise ValueError(f"unknown template {template!r}; choose one of {TEMPLATES}")

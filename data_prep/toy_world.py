@@ -12,6 +12,7 @@ training: the policy must search, not memorise. Same seed -> byte-identical file
 the compact template by default (the same protocol as Search-R1's base template in a quarter of
 the tokens; `template="base"` for theirs).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,11 +24,87 @@ import pyarrow.parquet as pq
 
 from data_prep.templates import render_prompt
 
-FIRST = ["Doran", "Mira", "Talen", "Kesra", "Brin", "Solva", "Arden", "Lusk", "Venna", "Orrin", "Pell", "Tamsin", "Quill", "Ressa", "Corvin", "Ilsa", "Bram", "Nyra", "Edric", "Faye"]
-LAST = ["Velk", "Marrow", "Tessly", "Brook", "Halder", "Quint", "Ostrow", "Fenn", "Garrick", "Lorne", "Pike", "Rusk", "Sable", "Thorne", "Wexley", "Yarrow", "Dunmore", "Ashby", "Cole", "Harte"]
+FIRST = [
+    "Doran",
+    "Mira",
+    "Talen",
+    "Kesra",
+    "Brin",
+    "Solva",
+    "Arden",
+    "Lusk",
+    "Venna",
+    "Orrin",
+    "Pell",
+    "Tamsin",
+    "Quill",
+    "Ressa",
+    "Corvin",
+    "Ilsa",
+    "Bram",
+    "Nyra",
+    "Edric",
+    "Faye",
+]
+LAST = [
+    "Velk",
+    "Marrow",
+    "Tessly",
+    "Brook",
+    "Halder",
+    "Quint",
+    "Ostrow",
+    "Fenn",
+    "Garrick",
+    "Lorne",
+    "Pike",
+    "Rusk",
+    "Sable",
+    "Thorne",
+    "Wexley",
+    "Yarrow",
+    "Dunmore",
+    "Ashby",
+    "Cole",
+    "Harte",
+]
 ORG_SUFFIX = ["Works", "Foundry", "Labs", "Trading", "Mills", "Press"]
-CITIES = ["Oslo", "Lima", "Cairo", "Quito", "Porto", "Dakar", "Hanoi", "Perth", "Turin", "Accra", "Bergen", "Kyoto", "Malmo", "Nantes", "Riga", "Seville", "Tallinn", "Utrecht", "Valencia", "Zagreb"]
-JOBS = ["baker", "pilot", "painter", "farmer", "sailor", "teacher", "doctor", "tailor", "miner", "chemist", "poet", "carpenter"]
+CITIES = [
+    "Oslo",
+    "Lima",
+    "Cairo",
+    "Quito",
+    "Porto",
+    "Dakar",
+    "Hanoi",
+    "Perth",
+    "Turin",
+    "Accra",
+    "Bergen",
+    "Kyoto",
+    "Malmo",
+    "Nantes",
+    "Riga",
+    "Seville",
+    "Tallinn",
+    "Utrecht",
+    "Valencia",
+    "Zagreb",
+]
+JOBS = [
+    "baker",
+    "pilot",
+    "painter",
+    "farmer",
+    "sailor",
+    "teacher",
+    "doctor",
+    "tailor",
+    "miner",
+    "chemist",
+    "poet",
+    "carpenter",
+]
 INSTRUMENTS = ["violin", "flute", "drums", "cello", "harp", "guitar", "piano", "trumpet", "banjo", "oboe"]
 
 
@@ -39,20 +116,27 @@ def _person_passages(name: str, a: dict, rng: random.Random) -> list[str]:
     return [f"{name}\n{born}", f"{name}\n{job}", f"{name}\n{music}"]
 
 
-def build_toy_world(out_dir: Path, seed: int = 0, num_entities: int = 1000, test_fraction: float = 0.15, template: str = "compact") -> dict:
+def build_toy_world(
+    out_dir: Path, seed: int = 0, num_entities: int = 1000, test_fraction: float = 0.15, template: str = "compact"
+) -> dict:
     """Write corpus.jsonl, train.parquet, test.parquet under out_dir; return paths and counts."""
     rng = random.Random(seed)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     n_people = max(4, int(num_entities * 0.8))
     n_orgs = max(2, num_entities - n_people)
-    names = [f"{f} {l}" for f in FIRST for l in LAST]
+    names = [f"{f} {last}" for f in FIRST for last in LAST]
     rng.shuffle(names)
     if n_people > len(names):
-        names += [f"{f} {l}-{m}" for m in ("Ross", "Vale") for f in FIRST for l in LAST]
+        names += [f"{f} {last}-{m}" for m in ("Ross", "Vale") for f in FIRST for last in LAST]
     people = names[:n_people]
-    attrs = {p: {"city": rng.choice(CITIES), "job": rng.choice(JOBS), "instrument": rng.choice(INSTRUMENTS)} for p in people}
-    org_names = sorted({f"{l} {s}" for l in LAST for s in ORG_SUFFIX} | {f"{f} {l} {s}" for f in FIRST[:10] for l in LAST for s in ORG_SUFFIX})
+    attrs = {
+        p: {"city": rng.choice(CITIES), "job": rng.choice(JOBS), "instrument": rng.choice(INSTRUMENTS)} for p in people
+    }
+    org_names = sorted(
+        {f"{last} {s}" for last in LAST for s in ORG_SUFFIX}
+        | {f"{f} {last} {s}" for f in FIRST[:10] for last in LAST for s in ORG_SUFFIX}
+    )
     rng.shuffle(org_names)
     orgs = {o: {"founder": rng.choice(people), "city": rng.choice(CITIES)} for o in org_names[:n_orgs]}
 
@@ -70,7 +154,7 @@ def build_toy_world(out_dir: Path, seed: int = 0, num_entities: int = 1000, test
     rng.shuffle(entities)
     n_test = max(1, int(len(entities) * test_fraction))
     split_of = {e: ("test" if i < n_test else "train") for i, (_, e) in enumerate(entities)}
-    rows = {"train": [], "test": []}
+    rows: dict[str, list[tuple]] = {"train": [], "test": []}
     for kind, e in entities:
         split = split_of[e]
         if kind == "person":
@@ -85,14 +169,36 @@ def build_toy_world(out_dir: Path, seed: int = 0, num_entities: int = 1000, test
         else:
             a = orgs[e]
             f = a["founder"]
-            rows[split].append(("single", f"Where is the head office of {e}", a["city"], [f"{e} head office"], [a["city"]], [e]))
-            rows[split].append(("two_hop", f"In which city was the founder of {e} born", attrs[f]["city"], [f"{e} founder", f"{f} born"], [f, attrs[f]["city"]], [e, f]))
-            rows[split].append(("two_hop", f"What is the occupation of the founder of {e}", attrs[f]["job"], [f"{e} founder", f"{f} occupation"], [f, attrs[f]["job"]], [e, f]))
+            rows[split].append(
+                ("single", f"Where is the head office of {e}", a["city"], [f"{e} head office"], [a["city"]], [e])
+            )
+            rows[split].append(
+                (
+                    "two_hop",
+                    f"In which city was the founder of {e} born",
+                    attrs[f]["city"],
+                    [f"{e} founder", f"{f} born"],
+                    [f, attrs[f]["city"]],
+                    [e, f],
+                )
+            )
+            rows[split].append(
+                (
+                    "two_hop",
+                    f"What is the occupation of the founder of {e}",
+                    attrs[f]["job"],
+                    [f"{e} founder", f"{f} occupation"],
+                    [f, attrs[f]["job"]],
+                    [e, f],
+                )
+            )
     written = {}
     for split in ("train", "test"):
         items = rows[split]
         rng.shuffle(items)
-        table = {k: [] for k in ("id", "uid", "data_source", "question", "golden_answers", "split", "prompt", "metadata")}
+        table: dict[str, list] = {
+            k: [] for k in ("id", "uid", "data_source", "question", "golden_answers", "split", "prompt", "metadata")
+        }
         for i, (typ, q, ans, queries, hop_answers, titles) in enumerate(items):
             question = q + "?"
             rid = f"{split}_{i}"
@@ -103,7 +209,12 @@ def build_toy_world(out_dir: Path, seed: int = 0, num_entities: int = 1000, test
             table["golden_answers"].append([ans])
             table["split"].append(split)
             table["prompt"].append(render_prompt(question, template))
-            table["metadata"].append(json.dumps({"type": typ, "queries": queries, "hop_answers": hop_answers, "supporting_titles": titles}, sort_keys=True))
+            table["metadata"].append(
+                json.dumps(
+                    {"type": typ, "queries": queries, "hop_answers": hop_answers, "supporting_titles": titles},
+                    sort_keys=True,
+                )
+            )
         path = out_dir / f"{split}.parquet"
         pq.write_table(pa.table(table), path, compression="zstd")
         written[split] = len(items)

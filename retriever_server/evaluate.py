@@ -14,6 +14,7 @@ timeout, retries with exponential backoff on transport errors, 429 and 5xx (neve
 failures are reported with their reasons, never dropped. Recall and MRR are averaged over the
 queries that got an answer, so a flaky server shows up in `failed`, not as low recall.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -189,20 +190,26 @@ def parse_passage(item) -> Passage:
         title = contents.split("\n", 1)[0]
     title = str(title).strip().strip('"')  # Search-R1's wiki-18 puts the title in quotes
     score = item.get("score")
-    return Passage(id=str(doc.get("id", "")), title=title, contents=contents, score=None if score is None else float(score))
+    return Passage(
+        id=str(doc.get("id", "")), title=title, contents=contents, score=None if score is None else float(score)
+    )
 
 
 class Client:
     """A thread-safe /retrieve client: timeout, retries with exponential backoff."""
 
-    def __init__(self, url: str, api_key: str | None = None, timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.5):
+    def __init__(
+        self, url: str, api_key: str | None = None, timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.5
+    ):
         import httpx
 
         self.httpx = httpx
         self.url = retrieve_url(url)
         self.retries, self.backoff_s = retries, backoff_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(timeout=timeout_s, headers=headers, limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+        self.http = httpx.Client(
+            timeout=timeout_s, headers=headers, limits=httpx.Limits(max_connections=64, max_keepalive_connections=64)
+        )
 
     def close(self) -> None:
         self.http.close()
@@ -234,7 +241,9 @@ class Client:
             try:
                 result = resp.json()["result"]
             except (ValueError, KeyError, TypeError) as err:
-                raise RetrieveError(f"response is not Search-R1's {{'result': [...]}}: {type(err).__name__}: {err}") from err
+                raise RetrieveError(
+                    f"response is not Search-R1's {{'result': [...]}}: {type(err).__name__}: {err}"
+                ) from err
             if not isinstance(result, list) or len(result) != len(queries):
                 n = len(result) if isinstance(result, list) else type(result).__name__
                 raise RetrieveError(f"sent {len(queries)} queries, got {n} result lists")
@@ -243,8 +252,18 @@ class Client:
 
 
 def run_queries(
-    url: str, questions: Sequence[Question], topk: int, batch_size: int = 16, concurrency: int = 4, api_key: str | None = None,
-    timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.5, progress: bool = True, desc: str = "", warmup: bool = True,
+    url: str,
+    questions: Sequence[Question],
+    topk: int,
+    batch_size: int = 16,
+    concurrency: int = 4,
+    api_key: str | None = None,
+    timeout_s: float = 30.0,
+    retries: int = 2,
+    backoff_s: float = 0.5,
+    progress: bool = True,
+    desc: str = "",
+    warmup: bool = True,
 ) -> RunResult:
     """Send every question (batch_size per request, `concurrency` requests in flight)."""
     from tqdm import tqdm
@@ -268,7 +287,14 @@ def run_queries(
 
     if warmup:
         client.warm_up(topk)
-    bar = tqdm(total=len(questions), desc=desc or retrieve_url(url), unit="q", file=sys.stderr, disable=not progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=len(questions),
+        desc=desc or retrieve_url(url),
+        unit="q",
+        file=sys.stderr,
+        disable=not progress,
+        dynamic_ncols=True,
+    )
     start = time.perf_counter()
     try:
         with ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="retriever-eval") as pool:
@@ -337,7 +363,9 @@ def aggregate(questions: Sequence[Question], outcomes: Sequence[Outcome], topks:
         groups.setdefault(q.data_source, []).append(i)
 
     def summarise(idx: list[int]) -> dict:
-        scored = [score_question(questions[i], outcomes[i].passages, topks) for i in idx if outcomes[i].passages is not None]
+        scored = [
+            score_question(questions[i], outcomes[i].passages, topks) for i in idx if outcomes[i].passages is not None
+        ]
         m: dict = {"n": len(idx), "answered": len(scored), "failed": len(idx) - len(scored)}
         keys = [f"answer_recall@{k}" for k in topks] + ["mrr"]
         keys += [f"{kind}_recall@{k}" for kind in ("title", "gold") for k in topks]
@@ -355,10 +383,15 @@ def aggregate(questions: Sequence[Question], outcomes: Sequence[Outcome], topks:
             m["n_with_gold_ids"] = with_gold
         return m
 
-    return {"overall": summarise(list(range(len(questions)))), "by_source": {s: summarise(idx) for s, idx in sorted(groups.items())}}
+    return {
+        "overall": summarise(list(range(len(questions)))),
+        "by_source": {s: summarise(idx) for s, idx in sorted(groups.items())},
+    }
 
 
-def build_report(run: RunResult, questions: Sequence[Question], topks: Sequence[int], batch_size: int, concurrency: int) -> dict:
+def build_report(
+    run: RunResult, questions: Sequence[Question], topks: Sequence[int], batch_size: int, concurrency: int
+) -> dict:
     metrics = aggregate(questions, run.outcomes, topks)
     answered = metrics["overall"]["answered"]
     lat_ms = [s * 1000 for s in run.latencies_s]
@@ -390,7 +423,12 @@ def deltas(a: dict, b: dict) -> dict:
         out = {}
         for key, va in x.items():
             vb = y.get(key)
-            if isinstance(va, (int, float)) and isinstance(vb, (int, float)) and not isinstance(va, bool) and key not in ("n",):
+            if (
+                isinstance(va, (int, float))
+                and isinstance(vb, (int, float))
+                and not isinstance(va, bool)
+                and key not in ("n",)
+            ):
                 out[key] = vb - va
         return out
 
@@ -398,7 +436,9 @@ def deltas(a: dict, b: dict) -> dict:
         "overall": diff(a["overall"], b["overall"]),
         "by_source": {s: diff(a["by_source"][s], b["by_source"][s]) for s in a["by_source"] if s in b["by_source"]},
         "latency_ms": diff(a["latency_ms"], b["latency_ms"]),
-        "queries_per_s": b["queries_per_s"] - a["queries_per_s"] if a["queries_per_s"] is not None and b["queries_per_s"] is not None else None,
+        "queries_per_s": b["queries_per_s"] - a["queries_per_s"]
+        if a["queries_per_s"] is not None and b["queries_per_s"] is not None
+        else None,
     }
 
 
@@ -414,7 +454,12 @@ def _metric_columns(report: dict) -> list[str]:
 
 
 def _short(col: str) -> str:
-    return col.replace("answer_recall@", "R@").replace("title_recall@", "T@").replace("gold_recall@", "G@").replace("mrr", "MRR")
+    return (
+        col.replace("answer_recall@", "R@")
+        .replace("title_recall@", "T@")
+        .replace("gold_recall@", "G@")
+        .replace("mrr", "MRR")
+    )
 
 
 def _fmt(v, width: int, signed: bool = False) -> str:
@@ -431,7 +476,12 @@ def _header(name_w: int, cols: list[str]) -> list[str]:
 
 
 def _row(name: str, m: dict, name_w: int, cols: list[str], signed: bool = False) -> str:
-    return name.ljust(name_w) + _fmt(m.get("n"), 8) + _fmt(m.get("failed"), 8, signed) + "".join(_fmt(m.get(c), 8, signed) for c in cols)
+    return (
+        name.ljust(name_w)
+        + _fmt(m.get("n"), 8)
+        + _fmt(m.get("failed"), 8, signed)
+        + "".join(_fmt(m.get(c), 8, signed) for c in cols)
+    )
 
 
 def _sources(report: dict) -> list[tuple[str, dict]]:
@@ -441,8 +491,10 @@ def _sources(report: dict) -> list[tuple[str, dict]]:
 
 def _speed(report: dict) -> str:
     lat, qps = report["latency_ms"], report["queries_per_s"]
-    return (f"p50 {_ms(lat['p50'])}  p95 {_ms(lat['p95'])}  p99 {_ms(lat['p99'])} per request   "
-            f"{'-' if qps is None else f'{qps:.1f}'} queries/s over {report['wall_s']:.1f}s")
+    return (
+        f"p50 {_ms(lat['p50'])}  p95 {_ms(lat['p95'])}  p99 {_ms(lat['p99'])} per request   "
+        f"{'-' if qps is None else f'{qps:.1f}'} queries/s over {report['wall_s']:.1f}s"
+    )
 
 
 LEGEND = "R@k: answer recall; T@k: supporting-title recall; G@k: gold-passage recall; MRR: first answer-bearing passage"
@@ -465,8 +517,16 @@ def format_compare(a: dict, b: dict, delta: dict) -> str:
     b_rows = dict(_sources(b))
     for name, m in _sources(a):
         d = delta["overall"] if name == "overall" else delta["by_source"].get(name, {})
-        lines += [_row(f"{name} a", m, name_w, cols), _row(f"{name} b", b_rows.get(name, {}), name_w, cols), _row(f"{name} b-a", d, name_w, cols, True)]
-    lines += [f"a: {_speed(a)}", f"b: {_speed(b)}", f"batch {a['batch_size']}, concurrency {a['concurrency']}; " + LEGEND]
+        lines += [
+            _row(f"{name} a", m, name_w, cols),
+            _row(f"{name} b", b_rows.get(name, {}), name_w, cols),
+            _row(f"{name} b-a", d, name_w, cols, True),
+        ]
+    lines += [
+        f"a: {_speed(a)}",
+        f"b: {_speed(b)}",
+        f"batch {a['batch_size']}, concurrency {a['concurrency']}; " + LEGEND,
+    ]
     return "\n".join(lines)
 
 
@@ -478,7 +538,10 @@ def failure_message(report: dict) -> str | None:
     if not report["failed_queries"]:
         return None
     n = report["overall"]["n"]
-    lines = [f"retriever-eval: {report['failed_queries']} of {n} queries failed ({report['failed_requests']} requests) against {report['url']}:"]
+    lines = [
+        f"retriever-eval: {report['failed_queries']} of {n} queries failed ({report['failed_requests']} requests) "
+        f"against {report['url']}:"
+    ]
     for e in report["errors"][:5]:
         lines.append(f"  {e['queries']} queries: {e['error']}")
     if len(report["errors"]) > 5:
@@ -486,12 +549,21 @@ def failure_message(report: dict) -> str | None:
     return "\n".join(lines)
 
 
-def write_dump(path: Path, runs: Sequence[tuple[str, RunResult]], questions: Sequence[Question], topks: Sequence[int]) -> None:
+def write_dump(
+    path: Path, runs: Sequence[tuple[str, RunResult]], questions: Sequence[Question], topks: Sequence[int]
+) -> None:
     """One line per (server, question): the ranked passages with their answer hits, for error analysis."""
     with open(path, "w") as fh:
         for label, run in runs:
             for q, o in zip(questions, run.outcomes):
-                rec = {"server": label, "url": run.url, "id": q.id, "data_source": q.data_source, "question": q.question, "golden_answers": q.golden_answers}
+                rec = {
+                    "server": label,
+                    "url": run.url,
+                    "id": q.id,
+                    "data_source": q.data_source,
+                    "question": q.question,
+                    "golden_answers": q.golden_answers,
+                }
                 if q.supporting_titles is not None:
                     rec["supporting_titles"] = q.supporting_titles
                 if q.gold_ids is not None:
@@ -502,7 +574,14 @@ def write_dump(path: Path, runs: Sequence[tuple[str, RunResult]], questions: Seq
                     s = score_question(q, o.passages, topks)
                     rec["first_hit_rank"] = s["first_hit_rank"]
                     rec["topk"] = [
-                        {"rank": r, "id": p.id, "title": p.title, "score": p.score, "has_answer": h, "contents": p.contents}
+                        {
+                            "rank": r,
+                            "id": p.id,
+                            "title": p.title,
+                            "score": p.score,
+                            "has_answer": h,
+                            "contents": p.contents,
+                        }
                         for r, (p, h) in enumerate(zip(o.passages, s["hits"]), 1)
                     ]
                 fh.write(json.dumps(rec, ensure_ascii=False) + "\n")
@@ -516,7 +595,9 @@ def parse_topks(text: str) -> list[int]:
     try:
         topks = sorted({int(t) for t in text.split(",") if t.strip()})
     except ValueError as err:
-        raise argparse.ArgumentTypeError(f"--topk takes comma-separated integers such as 1,3,5,10, got {text!r}") from err
+        raise argparse.ArgumentTypeError(
+            f"--topk takes comma-separated integers such as 1,3,5,10, got {text!r}"
+        ) from err
     if not topks or topks[0] < 1:
         raise argparse.ArgumentTypeError(f"--topk values must be >= 1, got {text!r}")
     return topks
@@ -541,20 +622,55 @@ def build_parser() -> argparse.ArgumentParser:
         "--compare http://127.0.0.1:8001",
     )
     p.add_argument("--url", required=True, help="server base URL (or its /retrieve endpoint)")
-    p.add_argument("--data", required=True, help="questions: a `data-prep qa` parquet, or FlashRAG JSONL (question, golden_answers, metadata)")
-    p.add_argument("--topk", type=parse_topks, default=[1, 3, 5, 10], help="cut-offs for recall@k (default 1,3,5,10); the largest is requested")
-    p.add_argument("--batch-size", type=_positive(int, "--batch-size"), default=16, help="queries per request (default 16)")
-    p.add_argument("--concurrency", type=_positive(int, "--concurrency"), default=4, help="requests in flight (default 4)")
+    p.add_argument(
+        "--data",
+        required=True,
+        help="questions: a `data-prep qa` parquet, or FlashRAG JSONL (question, golden_answers, metadata)",
+    )
+    p.add_argument(
+        "--topk",
+        type=parse_topks,
+        default=[1, 3, 5, 10],
+        help="cut-offs for recall@k (default 1,3,5,10); the largest is requested",
+    )
+    p.add_argument(
+        "--batch-size", type=_positive(int, "--batch-size"), default=16, help="queries per request (default 16)"
+    )
+    p.add_argument(
+        "--concurrency", type=_positive(int, "--concurrency"), default=4, help="requests in flight (default 4)"
+    )
     p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' (or env RETRIEVER_API_KEY)")
-    p.add_argument("--timeout", type=_positive(float, "--timeout"), default=30.0, help="seconds per request (default 30)")
-    p.add_argument("--retries", type=_positive(int, "--retries", allow_zero=True), default=2, help="retries per request on connection errors, 429 and 5xx (default 2)")
-    p.add_argument("--backoff", type=_positive(float, "--backoff", allow_zero=True), default=0.5, help="first retry delay in seconds, doubled each retry (default 0.5)")
+    p.add_argument(
+        "--timeout", type=_positive(float, "--timeout"), default=30.0, help="seconds per request (default 30)"
+    )
+    p.add_argument(
+        "--retries",
+        type=_positive(int, "--retries", allow_zero=True),
+        default=2,
+        help="retries per request on connection errors, 429 and 5xx (default 2)",
+    )
+    p.add_argument(
+        "--backoff",
+        type=_positive(float, "--backoff", allow_zero=True),
+        default=0.5,
+        help="first retry delay in seconds, doubled each retry (default 0.5)",
+    )
     p.add_argument("--limit", type=_positive(int, "--limit"), help="evaluate only the first N questions")
-    p.add_argument("--data-source", help="data_source for records that have none (default: the file's stem); overrides the file's")
+    p.add_argument(
+        "--data-source", help="data_source for records that have none (default: the file's stem); overrides the file's"
+    )
     p.add_argument("--out", help="write the full report as JSON here")
     p.add_argument("--dump", help="write each question's top-k passages (with answer hits) as JSONL here")
-    p.add_argument("--compare", metavar="URL2", help="evaluate a second server on the same questions and print the deltas (URL2 - URL)")
-    p.add_argument("--no-warmup", action="store_true", help="time the first request too (default: one untimed warm-up request first)")
+    p.add_argument(
+        "--compare",
+        metavar="URL2",
+        help="evaluate a second server on the same questions and print the deltas (URL2 - URL)",
+    )
+    p.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="time the first request too (default: one untimed warm-up request first)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
@@ -577,7 +693,20 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[tuple[str, RunResult]] = []
     reports: list[dict] = []
     for label, url in urls:
-        run = run_queries(url, questions, topk, a.batch_size, a.concurrency, api_key, a.timeout, a.retries, a.backoff, not a.no_progress, desc=f"{label}: {url}" if a.compare else "", warmup=not a.no_warmup)
+        run = run_queries(
+            url,
+            questions,
+            topk,
+            a.batch_size,
+            a.concurrency,
+            api_key,
+            a.timeout,
+            a.retries,
+            a.backoff,
+            not a.no_progress,
+            desc=f"{label}: {url}" if a.compare else "",
+            warmup=not a.no_warmup,
+        )
         runs.append((label, run))
         reports.append(build_report(run, questions, a.topk, a.batch_size, a.concurrency))
 
@@ -586,7 +715,11 @@ def main(argv: list[str] | None = None) -> int:
         result = {"data": str(a.data), "a": reports[0], "b": reports[1], "delta": delta}
         print(format_compare(reports[0], reports[1], delta))
         if reports[0]["failed_queries"] != reports[1]["failed_queries"]:
-            print("note: the servers failed on different queries; each one's recall averages over its own answered queries", file=sys.stderr)
+            print(
+                "note: the servers failed on different queries; each one's recall averages over its own answered "
+                "queries",
+                file=sys.stderr,
+            )
     else:
         result = {"data": str(a.data), **reports[0]}
         print(format_table(reports[0]))

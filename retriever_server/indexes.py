@@ -7,6 +7,7 @@ rows index the document store; -1 marks a missing hit (fewer than k documents). 
 - `hnsw`: faiss IndexHNSWFlat (M=64 default, efConstruction/efSearch recorded): the CPU default.
 - `bm25`: Lucene through pyserini (`retriever_server.bm25`).
 """
+
 from __future__ import annotations
 
 import json
@@ -66,17 +67,34 @@ def _pad(scores: np.ndarray, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.n
 
 
 class DenseIndex:
-    def __init__(self, index_dir: Path, manifest: dict, device: str = "cpu", fp16: bool = False, ef_search: int | None = None, encoder_device: str | None = None, packed: bool = True):
+    def __init__(
+        self,
+        index_dir: Path,
+        manifest: dict,
+        device: str = "cpu",
+        fp16: bool = False,
+        ef_search: int | None = None,
+        encoder_device: str | None = None,
+        packed: bool = True,
+    ):
         import faiss
 
         self.kind = manifest["kind"]
         encoder_device = encoder_device or ("cuda" if device.startswith("cuda") else "cpu")
         if encoder_device.startswith("cuda"):
             _need_cuda("--encoder-device cuda")
-        self.encoder = Encoder(manifest["encoder"], manifest["pooling"], manifest["query_prefix"], manifest["passage_prefix"], device=encoder_device, fp16=fp16, packed=packed)
+        self.encoder = Encoder(
+            manifest["encoder"],
+            manifest["pooling"],
+            manifest["query_prefix"],
+            manifest["passage_prefix"],
+            device=encoder_device,
+            fp16=fp16,
+            packed=packed,
+        )
         index = faiss.read_index(str(Path(index_dir) / "index.faiss"))
         if self.kind == "hnsw":
-            index.hnsw.efSearch = ef_search or manifest["build"].get("ef_search", 128)
+            index.hnsw.efSearch = ef_search  # type: ignore[attr-defined]  # an IndexHNSWFlat or manifest["build"].get("ef_search", 128)
         self.index = index
         self.ntotal = index.ntotal
         if device.startswith("cuda"):
@@ -151,7 +169,15 @@ def load_manifest(index_dir: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def open_index(index_dir: Path, device: str = "cpu", fp16: bool = False, ef_search: int | None = None, verify: bool = True, encoder_device: str | None = None, packed: bool = True):
+def open_index(
+    index_dir: Path,
+    device: str = "cpu",
+    fp16: bool = False,
+    ef_search: int | None = None,
+    verify: bool = True,
+    encoder_device: str | None = None,
+    packed: bool = True,
+):
     """(manifest, store, index) for an index dir; refuses a manifest that does not match its data.
     The query encoder runs on `encoder_device` (default: cuda when the index is on cuda, else cpu);
     `packed=False` keeps transformers' padded forward on CPU."""
@@ -161,14 +187,29 @@ def open_index(index_dir: Path, device: str = "cpu", fp16: bool = False, ef_sear
     manifest = load_manifest(index_dir)
     store = DocStore(index_dir)
     if len(store) != manifest["count"]:
-        raise ValueError(f"index {index_dir}: manifest says {manifest['count']} documents but the store holds {len(store)}; rebuild with retriever-build")
+        raise ValueError(
+            f"index {index_dir}: manifest says {manifest['count']} documents but the store holds {len(store)}; "
+            "rebuild with retriever-build"
+        )
     corpus = Path(manifest.get("corpus", ""))
-    if verify and corpus.is_file() and manifest.get("corpus_sha256") and file_sha256(corpus) != manifest["corpus_sha256"]:
-        raise ValueError(f"index {index_dir} was built from {corpus}, which has changed since (checksum differs); rebuild the index with retriever-build")
+    if (
+        verify
+        and corpus.is_file()
+        and manifest.get("corpus_sha256")
+        and file_sha256(corpus) != manifest["corpus_sha256"]
+    ):
+        raise ValueError(
+            f"index {index_dir} was built from {corpus}, which has changed since (checksum differs); rebuild the "
+            "index with retriever-build"
+        )
+    index: BM25Index | DenseIndex
     if manifest["kind"] == "bm25":
         index = BM25Index(index_dir, manifest, store)
     else:
         index = DenseIndex(index_dir, manifest, device, fp16, ef_search, encoder_device, packed)
         if index.ntotal != manifest["count"]:
-            raise ValueError(f"index {index_dir}: the FAISS index holds {index.ntotal} vectors but the manifest says {manifest['count']}; rebuild it")
+            raise ValueError(
+                f"index {index_dir}: the FAISS index holds {index.ntotal} vectors but the manifest says "
+                f"{manifest['count']}; rebuild it"
+            )
     return manifest, store, index

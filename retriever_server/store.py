@@ -4,6 +4,7 @@ A 21M-passage corpus must never live in Python objects: `build` converts the JSO
 dataset (`datasets.save_to_disk`) once; the server memory-maps it and gathers rows with one
 `take` per batch. Accepts `{"id", "contents": "Title\\ntext"}` lines, or `title` + `text`.
 """
+
 from __future__ import annotations
 
 import hashlib

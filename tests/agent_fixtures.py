@@ -1,5 +1,6 @@
 """Session fixtures for the trainer's tests: a tiny model, a small dense index, a tiny toy world;
 and `start_servers`, real `retriever-server` subprocesses for the tests and benches."""
+
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -20,7 +21,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
     from agent_rl.infra.model_init import init_model
 
-    texts = [json.loads(line)["contents"] for line in (FIXTURES / "hotpotqa100" / "corpus.jsonl").read_text().splitlines()]
+    texts = [
+        json.loads(line)["contents"] for line in (FIXTURES / "hotpotqa100" / "corpus.jsonl").read_text().splitlines()
+    ]
     out = tmp_path_factory.mktemp("tiny_model")
     init_model(out, size="tiny", texts=texts, seed=0)
     return out
@@ -49,7 +52,9 @@ def hotpot_index_dir(tmp_path_factory) -> Path:
 
 
 @contextmanager
-def start_servers(specs: dict[str, tuple], ready_timeout: float = 120) -> Iterator[dict[str, tuple[subprocess.Popen, str]]]:
+def start_servers(
+    specs: dict[str, tuple], ready_timeout: float = 120
+) -> Iterator[dict[str, tuple[subprocess.Popen, str]]]:
     """`agent_rl.infra.prepare.spawn_retriever` for each `name: (index_dir, *extra_args)`, all launched
     before any is waited on so their start-ups overlap. Yields {name: (proc, url)} once each is
     ready (each gets `ready_timeout` seconds), and stops them all on exit."""
@@ -59,14 +64,19 @@ def start_servers(specs: dict[str, tuple], ready_timeout: float = 120) -> Iterat
             for i, (name, (index_dir, *extra)) in enumerate(specs.items()):
                 ready, log = Path(tmp) / f"{i}.ready.json", Path(tmp) / f"{i}.log"
                 launched[name] = (spawn_retriever(index_dir, ready, log, *extra), ready, log)
-            yield {name: (proc, wait_ready(proc, ready, log, ready_timeout, f"retriever-server {name!r}")) for name, (proc, ready, log) in launched.items()}
+            yield {
+                name: (proc, wait_ready(proc, ready, log, ready_timeout, f"retriever-server {name!r}"))
+                for name, (proc, ready, log) in launched.items()
+            }
         finally:
             for proc, _, _ in launched.values():
                 stop_process(proc, 10)
 
 
 @contextmanager
-def start_server(index_dir: Path, *extra_args: str, ready_timeout: float = 120) -> Iterator[tuple[subprocess.Popen, str]]:
+def start_server(
+    index_dir: Path, *extra_args: str, ready_timeout: float = 120
+) -> Iterator[tuple[subprocess.Popen, str]]:
     """One server, as `start_servers`: yields (proc, url)."""
     with start_servers({"server": (index_dir, *extra_args)}, ready_timeout) as servers:
         yield servers["server"]

@@ -6,6 +6,7 @@ client, agent loop, rewards); learn (batch, policy forward, advantages, losses, 
 entry points at the top (train, sft, cli, view). A module may import its own stage or an
 earlier one, never a later one, also inside functions.
 """
+
 from __future__ import annotations
 
 import ast
@@ -39,7 +40,9 @@ def _imports(tree: ast.AST) -> list[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("agent_rl"):
             for a in node.names:
                 sub = f"{node.module}.{a.name}"
-                is_module = (PACKAGE.parent / Path(*sub.split("."))).with_suffix(".py").exists() or (PACKAGE.parent / Path(*sub.split("."))).is_dir()
+                is_module = (PACKAGE.parent / Path(*sub.split("."))).with_suffix(".py").exists() or (
+                    PACKAGE.parent / Path(*sub.split("."))
+                ).is_dir()
                 out.append((node.lineno, sub if is_module else node.module))
     return out
 
@@ -50,7 +53,10 @@ def test_no_module_imports_a_later_stage():
         name = _module_name(path)
         for line, target in _imports(ast.parse(path.read_text(), str(path))):
             if _stage(target) > _stage(name):
-                bad.append(f"{path.relative_to(ROOT)}:{line} ({name}, stage {_stage(name)}) imports {target} (stage {_stage(target)})")
+                bad.append(
+                    f"{path.relative_to(ROOT)}:{line} ({name}, stage {_stage(name)}) imports {target} (stage "
+                    f"{_stage(target)})"
+                )
     assert not bad, "imports from a later stage:\n" + "\n".join(bad)
 
 
@@ -69,5 +75,9 @@ def test_train_is_the_loop_only():
     fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
     lines = fn.end_lineno - fn.lineno + 1
     assert lines < 150, f"train() is {lines} lines"
-    nested = [n.name for n in ast.walk(fn) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and n is not fn and hasattr(n, "name")]
+    nested = [
+        n.name
+        for n in ast.walk(fn)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and n is not fn and hasattr(n, "name")
+    ]
     assert not nested, f"closures inside train(): {nested}"

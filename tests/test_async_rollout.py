@@ -4,20 +4,22 @@ A deterministic scripted engine gives the same trajectories in both modes; the r
 seeded draws do not depend on completion order; a slow server (a delaying proxy) and a server
 killed mid-rollout keep the loop's contract; budgets hold under a runaway policy.
 """
+
 import time
 
 import pytest
 import torch
+from agent_fixtures import delaying_proxy, hotpot_index_dir, start_server, tiny_model_dir  # noqa: F401  (pytest fixtures)
 
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.engines import Generation, HFEngine
-from agent_rl.rollout.retriever import RetrieverClient
 from agent_rl.rollout.loop import AgentLoop, PromptItem
-
-from agent_fixtures import delaying_proxy, hotpot_index_dir, start_server, tiny_model_dir  # noqa: F401  (pytest fixtures)
+from agent_rl.rollout.retriever import RetrieverClient
 
 STOP = ("</search>", "</answer>")
-BUDGET = TokenBudget(max_turns=3, max_prompt_tokens=64, max_tokens_per_turn=24, max_obs_tokens=400, max_total_tokens=64 + 3 * 424 + 24)
+BUDGET = TokenBudget(
+    max_turns=3, max_prompt_tokens=64, max_tokens_per_turn=24, max_obs_tokens=400, max_total_tokens=64 + 3 * 424 + 24
+)
 
 
 class ScriptedEngine:
@@ -37,7 +39,9 @@ class ScriptedEngine:
         time.sleep(self.delay_s)
         out = []
         for p, n in zip(prompts, max_new_tokens):
-            ids = self.tok(self.script(self.tok.decode(p, skip_special_tokens=False)), add_special_tokens=False)["input_ids"]
+            ids = self.tok(self.script(self.tok.decode(p, skip_special_tokens=False)), add_special_tokens=False)[
+                "input_ids"
+            ]
             finish = "length"
             for j, tid in enumerate(ids):
                 if self.tok.decode([tid]) in STOP:
@@ -63,21 +67,43 @@ def server(hotpot_index_dir):
 
 
 def _items(tokenizer, questions):
-    return [PromptItem(f"hotpot-{i}", "hotpotqa", tokenizer(f"Question: {q}\n", add_special_tokens=False)["input_ids"], ["x"]) for i, q in enumerate(questions)]
+    return [
+        PromptItem(
+            f"hotpot-{i}", "hotpotqa", tokenizer(f"Question: {q}\n", add_special_tokens=False)["input_ids"], ["x"]
+        )
+        for i, q in enumerate(questions)
+    ]
 
 
-QUESTIONS = ["Who directed Inception?", "Where is the Eiffel Tower?", "What is the capital of Peru?", "Who wrote Hamlet?", "When did WW2 end?"]
+QUESTIONS = [
+    "Who directed Inception?",
+    "Where is the Eiffel Tower?",
+    "What is the capital of Peru?",
+    "Who wrote Hamlet?",
+    "When did WW2 end?",
+]
 
 
 def _script(ctx: str) -> str:
     """Searches a number of times that depends on the question, then answers: rows finish at different turns."""
     searches = ctx.count("<information>")
     wanted = len(ctx) % 3
-    return "<answer> yes </answer>" if searches >= wanted else f"<search> {ctx.split(chr(10))[0][10:]} part {searches} </search>"
+    return (
+        "<answer> yes </answer>"
+        if searches >= wanted
+        else f"<search> {ctx.split(chr(10))[0][10:]} part {searches} </search>"
+    )
 
 
 def _record(t):
-    return (t.prompt_id, t.sample_idx, t.response_ids, t.loss_mask, t.end_reason, [(x.action, x.query, x.obs_tokens) for x in t.turns])
+    return (
+        t.prompt_id,
+        t.sample_idx,
+        t.response_ids,
+        t.loss_mask,
+        t.end_reason,
+        [(x.action, x.query, x.obs_tokens) for x in t.turns],
+    )
 
 
 def test_async_equals_sync_for_a_deterministic_engine(tokenizer, server):
@@ -85,7 +111,9 @@ def test_async_equals_sync_for_a_deterministic_engine(tokenizer, server):
     for a deterministic engine, in the same order, and sends fewer engine calls than trajectories."""
     _, url = server
     client = RetrieverClient(url, topk=2)
-    sync = AgentLoop(ScriptedEngine(tokenizer, _script), tokenizer, client, BUDGET).run(_items(tokenizer, QUESTIONS), group_size=2)
+    sync = AgentLoop(ScriptedEngine(tokenizer, _script), tokenizer, client, BUDGET).run(
+        _items(tokenizer, QUESTIONS), group_size=2
+    )
     engine = ScriptedEngine(tokenizer, _script)
     loop = AgentLoop(engine, tokenizer, client, BUDGET, mode="async")
     asyn = loop.run(_items(tokenizer, QUESTIONS), group_size=2)
@@ -137,7 +165,9 @@ def test_async_overlaps_slow_searches_and_survives_a_dead_server(tokenizer, hotp
             return original(*args, **kw)
 
         killer.generate = generate_then_kill
-        loop = AgentLoop(killer, tokenizer, RetrieverClient(slow, timeout_s=2, max_retries=1, backoff_s=0.05), BUDGET, mode="async")
+        loop = AgentLoop(
+            killer, tokenizer, RetrieverClient(slow, timeout_s=2, max_retries=1, backoff_s=0.05), BUDGET, mode="async"
+        )
         trajs = loop.run(_items(tokenizer, QUESTIONS), group_size=1)
         assert all(t.done for t in trajs)
         assert loop.counters["retriever/errors"] > 0
@@ -149,7 +179,14 @@ def test_async_runaway_policy_stays_within_budget(tokenizer, server):
     """A policy that never stops: every trajectory ends within max_total_tokens with a reason,
     loss mask exact (1 on generated ids only)."""
     _, url = server
-    loop = AgentLoop(ScriptedEngine(tokenizer, lambda ctx: "blah " * 5000), tokenizer, RetrieverClient(url), BUDGET, mode="async", max_inflight=3)
+    loop = AgentLoop(
+        ScriptedEngine(tokenizer, lambda ctx: "blah " * 5000),
+        tokenizer,
+        RetrieverClient(url),
+        BUDGET,
+        mode="async",
+        max_inflight=3,
+    )
     trajs = loop.run(_items(tokenizer, QUESTIONS), group_size=2)
     for t in trajs:
         assert t.end_reason is not None and t.total_tokens <= BUDGET.max_total_tokens

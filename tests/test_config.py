@@ -1,4 +1,5 @@
 """Config tree: documented fields, clear errors on unknown keys and bad combinations."""
+
 from pathlib import Path
 
 import pytest
@@ -37,7 +38,9 @@ def test_wrong_type_is_rejected():
 
 def test_overrides_parse_yaml_scalars():
     """key=value overrides reach the right field with YAML types (null, numbers, lists)."""
-    cfg = load_config(None, ["algo.group_size=4", "retriever.url=null", "train.lr=1e-5", "data.train_files=[a.parquet]"])
+    cfg = load_config(
+        None, ["algo.group_size=4", "retriever.url=null", "train.lr=1e-5", "data.train_files=[a.parquet]"]
+    )
     assert cfg.algo.group_size == 4 and cfg.retriever.url is None and cfg.train.lr == 1e-5
     assert cfg.data.train_files == ["a.parquet"]
     assert parse_overrides(["a.b.c=1"]) == {"a": {"b": {"c": 1}}}
@@ -49,10 +52,21 @@ def test_budget_total_may_bind_but_must_hold_one_answer_turn():
     """A total below prompt + max_turns x (turn + obs) + answer is accepted (it binds at run time,
     ASearcher-style: 32 turns under 2048 tokens); a prompt budget plus one turn over the total is
     refused, naming the keys and the number."""
-    cfg = load_config(None, ["budget.max_turns=32", "budget.max_tokens_per_turn=64", "budget.max_obs_tokens=256", "budget.max_prompt_tokens=256", "budget.max_total_tokens=2048"])
+    cfg = load_config(
+        None,
+        [
+            "budget.max_turns=32",
+            "budget.max_tokens_per_turn=64",
+            "budget.max_obs_tokens=256",
+            "budget.max_prompt_tokens=256",
+            "budget.max_total_tokens=2048",
+        ],
+    )
     assert cfg.budget.worst_case_total() > cfg.budget.max_total_tokens
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["budget.max_tokens_per_turn=500", "budget.max_prompt_tokens=512", "budget.max_total_tokens=1000"])
+        load_config(
+            None, ["budget.max_tokens_per_turn=500", "budget.max_prompt_tokens=512", "budget.max_total_tokens=1000"]
+        )
     msg = str(err.value)
     for key in ("budget.max_total_tokens", "budget.max_prompt_tokens", "budget.max_tokens_per_turn", "1012"):
         assert key in msg

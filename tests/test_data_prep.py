@@ -3,6 +3,7 @@
 Real files only: the fixtures under tests/fixtures/flashrag (FlashRAG layout, one folder per
 dataset with its real split names), a BPE tokenizer trained here, the CLI run as a subprocess.
 """
+
 import hashlib
 import io
 import json
@@ -37,9 +38,11 @@ SPLITS = {
 SEARCH_R1_BASE = (
     "Answer the given question. "
     "You must conduct reasoning inside <think> and </think> first every time you get new information. "
-    "After reasoning, if you find you lack some knowledge, you can call a search engine by <search> query </search> and it will return the top searched results between <information> and </information>. "
+    "After reasoning, if you find you lack some knowledge, you can call a search engine by <search> query </search> "
+    "and it will return the top searched results between <information> and </information>. "
     "You can search as many times as your want. "
-    "If you find no further external knowledge needed, you can directly provide the answer inside <answer> and </answer>, without detailed illustrations. For example, <answer> Beijing </answer>. Question: {question}\n"
+    "If you find no further external knowledge needed, you can directly provide the answer inside <answer> and "
+    "</answer>, without detailed illustrations. For example, <answer> Beijing </answer>. Question: {question}\n"
 )
 
 
@@ -57,7 +60,9 @@ def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def _fixture_rows(dataset: str, split: str) -> list[dict]:
-    return [json.loads(line) for line in (FLASHRAG / dataset / f"{split}.jsonl").read_text().splitlines() if line.strip()]
+    return [
+        json.loads(line) for line in (FLASHRAG / dataset / f"{split}.jsonl").read_text().splitlines() if line.strip()
+    ]
 
 
 def _sha256(path: Path) -> str:
@@ -69,7 +74,9 @@ def tokenizer_dir(tmp_path_factory) -> Path:
     """A byte-level BPE (agent_rl.infra.model_init.train_tokenizer, with its chat template) saved to disk."""
     from agent_rl.infra.model_init import train_tokenizer
 
-    texts = [SEARCH_R1_BASE] + [r["question"] for d, splits in SPLITS.items() for s in splits.values() for r in _fixture_rows(d, s)]
+    texts = [SEARCH_R1_BASE] + [
+        r["question"] for d, splits in SPLITS.items() for s in splits.values() for r in _fixture_rows(d, s)
+    ]
     tok = train_tokenizer(texts, vocab_size=400)
     out = tmp_path_factory.mktemp("tok")
     tok.save_pretrained(out)
@@ -90,7 +97,9 @@ def test_each_loader_reads_its_flashrag_fixture(dataset, tmp_path):
     for split, source in SPLITS[dataset].items():
         table = pq.read_table(tmp_path / f"{split}.parquet")
         assert table.schema.names == SCHEMA.names
-        assert {"uid", "data_source", "prompt", "golden_answers"} <= set(table.column_names)  # agent_rl.rollout.prompts's contract
+        assert {"uid", "data_source", "prompt", "golden_answers"} <= set(
+            table.column_names
+        )  # agent_rl.rollout.prompts's contract
         rows, raw = table.to_pylist(), _fixture_rows(dataset, source)
         assert len(rows) == len(raw)
         for row, rec in zip(rows, raw):
@@ -140,11 +149,15 @@ def test_chat_template_through_tokenizer(tmp_path, tokenizer_dir):
     from agent_rl.rollout.prompts import load_prompts
 
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    [summary] = prepare_qa("triviaqa", tmp_path, ["test"], FLASHRAG / "triviaqa", template="chat", tokenizer=str(tokenizer_dir))
+    [summary] = prepare_qa(
+        "triviaqa", tmp_path, ["test"], FLASHRAG / "triviaqa", template="chat", tokenizer=str(tokenizer_dir)
+    )
     rows = pq.read_table(summary.path).to_pylist()
     for row in rows:
         content = SEARCH_R1_BASE.format(question=row["question"]).rstrip("\n")
-        assert row["prompt"] == tok.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+        assert row["prompt"] == tok.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
         assert row["prompt"].startswith("<|user|>\n") and row["prompt"].endswith("<|assistant|>\n")
     prompts = load_prompts([summary.path], tok, TokenBudget(4, summary.max_tokens, 50, 50, 10_000))
     assert not prompts.dropped and [item.prompt_id for item in prompts.items] == [r["uid"] for r in rows]
@@ -171,9 +184,16 @@ def test_group_ids_unique_across_datasets_after_merge(tmp_path):
     with pytest.raises(DataPrepError, match="more than one row"):
         merge([files[0], files[0]], tmp_path / "dup.parquet")
     # Folders merge split by split, through the CLI (the README's form).
-    out = _cli("merge", "--inputs", str(tmp_path / "nq"), str(tmp_path / "hotpotqa"), "--out", str(tmp_path / "both")).stdout
+    out = _cli(
+        "merge", "--inputs", str(tmp_path / "nq"), str(tmp_path / "hotpotqa"), "--out", str(tmp_path / "both")
+    ).stdout
     assert "hotpotqa" in out and pq.read_table(tmp_path / "both" / "test.parquet").num_rows == 3 + 3
-    assert _cli("merge", "--inputs", str(files[0]), str(files[0]), "--out", str(tmp_path / "x.parquet"), check=False).returncode == 2
+    assert (
+        _cli(
+            "merge", "--inputs", str(files[0]), str(files[0]), "--out", str(tmp_path / "x.parquet"), check=False
+        ).returncode
+        == 2
+    )
 
 
 def test_over_long_filtering_counts_end_to_end(tmp_path, tokenizer_dir):
@@ -191,9 +211,22 @@ def test_over_long_filtering_counts_end_to_end(tmp_path, tokenizer_dir):
     for d in ("nq", "popqa"):  # nq through the CLI, popqa through the library
         expect_drop = sum(n > limit for n in lengths[d])
         if d == "nq":
-            out = _cli("qa", "--dataset", d, "--input", str(FLASHRAG / d), "--split", "test", "--out", str(tmp_path / d),
-                       "--tokenizer", str(tokenizer_dir), "--max-prompt-tokens", str(limit)).stdout
-            line = next(l for l in out.splitlines() if l.startswith(d))
+            out = _cli(
+                "qa",
+                "--dataset",
+                d,
+                "--input",
+                str(FLASHRAG / d),
+                "--split",
+                "test",
+                "--out",
+                str(tmp_path / d),
+                "--tokenizer",
+                str(tokenizer_dir),
+                "--max-prompt-tokens",
+                str(limit),
+            ).stdout
+            line = next(row for row in out.splitlines() if row.startswith(d))
             rows, dropped, _skipped, _mean, mx = (int(float(x)) for x in line.split()[2:7])
         else:
             [s] = prepare_qa(d, tmp_path / d, ["test"], FLASHRAG / d, tokenizer=tok, max_prompt_tokens=limit)
@@ -203,7 +236,21 @@ def test_over_long_filtering_counts_end_to_end(tmp_path, tokenizer_dir):
         assert len(kept) == len(lengths[d]) - expect_drop and all(n <= limit for n in kept_lengths)
         assert (rows, dropped, mx) == (len(kept), expect_drop, max(kept_lengths))
     assert sum(n > limit for n in lengths["nq"]) >= 1  # nq's long test question is one of them
-    assert _cli("qa", "--dataset", "nq", "--input", str(FLASHRAG / "nq"), "--out", str(tmp_path / "e"), "--max-prompt-tokens", "5", check=False).returncode == 2
+    assert (
+        _cli(
+            "qa",
+            "--dataset",
+            "nq",
+            "--input",
+            str(FLASHRAG / "nq"),
+            "--out",
+            str(tmp_path / "e"),
+            "--max-prompt-tokens",
+            "5",
+            check=False,
+        ).returncode
+        == 2
+    )
 
 
 # --------------------------------------------------------------------------- corpora
@@ -240,12 +287,18 @@ def test_corpus_wiki18_and_beir(tmp_path):
     stats = convert_corpus(CORPORA / "wiki18.jsonl", "wiki18", tmp_path / "w.jsonl")
     assert (stats.read, stats.written, stats.duplicates) == (4, 3, 1)
     docs = _read_jsonl(tmp_path / "w.jsonl")
-    assert docs[0]["contents"] == '"Aaron"\nAaron is a prophet, high priest, and the brother of Moses in the Abrahamic religions.'
+    assert (
+        docs[0]["contents"]
+        == '"Aaron"\nAaron is a prophet, high priest, and the brother of Moses in the Abrahamic religions.'
+    )
     assert docs[2] == {"id": "3", "contents": "Kyoto\nKyoto is a city on the island of Honshu."}
     stats = convert_corpus(CORPORA / "beir_corpus.jsonl", "beir", tmp_path / "b.jsonl")
     assert (stats.read, stats.written, stats.duplicates) == (4, 3, 1)
     docs = list(iter_corpus(tmp_path / "b.jsonl"))
-    assert docs[0] == {"id": "doc1", "contents": "Albert Einstein\nAlbert Einstein was a theoretical physicist born in Ulm in 1879."}
+    assert docs[0] == {
+        "id": "doc1",
+        "contents": "Albert Einstein\nAlbert Einstein was a theoretical physicist born in Ulm in 1879.",
+    }
     assert docs[2]["contents"] == "\nA passage without a title."
     with pytest.raises(CorpusError, match="_id"):
         convert_corpus(CORPORA / "wiki18.jsonl", "beir", tmp_path / "bad.jsonl")
@@ -258,7 +311,11 @@ def test_corpus_cacm_html_tarball_and_jsonl(tmp_path):
     tar_path = tmp_path / "cacm.tar.gz"
     with tarfile.open(tar_path, "w:gz") as tar:
         for sub in ("cacm", "again"):
-            for f in sorted((CORPORA / "cacm_html").glob("*.html")) if sub == "cacm" else [CORPORA / "cacm_html" / "CACM-0001.html"]:
+            for f in (
+                sorted((CORPORA / "cacm_html").glob("*.html"))
+                if sub == "cacm"
+                else [CORPORA / "cacm_html" / "CACM-0001.html"]
+            ):
                 tar.add(f, arcname=f"{sub}/{f.name}")
     out = _cli("corpus", "--input", str(tar_path), "--format", "cacm", "--out", str(tmp_path / "h.jsonl")).stdout
     assert "read 3 records, wrote 2, dropped 1 duplicate ids" in out
@@ -266,7 +323,8 @@ def test_corpus_cacm_html_tarball_and_jsonl(tmp_path):
     assert [d["id"] for d in docs] == ["CACM-0001", "CACM-0002"]
     assert docs[1]["contents"].split("\n") == [
         "Extraction of Roots by Repeated Subtractions for Digital Computers",
-        "A method for extracting roots & powers by repeated subtraction is described. CACM December, 1958 Sugai, I. CA581202 JB March 22, 1978 8:29 PM 2 5 2",
+        "A method for extracting roots & powers by repeated subtraction is described. CACM December, 1958 Sugai, I. "
+        "CA581202 JB March 22, 1978 8:29 PM 2 5 2",
     ]
     anserini = _read_jsonl(FIXTURES / "cacm" / "cacm_corpus.jsonl")[0]["contents"]
     assert anserini.startswith(docs[0]["contents"].replace("\n", " "))  # same text as Anserini's converter

@@ -4,6 +4,7 @@ One torchrun job (this file run as a script by `torch.distributed.run`) does all
 work and writes what it saw to files; the tests compare those files with single-process runs
 in the pytest process. The job is launched once per module and takes ~20-30 s on 2 cores.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -74,7 +75,9 @@ def _trajectories():
     for g in range(GROUPS):
         prompt = [rng.randrange(3, 300) for _ in range(rng.randrange(6, 12))]
         for s in range(GROUP_SIZE):
-            t = Trajectory(prompt_id=f"toy-{g}", data_source="toy", prompt_ids=list(prompt), golden_answers=["x"], sample_idx=s)
+            t = Trajectory(
+                prompt_id=f"toy-{g}", data_source="toy", prompt_ids=list(prompt), golden_answers=["x"], sample_idx=s
+            )
             t.append([rng.randrange(3, 300) for _ in range(rng.randrange(3, 9))], sampled=True)
             t.append([rng.randrange(3, 300) for _ in range(rng.randrange(4, 11))], sampled=False)  # observation
             t.append([rng.randrange(3, 300) for _ in range(rng.randrange(2, 7))], sampled=True)
@@ -88,7 +91,15 @@ def _tiny_model():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, intermediate_size=128, tie_word_embeddings=False)
+    cfg = Qwen2Config(
+        vocab_size=300,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=128,
+        tie_word_embeddings=False,
+    )
     return Qwen2ForCausalLM(cfg)
 
 
@@ -151,9 +162,30 @@ def job(tmp_path_factory):
     trajs = _trajectories()
     caps = {"even": _pick_cap(trajs, even=True), "uneven": _pick_cap(trajs, even=False)}
     torch.save({"trajs": trajs, "caps": caps}, work / "job.pt")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     for _ in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), __file__, str(work)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            __file__,
+            str(work),
+        ]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
         # A gloo rank once aborted in torch's C++ runtime on a loaded 2-core CI machine ("terminate
         # called without an active exception", exit -6; not reproduced in four reruns, three of them
@@ -182,14 +214,19 @@ def test_two_rank_fsdp_step_matches_single_process(job, scenario):
     p_diff = max((got["params"][n] - params[n]).abs().max().item() for n in params)
     g_scale = max(g.abs().max().item() for g in grads.values())
     g_diff = max((got["grads"][n] - grads[n]).abs().max().item() for n in grads)
-    print(f"[{scenario}] max |param diff| {p_diff:.3e} (step moved params by up to {moved:.3e}); max |grad diff| {g_diff:.3e} of max |grad| {g_scale:.3e}")
+    print(
+        f"[{scenario}] max |param diff| {p_diff:.3e} (step moved params by up to {moved:.3e}); max |grad diff| "
+        f"{g_diff:.3e} of max |grad| {g_scale:.3e}"
+    )
     assert p_diff < 2e-5, p_diff
     assert g_diff < 1e-4 * g_scale, (g_diff, g_scale)
     assert got["metrics"]["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-4)
     if scenario == "uneven":
         assert got["microbatches_per_rank"][0] != got["microbatches_per_rank"][1]
     elif scenario == "skip":
-        assert metrics["train/skipped_zero_advantage_rows"] > 0, "no equal-reward group: the skip scenario compares nothing"
+        assert metrics["train/skipped_zero_advantage_rows"] > 0, (
+            "no equal-reward group: the skip scenario compares nothing"
+        )
     else:
         assert got["microbatches_per_rank"] == [metrics["train/microbatches"] / 2] * 2
 
@@ -274,7 +311,9 @@ def test_world_size_checks_name_the_fix(monkeypatch):
     with pytest.raises(ValueError, match=r"rollout.prompts_per_step=6"):
         check_world_size(load_config(None, ["rollout.prompts_per_step=4", "algo.group_size=2"]), 3)
     with pytest.raises(ValueError, match=r"algo.mini_batch_size \(6\)"):
-        check_world_size(load_config(None, ["rollout.prompts_per_step=4", "algo.group_size=3", "algo.mini_batch_size=6"]), 4)
+        check_world_size(
+            load_config(None, ["rollout.prompts_per_step=4", "algo.group_size=3", "algo.mini_batch_size=6"]), 4
+        )
     check_world_size(load_config(None, ["rollout.prompts_per_step=4", "algo.group_size=2"]), 4)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -329,12 +368,22 @@ def _full_grads(model) -> dict[str, torch.Tensor]:
 
 
 def _rank_main(work: Path) -> None:
+    from torch.distributed.tensor import DTensor
+
     from agent_rl.config import load_config
+    from agent_rl.infra.distributed import (
+        copy_full_params,
+        init_distributed,
+        iter_full_params,
+        load_sharded,
+        save_sharded,
+        shard_model,
+        split_groups,
+        sync_rollout_weights,
+    )
     from agent_rl.learn.batch import even_microbatches
-    from agent_rl.infra.distributed import copy_full_params, init_distributed, iter_full_params, load_sharded, save_sharded, shard_model, split_groups, sync_rollout_weights
     from agent_rl.learn.policy import frozen_copy
     from agent_rl.learn.update import prepare_batch, update
-    from torch.distributed.tensor import DTensor
 
     job = torch.load(work / "job.pt", weights_only=False)
     groups = [job["trajs"][g * GROUP_SIZE : (g + 1) * GROUP_SIZE] for g in range(GROUPS)]
@@ -353,16 +402,31 @@ def _rank_main(work: Path) -> None:
         if ref is not None:
             shard_model(ref, dist, cfg)
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
-        batch = prepare_batch(cfg, policy, ref, None, mine, PAD, need_old=cfg.algo.ppo_epochs > 1, **({"world": dist} if pads else {}))
+        batch = prepare_batch(
+            cfg, policy, ref, None, mine, PAD, need_old=cfg.algo.ppo_epochs > 1, **({"world": dist} if pads else {})
+        )
         metrics = update(cfg, policy, None, opt, None, batch, random.Random(0), world=dist)
         grads, params = _full_grads(policy), {n: t for n, t in _full(policy).items() if not n.endswith("inv_freq")}
         mbs = [0.0, 0.0]
         mbs[dist.rank] = metrics["train/microbatches"]
         mbs = [dist.all_reduce_sum(x) for x in mbs]
         reduced = dist.reduce_metrics(metrics)
-        sharded = all(isinstance(p, DTensor) and p.to_local().numel() < p.numel() for n, p in policy.named_parameters() if p.numel() >= 2)
+        sharded = all(
+            isinstance(p, DTensor) and p.to_local().numel() < p.numel()
+            for n, p in policy.named_parameters()
+            if p.numel() >= 2
+        )
         if dist.is_main:
-            torch.save({"params": params, "grads": grads, "metrics": reduced, "microbatches_per_rank": mbs, "sharded": sharded}, work / f"update_{name}.pt")
+            torch.save(
+                {
+                    "params": params,
+                    "grads": grads,
+                    "metrics": reduced,
+                    "microbatches_per_rank": mbs,
+                    "sharded": sharded,
+                },
+                work / f"update_{name}.pt",
+            )
 
     # iter_full_params on a freshly sharded model: every rank sees the full tensors
     cfg = load_config(None, _scenarios(job["caps"])["seq"])  # no reference model from here on
@@ -391,7 +455,17 @@ def _rank_main(work: Path) -> None:
     local_numel = sum(p.to_local().numel() for p in policy.parameters())
     if dist.is_main:
         full_numel = sum(p.numel() for p in policy.parameters())
-        torch.save({"names": names, "per_rank": per_rank, "local_numel": local_numel, "full_numel": full_numel, "copied": copied, "shares_sharded": shares_sharded}, work / "full_params.pt")
+        torch.save(
+            {
+                "names": names,
+                "per_rank": per_rank,
+                "local_numel": local_numel,
+                "full_numel": full_numel,
+                "copied": copied,
+                "shares_sharded": shares_sharded,
+            },
+            work / "full_params.pt",
+        )
 
     # DCP: train a step so AdamW has state, save, scramble, load, compare
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
@@ -406,7 +480,17 @@ def _rank_main(work: Path) -> None:
     critic_opt = _critic_step(critic)
     saved_critic = _full(critic)
     random.seed(99 + dist.rank)
-    save_sharded(work / "ckpt", 3, policy, opt, dist, extra_state={"cursor": 8, "rank": dist.rank}, export_hf=True, critic=critic, critic_optimizer=critic_opt)
+    save_sharded(
+        work / "ckpt",
+        3,
+        policy,
+        opt,
+        dist,
+        extra_state={"cursor": 8, "rank": dist.rank},
+        export_hf=True,
+        critic=critic,
+        critic_optimizer=critic_opt,
+    )
     want_next = random.random()
     with torch.no_grad():
         for p in [*policy.parameters(), *critic.parameters()]:
@@ -422,16 +506,25 @@ def _rank_main(work: Path) -> None:
     rng_ok = random.random() == want_next
     loaded = _full(policy)
     diff = max((loaded[n] - saved_params[n]).abs().max().item() for n in saved_params)
-    odiff = max((opt.state[p]["exp_avg"].full_tensor() - saved_exp_avg[n]).abs().max().item() for n, p in by_name.items())
+    odiff = max(
+        (opt.state[p]["exp_avg"].full_tensor() - saved_exp_avg[n]).abs().max().item() for n, p in by_name.items()
+    )
     extras: list = [None, None]
     torch.distributed.all_gather_object(extras, {"cursor": extra["cursor"], "rank": extra["rank"]})
     rng_all: list = [None, None]
     torch.distributed.all_gather_object(rng_all, rng_ok)
     if dist.is_main:
         torch.save(
-            {"round_trip_max_diff": diff, "optim_round_trip_max_diff": odiff, "extras": extras, "rng_restored": rng_all, "critic_round_trip_max_diff": cdiff,
-             "saved_critic": {n: t for n, t in saved_critic.items() if not n.endswith("inv_freq")},
-             "saved_params": {n: t for n, t in saved_params.items() if not n.endswith("inv_freq")}, "saved_exp_avg": saved_exp_avg},
+            {
+                "round_trip_max_diff": diff,
+                "optim_round_trip_max_diff": odiff,
+                "extras": extras,
+                "rng_restored": rng_all,
+                "critic_round_trip_max_diff": cdiff,
+                "saved_critic": {n: t for n, t in saved_critic.items() if not n.endswith("inv_freq")},
+                "saved_params": {n: t for n, t in saved_params.items() if not n.endswith("inv_freq")},
+                "saved_exp_avg": saved_exp_avg,
+            },
             work / "dcp.pt",
         )
 

@@ -4,6 +4,7 @@ PPO critic under FSDP2 bf16, LoRA keys while LoRA is off, optimizer offload on C
 bf16 runs on CPU through `torch.autocast("cpu", torch.bfloat16)` and FSDP2's bf16
 MixedPrecisionPolicy runs on gloo ranks, so each fault is reproduced here without a GPU.
 """
+
 import os
 import random
 import subprocess
@@ -12,10 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from agent_fixtures import tiny_model_dir  # noqa: F401  (pytest fixture)
 
 from agent_rl.config import ConfigError, load_config
-
-from agent_fixtures import tiny_model_dir  # noqa: F401  (pytest fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +28,9 @@ def _trajectories(vocab: int):
     for g in range(3):
         prompt = [rng.randrange(3, vocab) for _ in range(10)]
         for s, reward in enumerate((1.0, 0.0, 0.0, 1.0)):
-            t = Trajectory(prompt_id=f"toy-{g}", data_source="toy", prompt_ids=list(prompt), golden_answers=["x"], sample_idx=s)
+            t = Trajectory(
+                prompt_id=f"toy-{g}", data_source="toy", prompt_ids=list(prompt), golden_answers=["x"], sample_idx=s
+            )
             t.append([rng.randrange(3, vocab) for _ in range(8)], sampled=True, logprobs=[-5.0] * 8)
             t.append([rng.randrange(3, vocab) for _ in range(6)], sampled=False)
             t.append([rng.randrange(3, vocab) for _ in range(5)], sampled=True, logprobs=[-5.0] * 5)
@@ -41,7 +43,10 @@ def _one_step(model_dir, overrides, pure_bf16=False):
     from agent_rl.learn.policy import load_policy
     from agent_rl.learn.update import prepare_batch, update
 
-    cfg = load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", [f"model.path={model_dir}", "model.warm_start=", "train.lr=1e-6", "train.max_grad_norm=0", *overrides])
+    cfg = load_config(
+        ROOT / "configs" / "tiny_cpu_grpo.yaml",
+        [f"model.path={model_dir}", "model.warm_start=", "train.lr=1e-6", "train.max_grad_norm=0", *overrides],
+    )
     torch.manual_seed(0)
     policy = load_policy(cfg, str(model_dir), "cpu")
     if pure_bf16:  # what every GPU config did before: bf16 parameters and AdamW state
@@ -82,9 +87,29 @@ def test_ppo_critic_under_fsdp2_bf16_on_two_gloo_ranks(tmp_path):
     cache = tmp_path / "cache"
     out = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-           "-m", "agent_rl", "train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, 1),
-           "algo.name=ppo", "algo.kl_coef=0.01", "algo.kl_type=k1", "train.bf16=true", "trainer.preflight=false"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        "-m",
+        "agent_rl",
+        "train",
+        "configs/tiny_cpu_grpo.yaml",
+        *_overrides(cache, out, 1),
+        "algo.name=ppo",
+        "algo.kl_coef=0.01",
+        "algo.kl_type=k1",
+        "train.bf16=true",
+        "trainer.preflight=false",
+    ]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     assert (out / "checkpoints" / "step_1" / "dcp").is_dir()
@@ -96,7 +121,12 @@ def test_lora_keys_without_lora_enabled_are_an_error():
     model.lora.enabled; with model.lora.enabled=true it loads."""
     with pytest.raises(ConfigError, match="model.lora.enabled"):
         load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", ["model.lora.rank=8"])
-    assert load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", ["model.lora.rank=8", "model.lora.enabled=true"]).model.lora.rank == 8
+    assert (
+        load_config(
+            ROOT / "configs" / "tiny_cpu_grpo.yaml", ["model.lora.rank=8", "model.lora.enabled=true"]
+        ).model.lora.rank
+        == 8
+    )
 
 
 def test_offload_optimizer_on_cuda_is_refused_with_the_alternative():

@@ -1,17 +1,17 @@
 """Memory levers: LoRA trains adapters only with the base as reference; explicit split devices."""
+
 import random
 
 import pytest
 import torch
+from agent_fixtures import tiny_model_dir  # noqa: F401
 
 from agent_rl.config import load_config
-from agent_rl.learn.policy import assert_no_data_parallel, forward_logprobs, load_policy, reference_mode
 from agent_rl.learn.batch import collate
+from agent_rl.learn.policy import assert_no_data_parallel, forward_logprobs, load_policy, reference_mode
 from agent_rl.learn.update import prepare_batch, update
-from agent_rl.train import build_engine, sync_weights
 from agent_rl.rollout.trajectory import Trajectory
-
-from agent_fixtures import tiny_model_dir  # noqa: F401
+from agent_rl.train import build_engine, sync_weights
 
 
 def _batch(vocab: int, groups: int = 2, n: int = 2):
@@ -98,13 +98,17 @@ def test_zero_advantage_rows_skip_the_update_and_leave_the_step_unchanged(tiny_m
     results = {}
     for skip in (True, False):
         torch.manual_seed(0)
-        cfg = _cfg(tiny_model_dir, f"train.skip_zero_advantage={str(skip).lower()}", "algo.kl_coef=0", "algo.entropy_coef=0")
+        cfg = _cfg(
+            tiny_model_dir, f"train.skip_zero_advantage={str(skip).lower()}", "algo.kl_coef=0", "algo.entropy_coef=0"
+        )
         policy = load_policy(cfg, str(tiny_model_dir), "cpu")
         opt = torch.optim.SGD(policy.parameters(), lr=0.5, momentum=0.9)
         metrics = []
         for step in range(2):
             trajs = _batch(policy.config.vocab_size, groups=3, n=2)
-            for t in trajs:  # group toy-0 keeps its 0/1 rewards (not at step 2 of all_equal); the others get equal rewards
+            for (
+                t
+            ) in trajs:  # group toy-0 keeps its 0/1 rewards (not at step 2 of all_equal); the others get equal rewards
                 if t.prompt_id != "toy-0" or (rewards == "all_equal" and step == 1):
                     t.reward = 1.0 if t.prompt_id == "toy-1" else 0.0
             batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=False)
@@ -112,7 +116,9 @@ def test_zero_advantage_rows_skip_the_update_and_leave_the_step_unchanged(tiny_m
         results[skip] = ({k: v.clone() for k, v in policy.state_dict().items()}, metrics)
     (skipped_params, skipped_metrics), (plain_params, plain_metrics) = results[True], results[False]
     assert skipped_metrics[0]["train/skipped_zero_advantage_rows"] == 4  # groups toy-1 and toy-2
-    assert skipped_metrics[1]["train/skipped_zero_advantage_rows"] == (4 if rewards == "half_equal" else 5)  # all equal: one row still runs
+    assert skipped_metrics[1]["train/skipped_zero_advantage_rows"] == (
+        4 if rewards == "half_equal" else 5
+    )  # all equal: one row still runs
     assert plain_metrics[0]["train/skipped_zero_advantage_rows"] == 0
     moved = [k for k in plain_params if not torch.equal(plain_params[k], _initial(tiny_model_dir)[k])]
     assert moved

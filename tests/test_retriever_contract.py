@@ -6,6 +6,7 @@ server enforces, every 4xx has the one documented `{"detail": str}` shape, `/met
 Clients that send a whole over-limit body before reading (urllib, requests) get the 413 and its
 message every time, and the server goes on answering.
 """
+
 import json
 import shutil
 import subprocess
@@ -15,13 +16,15 @@ from pathlib import Path
 
 import pytest
 import requests
-
 from agent_fixtures import FIXTURES, hotpot_index_dir, start_server  # noqa: F401  (pytest fixtures)
 
 
 @pytest.fixture(scope="module")
 def server(hotpot_index_dir):
-    with start_server(hotpot_index_dir, "--max-queries", "64", "--max-topk", "20", "--max-query-chars", "512") as (_, url):
+    with start_server(hotpot_index_dir, "--max-queries", "64", "--max-topk", "20", "--max-query-chars", "512") as (
+        _,
+        url,
+    ):
         yield url
 
 
@@ -47,7 +50,22 @@ def test_schemathesis_finds_no_contract_fault(server, tmp_path):
     """schemathesis with all checks and a bounded number of examples: no failure."""
     exe = shutil.which("schemathesis") or str(Path(__file__).resolve().parents[1] / ".venv" / "bin" / "schemathesis")
     config = FIXTURES / "schemathesis" / "schemathesis.toml"
-    cmd = [exe, "--config-file", str(config), "--no-color", "run", f"{server}/openapi.json", "--checks", "all", "--max-examples", "60", "--workers", "1", "--seed", "1"]
+    cmd = [
+        exe,
+        "--config-file",
+        str(config),
+        "--no-color",
+        "run",
+        f"{server}/openapi.json",
+        "--checks",
+        "all",
+        "--max-examples",
+        "60",
+        "--workers",
+        "1",
+        "--seed",
+        "1",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
     assert "generated" in res.stdout
@@ -62,7 +80,9 @@ def test_over_limit_body_gets_413_with_urllib_and_requests(server):
     gets the 413 naming --max-body-bytes, with Connection: close; then a normal request works."""
     body = _oversized()
     for _ in range(20):
-        req = urllib.request.Request(f"{server}/retrieve", data=body, headers={"Content-Type": "application/json"}, method="POST")
+        req = urllib.request.Request(
+            f"{server}/retrieve", data=body, headers={"Content-Type": "application/json"}, method="POST"
+        )
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(req, timeout=60)
         assert err.value.code == 413 and "--max-body-bytes" in err.value.read().decode()
@@ -70,5 +90,7 @@ def test_over_limit_body_gets_413_with_urllib_and_requests(server):
     for _ in range(20):
         resp = requests.post(f"{server}/retrieve", data=body, headers={"Content-Type": "application/json"}, timeout=60)
         assert resp.status_code == 413 and "--max-body-bytes" in resp.json()["detail"]
-    ok = requests.post(f"{server}/retrieve", json={"queries": ["Who founded the Demon Dice game?"], "topk": 2}, timeout=60)
+    ok = requests.post(
+        f"{server}/retrieve", json={"queries": ["Who founded the Demon Dice game?"], "topk": 2}, timeout=60
+    )
     assert ok.status_code == 200 and len(ok.json()["result"][0]) == 2

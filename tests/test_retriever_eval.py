@@ -1,5 +1,6 @@
 """`retriever-eval` against a real retriever-server on 127.0.0.1 over a flat MiniLM index of
 200 HotpotQA fixture paragraphs, plus the answer-matching and metric logic on hand-made cases."""
+
 import json
 import os
 import socket
@@ -10,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from agent_fixtures import hotpot_index_dir, start_servers  # noqa: F401  (pytest fixture)
+
 from agent_rl.infra.prepare import stop_process
 from retriever_server.answers import contains_answer, normalize_answer
 from retriever_server.evaluate import Passage, Question, load_questions, main, score_question
@@ -77,8 +78,11 @@ def test_answer_normalisation_hand_cases():
 def test_score_question_hand_cases():
     """recall@k, title / gold-id recall@k and MRR on a hand-made ranking."""
     q = Question("q", "s", "?", ["Paris"], supporting_titles=["France", "Seine"], gold_ids=["d3"])
-    ps = [Passage("d1", "France", "France\nA country.", 1.0), Passage("d2", "Lyon", "Lyon\nNot the capital.", 0.9),
-          Passage("d3", "Seine", "Seine\nFlows through Paris.", 0.8)]
+    ps = [
+        Passage("d1", "France", "France\nA country.", 1.0),
+        Passage("d2", "Lyon", "Lyon\nNot the capital.", 0.9),
+        Passage("d3", "Seine", "Seine\nFlows through Paris.", 0.8),
+    ]
     s = score_question(q, ps, [1, 2, 3])
     assert [s[f"answer_recall@{k}"] for k in (1, 2, 3)] == [0.0, 0.0, 1.0]
     assert [s[f"title_recall@{k}"] for k in (1, 2, 3)] == [0.5, 0.5, 1.0]
@@ -93,15 +97,35 @@ def test_load_questions_parquet_and_flashrag_jsonl(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({
-        "id": ["a", "b"], "data_source": ["nq", "hotpotqa"], "question": ["q1", "q2"], "golden_answers": [["x"], ["y", "z"]],
-        "metadata": [json.dumps({"supporting_titles": ["T1", "T2"]}), None],
-    }), tmp_path / "test.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "id": ["a", "b"],
+                "data_source": ["nq", "hotpotqa"],
+                "question": ["q1", "q2"],
+                "golden_answers": [["x"], ["y", "z"]],
+                "metadata": [json.dumps({"supporting_titles": ["T1", "T2"]}), None],
+            }
+        ),
+        tmp_path / "test.parquet",
+    )
     qs = load_questions(tmp_path / "test.parquet")
-    assert [(q.id, q.data_source, q.golden_answers, q.supporting_titles) for q in qs] == [("a", "nq", ["x"], ["T1", "T2"]), ("b", "hotpotqa", ["y", "z"], None)]
+    assert [(q.id, q.data_source, q.golden_answers, q.supporting_titles) for q in qs] == [
+        ("a", "nq", ["x"], ["T1", "T2"]),
+        ("b", "hotpotqa", ["y", "z"], None),
+    ]
     (tmp_path / "dev.jsonl").write_text(
-        json.dumps({"id": "1", "question": "q", "golden_answers": ["a"], "metadata": {"supporting_facts": {"title": ["A", "B", "A"], "sent_id": [0, 1, 2]}}}) + "\n"
-        + json.dumps({"id": "2", "question": "q", "golden_answers": "b", "gold_ids": [7]}) + "\n"
+        json.dumps(
+            {
+                "id": "1",
+                "question": "q",
+                "golden_answers": ["a"],
+                "metadata": {"supporting_facts": {"title": ["A", "B", "A"], "sent_id": [0, 1, 2]}},
+            }
+        )
+        + "\n"
+        + json.dumps({"id": "2", "question": "q", "golden_answers": "b", "gold_ids": [7]})
+        + "\n"
     )
     qs = load_questions(tmp_path / "dev.jsonl")
     assert qs[0].data_source == "dev" and qs[0].supporting_titles == ["A", "B"]
@@ -116,11 +140,35 @@ def test_recall_over_http_equals_in_process_search(server, in_process, tmp_path)
     the per-question dump are written; the evaluator never imports agent_rl."""
     expected, n = in_process
     out, dump = tmp_path / "r.json", tmp_path / "d.jsonl"
-    code = "import sys, retriever_server.evaluate as e; assert not any(m.startswith('agent_rl') for m in sys.modules); sys.exit(e.main(sys.argv[1:]))"
+    code = (
+        "import sys, retriever_server.evaluate as e; "
+        "assert not any(m.startswith('agent_rl') for m in sys.modules); sys.exit(e.main(sys.argv[1:]))"
+    )
     proc = subprocess.run(
-        [sys.executable, "-c", code, "--url", server, "--data", str(QUESTIONS), "--topk", "1,3,5,10", "--batch-size", "8",
-         "--concurrency", "4", "--api-key", API_KEY, "--out", str(out), "--dump", str(dump)],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-c",
+            code,
+            "--url",
+            server,
+            "--data",
+            str(QUESTIONS),
+            "--topk",
+            "1,3,5,10",
+            "--batch-size",
+            "8",
+            "--concurrency",
+            "4",
+            "--api-key",
+            API_KEY,
+            "--out",
+            str(out),
+            "--dump",
+            str(dump),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
@@ -133,15 +181,34 @@ def test_recall_over_http_equals_in_process_search(server, in_process, tmp_path)
     assert "R@1" in proc.stdout and "T@10" in proc.stdout and "queries/s" in proc.stdout
     lines = [json.loads(line) for line in dump.read_text().splitlines()]
     assert len(lines) == n and all(len(r["topk"]) == 10 for r in lines)
-    print(f"\nretriever-eval: {report['queries_per_s']:.1f} q/s, p50 {report['latency_ms']['p50']:.1f} ms, "
-          f"R@5 {m['answer_recall@5']:.3f}, T@5 {m['title_recall@5']:.3f}, MRR {m['mrr']:.3f}")
+    print(
+        f"\nretriever-eval: {report['queries_per_s']:.1f} q/s, p50 {report['latency_ms']['p50']:.1f} ms, "
+        f"R@5 {m['answer_recall@5']:.3f}, T@5 {m['title_recall@5']:.3f}, MRR {m['mrr']:.3f}"
+    )
 
 
 def test_compare_same_server_gives_zero_deltas(server, tmp_path, capsys):
     """--compare against the same server: every quality delta is exactly zero."""
     out = tmp_path / "c.json"
-    rc = main(["--url", server, "--compare", server, "--data", str(QUESTIONS), "--limit", "40", "--topk", "1,5",
-               "--api-key", API_KEY, "--out", str(out), "--no-progress"])
+    rc = main(
+        [
+            "--url",
+            server,
+            "--compare",
+            server,
+            "--data",
+            str(QUESTIONS),
+            "--limit",
+            "40",
+            "--topk",
+            "1,5",
+            "--api-key",
+            API_KEY,
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert rc == 0
     result = json.loads(out.read_text())
     delta = result["delta"]["overall"]
@@ -162,8 +229,27 @@ def test_compare_with_dead_server_reports_failures(server, tmp_path, capsys):
     reason, the first server's numbers still come out, no traceback, exit code 1."""
     out = tmp_path / "c.json"
     dead = f"http://127.0.0.1:{_free_port()}"
-    rc = main(["--url", server, "--compare", dead, "--data", str(QUESTIONS), "--limit", "20", "--api-key", API_KEY,
-               "--retries", "1", "--backoff", "0.01", "--out", str(out), "--no-progress"])
+    rc = main(
+        [
+            "--url",
+            server,
+            "--compare",
+            dead,
+            "--data",
+            str(QUESTIONS),
+            "--limit",
+            "20",
+            "--api-key",
+            API_KEY,
+            "--retries",
+            "1",
+            "--backoff",
+            "0.01",
+            "--out",
+            str(out),
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1
     result = json.loads(out.read_text())
@@ -174,8 +260,25 @@ def test_compare_with_dead_server_reports_failures(server, tmp_path, capsys):
 
 def test_wrong_api_key_is_reported_not_retried(server, tmp_path, capsys):
     """A 401 is a failure with the server's message, counted per query, and exits 1."""
-    rc = main(["--url", server, "--data", str(QUESTIONS), "--limit", "10", "--batch-size", "5", "--api-key", "wrong",
-               "--retries", "3", "--backoff", "5", "--no-progress"])
+    rc = main(
+        [
+            "--url",
+            server,
+            "--data",
+            str(QUESTIONS),
+            "--limit",
+            "10",
+            "--batch-size",
+            "5",
+            "--api-key",
+            "wrong",
+            "--retries",
+            "3",
+            "--backoff",
+            "5",
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1 and "10 of 10 queries failed (2 requests)" in err and "HTTP 401" in err and "Traceback" not in err
 
@@ -188,15 +291,34 @@ def test_server_killed_mid_run_counts_failures(servers, tmp_path, capsys):
     proc, url = servers["spare"]
     out = tmp_path / "k.json"
     result: dict = {}
-    args = ["--url", url, "--data", str(QUESTIONS), "--batch-size", "1", "--concurrency", "1", "--retries", "1",
-            "--backoff", "0.01", "--timeout", "5", "--out", str(out), "--no-progress"]
+    args = [
+        "--url",
+        url,
+        "--data",
+        str(QUESTIONS),
+        "--batch-size",
+        "1",
+        "--concurrency",
+        "1",
+        "--retries",
+        "1",
+        "--backoff",
+        "0.01",
+        "--timeout",
+        "5",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     worker = threading.Thread(target=lambda: result.setdefault("rc", main(args)))
     try:
         worker.start()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             metrics = httpx.get(url + "/metrics").text
-            served = next(int(line.split()[-1]) for line in metrics.splitlines() if line.startswith("retriever_queries_total"))
+            served = next(
+                int(line.split()[-1]) for line in metrics.splitlines() if line.startswith("retriever_queries_total")
+            )
             if served >= 10:
                 break
             time.sleep(0.01)

@@ -3,6 +3,7 @@ file) over a flat MiniLM index of the first 200 HotpotQA fixture paragraphs and 
 from the same vectors. Covers Search-R1's wire format, every documented bad input (4xx naming the
 limit, never a 500, the server stays up), 32 concurrent clients, cache/batcher transparency,
 equality with in-process search, HNSW recall, the manifest check, /health and /metrics."""
+
 import json
 import os
 import shutil
@@ -15,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-
 from agent_fixtures import hotpot_index_dir, start_servers  # noqa: F401  (pytest fixture)
+
 from agent_rl.infra.prepare import stop_process
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -64,7 +65,9 @@ def urls(hotpot_index_dir, tmp_path_factory):  # noqa: F811
 
 
 def _retrieve(url: str, queries: list[str], topk: int | None = 10, headers: dict | None = None) -> list[list[dict]]:
-    resp = requests.post(f"{url}/retrieve", json={"queries": queries, "topk": topk, "return_scores": True}, headers=headers, timeout=120)
+    resp = requests.post(
+        f"{url}/retrieve", json={"queries": queries, "topk": topk, "return_scores": True}, headers=headers, timeout=120
+    )
     assert resp.status_code == 200, resp.text
     return resp.json()["result"]
 
@@ -124,7 +127,12 @@ BAD_INPUTS = [
     ("topk zero", {"json": {"queries": ["q"], "topk": 0}}, 422, ["topk", ">= 1"]),
     ("topk negative", {"json": {"queries": ["q"], "topk": -3}}, 422, ["topk", ">= 1"]),
     ("body too large", {"json": {"queries": ["y" * 1_100_000]}}, 413, ["1000000", "--max-body-bytes"]),
-    ("body too large, chunked", {"data": iter([b'{"queries": ["', b"z" * 1_100_000, b'"]}'])}, 413, ["1000000", "--max-body-bytes"]),
+    (
+        "body too large, chunked",
+        {"data": iter([b'{"queries": ["', b"z" * 1_100_000, b'"]}'])},
+        413,
+        ["1000000", "--max-body-bytes"],
+    ),
     ("malformed JSON", {"data": b'{"queries": ["a"', "headers": JSON}, 422, ["json"]),
     ("not JSON at all", {"data": b"queries=a", "headers": JSON}, 422, ["json"]),
     ("queries missing", {"json": {"topk": 3}}, 422, ["queries", "missing"]),
@@ -136,9 +144,19 @@ BAD_INPUTS = [
     ("topk a bool", {"json": {"queries": ["q"], "topk": True}}, 422, ["topk", "integer"]),
     ("return_scores a string", {"json": {"queries": ["q"], "return_scores": "yes"}}, 422, ["return_scores", "bool"]),
     ("body a list", {"json": [{"queries": ["q"]}]}, 422, ["dict"]),
-    ("lone surrogate", {"data": b'{"queries": ["ok", "x\\ud800"]}', "headers": JSON}, 422, ["query 1", "unicode", "surrogate"]),
+    (
+        "lone surrogate",
+        {"data": b'{"queries": ["ok", "x\\ud800"]}', "headers": JSON},
+        422,
+        ["query 1", "unicode", "surrogate"],
+    ),
     ("invalid UTF-8", {"data": b'{"queries": ["\xff\xfe"]}', "headers": JSON}, 422, ["malformed", "utf-8"]),
-    ("nested too deep", {"data": b'{"queries": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "headers": JSON}, 422, ["malformed"]),
+    (
+        "nested too deep",
+        {"data": b'{"queries": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "headers": JSON},
+        422,
+        ["malformed"],
+    ),
 ]
 
 
@@ -186,7 +204,11 @@ def test_bad_query_does_not_fail_its_batch(urls):
 
 def test_empty_queries_give_empty_result(urls):
     """An empty `queries` list is valid: 200 with an empty `result`, on every server."""
-    for url, headers in ((urls["flat"], None), (urls["plain"], None), (urls["hnsw"], {"Authorization": f"Bearer {API_KEY}"})):
+    for url, headers in (
+        (urls["flat"], None),
+        (urls["plain"], None),
+        (urls["hnsw"], {"Authorization": f"Bearer {API_KEY}"}),
+    ):
         resp = requests.post(f"{url}/retrieve", json={"queries": []}, headers=headers, timeout=60)
         assert resp.status_code == 200 and resp.json() == {"result": []}
 
@@ -220,7 +242,16 @@ def test_zero_window_still_coalesces_waiting_requests(urls):
     before = _parse_metrics(requests.get(f"{urls['hnsw']}/metrics", timeout=30).text)
     qs = [f"{q} (batch)" for q in _questions()[:16]]  # uncached
     codes = []
-    threads = [threading.Thread(target=lambda q=q: codes.append(requests.post(f"{urls['hnsw']}/retrieve", json={"queries": [q]}, headers=headers, timeout=120).status_code)) for q in qs]
+    threads = [
+        threading.Thread(
+            target=lambda q=q: codes.append(
+                requests.post(
+                    f"{urls['hnsw']}/retrieve", json={"queries": [q]}, headers=headers, timeout=120
+                ).status_code
+            )
+        )
+        for q in qs
+    ]
     for th in threads:
         th.start()
     for th in threads:
@@ -251,7 +282,9 @@ def test_32_concurrent_clients_all_answered_and_correct(urls):
             sent = [f"  {q.replace(' ', '   ')} " if (t + j) % 5 == 0 else q for q in picked]
             topk = (4, 6, 9, None)[(t + 2 * j) % 4]
             try:
-                resp = session.post(f"{urls['flat']}/retrieve", json={"queries": sent, "topk": topk, "return_scores": True}, timeout=120)
+                resp = session.post(
+                    f"{urls['flat']}/retrieve", json={"queries": sent, "topk": topk, "return_scores": True}, timeout=120
+                )
                 results[(t, j)] = (picked, topk or 3, resp.json()["result"] if resp.status_code == 200 else resp.text)
             except BaseException as err:  # noqa: BLE001 - every failure must be counted, not swallowed by the thread
                 errors.append(err)
@@ -270,13 +303,15 @@ def test_32_concurrent_clients_all_answered_and_correct(urls):
         th.join()
     assert not errors, errors[:3]
     assert len(results) == n_threads * per_thread
-    for (picked, k, result) in results.values():
+    for picked, k, result in results.values():
         assert isinstance(result, list) and len(result) == len(picked), result
         for q, items in zip(picked, result):
             _same(items, reference[q][:k])
     assert health_ms and max(health_ms) < 5000, health_ms
     metrics = _parse_metrics(requests.get(f"{urls['flat']}/metrics", timeout=30).text)
-    assert metrics['retriever_batch_size_bucket{le="1"}'] < metrics["retriever_batch_size_count"], "no two requests were ever coalesced"
+    assert metrics['retriever_batch_size_bucket{le="1"}'] < metrics["retriever_batch_size_count"], (
+        "no two requests were ever coalesced"
+    )
 
 
 def test_cache_and_batcher_change_no_result(urls):
@@ -331,11 +366,16 @@ def test_health_and_metrics(urls):
     resp = requests.get(f"{url}/metrics", timeout=30)
     assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/plain")
     text = resp.text
-    assert "# TYPE retriever_requests_total counter" in text and "# TYPE retriever_request_latency_seconds histogram" in text
+    assert (
+        "# TYPE retriever_requests_total counter" in text
+        and "# TYPE retriever_request_latency_seconds histogram" in text
+    )
     m = _parse_metrics(text)
     assert m['retriever_requests_total{code="200"}'] >= 1 and m['retriever_requests_total{code="422"}'] >= 1
     assert 'retriever_requests_total{code="500"}' not in m
-    assert m["retriever_queries_total"] >= 1 and "retriever_cache_hits_total" in m and "retriever_cache_misses_total" in m
+    assert (
+        m["retriever_queries_total"] >= 1 and "retriever_cache_hits_total" in m and "retriever_cache_misses_total" in m
+    )
     for hist in ("retriever_batch_size", "retriever_request_latency_seconds"):
         assert m[f'{hist}_bucket{{le="+Inf"}}'] == m[f"{hist}_count"] >= 1 and m[f"{hist}_sum"] > 0
     assert requests.get(f"{url}/openapi.json", timeout=30).json()["paths"]["/retrieve"]["post"]
@@ -385,11 +425,28 @@ def test_refuses_index_that_does_not_match_its_corpus(hotpot_index_dir, tmp_path
     import torch
 
     if not torch.cuda.is_available():  # a GPU encoder asked for on a machine without one
-        cases["no gpu"] = (hotpot_index_dir, ["--encoder-device cuda", "no CUDA device", "--encoder-device cpu"], ["--encoder-device", "cuda"])
+        cases["no gpu"] = (
+            hotpot_index_dir,
+            ["--encoder-device cuda", "no CUDA device", "--encoder-device cpu"],
+            ["--encoder-device", "cuda"],
+        )
     procs = {
         name: subprocess.Popen(
-            [sys.executable, "-m", "retriever_server.app", "--index", str(d), "--port", "0", "--ready-file", str(tmp_path / f"{name}.ready"), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "retriever_server.app",
+                "--index",
+                str(d),
+                "--port",
+                "0",
+                "--ready-file",
+                str(tmp_path / f"{name}.ready"),
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for name, (d, _, extra) in cases.items()
     }
@@ -424,7 +481,17 @@ def test_packed_encoder_equals_transformers_forward():
     packed.pooling = padded.pooling = "cls"
     assert np.abs(packed.encode_passages(texts, 8) - padded.encode_passages(texts, 8)).max() < 1e-5
     torch.manual_seed(0)
-    bert = BertModel(BertConfig(vocab_size=300, hidden_size=48, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96, hidden_act="gelu_new"), add_pooling_layer=False).eval()
+    bert = BertModel(
+        BertConfig(
+            vocab_size=300,
+            hidden_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=96,
+            hidden_act="gelu_new",
+        ),
+        add_pooling_layer=False,
+    ).eval()
     assert PackedBert.supports(bert)
     ids = torch.randint(1, 300, (3, 9))
     mask = torch.tensor([[1] * 9, [1] * 4 + [0] * 5, [1] * 7 + [0] * 2])
@@ -433,7 +500,16 @@ def test_packed_encoder_equals_transformers_forward():
     with torch.inference_mode():
         ref = bert(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
     assert tokens.shape == (20, 48) and torch.allclose(tokens, ref[valid], atol=1e-5)
-    relative = BertModel(BertConfig(vocab_size=300, hidden_size=48, num_hidden_layers=1, num_attention_heads=4, intermediate_size=96, position_embedding_type="relative_key"))
+    relative = BertModel(
+        BertConfig(
+            vocab_size=300,
+            hidden_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=96,
+            position_embedding_type="relative_key",
+        )
+    )
     assert not PackedBert.supports(relative)
 
 
@@ -457,6 +533,11 @@ def test_torch_exact_index_shards_merge_to_the_flat_answer(hotpot_index_dir):  #
         assert (got_i == want_i).all() and np.allclose(got_s, want_s, atol=1e-5)
     small = TorchExactIndex(vectors[:5], ["cpu"] * 3)
     s, i = small.search(q[:2], 8)
-    assert i.shape == (2, 8) and (i[:, 5:] == -1).all() and sorted(i[0, :5]) == [0, 1, 2, 3, 4] and np.isinf(s[:, 5:]).all()
+    assert (
+        i.shape == (2, 8)
+        and (i[:, 5:] == -1).all()
+        and sorted(i[0, :5]) == [0, 1, 2, 3, 4]
+        and np.isinf(s[:, 5:]).all()
+    )
     s16, i16 = TorchExactIndex(vectors, ["cpu"] * 2, fp16=True).search(q, 10)
     assert (i16[:, 0] == want_i[:, 0]).mean() >= 0.9 and np.allclose(s16, want_s, atol=5e-3)

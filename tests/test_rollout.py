@@ -1,17 +1,16 @@
 """The agent loop: scripted policies drive every path; a real server answers the searches."""
+
 import signal
 from pathlib import Path
 
 import pytest
+import torch
+from agent_fixtures import hotpot_index_dir, start_server, tiny_model_dir  # noqa: F401  (pytest fixtures)
 
 from agent_rl.rollout.budget import TokenBudget
-import torch
-
 from agent_rl.rollout.engines import Generation, HFEngine, _sample
-from agent_rl.rollout.retriever import RetrieverClient
 from agent_rl.rollout.loop import INVALID_MESSAGE, AgentLoop, PromptItem, parse_action
-
-from agent_fixtures import hotpot_index_dir, start_server, tiny_model_dir  # noqa: F401  (pytest fixtures)
+from agent_rl.rollout.retriever import RetrieverClient
 
 STOP = ("</search>", "</answer>")
 
@@ -62,7 +61,9 @@ def _items(tokenizer, n=2):
     return [PromptItem(f"toy-{i}", "toy", ids, ["Christopher Nolan"]) for i in range(n)]
 
 
-BUDGET = TokenBudget(max_turns=3, max_prompt_tokens=64, max_tokens_per_turn=24, max_obs_tokens=1500, max_total_tokens=64 + 3 * 1524 + 24)
+BUDGET = TokenBudget(
+    max_turns=3, max_prompt_tokens=64, max_tokens_per_turn=24, max_obs_tokens=1500, max_total_tokens=64 + 3 * 1524 + 24
+)
 
 
 def _spans(t):
@@ -92,7 +93,9 @@ def test_search_then_answer_masks_exactly_the_observation(tokenizer, server):
     _, url = server
 
     def script(ctx):
-        return "<answer> Christopher Nolan </answer>" if "<information>" in ctx else "<search> Christopher Nolan </search>"
+        return (
+            "<answer> Christopher Nolan </answer>" if "<information>" in ctx else "<search> Christopher Nolan </search>"
+        )
 
     loop = AgentLoop(ScriptedEngine(tokenizer, script), tokenizer, RetrieverClient(url, topk=3), BUDGET)
     trajs = loop.run(_items(tokenizer), group_size=2, temperature=1.0)
@@ -126,7 +129,12 @@ def test_invalid_action_gets_corrective_message(tokenizer, server):
 def test_multi_search_and_forced_final_answer(tokenizer, server):
     """A policy that searches every turn gets max_turns observations, then a final turn whose search is not run."""
     _, url = server
-    loop = AgentLoop(ScriptedEngine(tokenizer, lambda ctx: "<search> Inception film </search>"), tokenizer, RetrieverClient(url), BUDGET)
+    loop = AgentLoop(
+        ScriptedEngine(tokenizer, lambda ctx: "<search> Inception film </search>"),
+        tokenizer,
+        RetrieverClient(url),
+        BUDGET,
+    )
     (t,) = loop.run(_items(tokenizer, 1), group_size=1)
     assert len(t.turns) == BUDGET.max_turns + 1
     assert sum(1 for x in t.turns if x.obs_tokens > 0) == BUDGET.max_turns
@@ -144,8 +152,12 @@ def test_runaway_policy_is_bounded(tokenizer, server):
         assert t.end_reason == "invalid"
         assert sum(t.loss_mask) == sum(x.gen_tokens for x in t.turns)
     # A total that binds early: the searcher gets its forced-answer turn before the cap (no cut).
-    tight = TokenBudget(max_turns=50, max_prompt_tokens=64, max_tokens_per_turn=24, max_obs_tokens=200, max_total_tokens=150)
-    loop = AgentLoop(ScriptedEngine(tokenizer, lambda ctx: "<search> Inception </search>"), tokenizer, RetrieverClient(url), tight)
+    tight = TokenBudget(
+        max_turns=50, max_prompt_tokens=64, max_tokens_per_turn=24, max_obs_tokens=200, max_total_tokens=150
+    )
+    loop = AgentLoop(
+        ScriptedEngine(tokenizer, lambda ctx: "<search> Inception </search>"), tokenizer, RetrieverClient(url), tight
+    )
     for t in loop.run(_items(tokenizer, 2), group_size=2):
         assert t.end_reason == "max_turns" and t.total_tokens <= 150 and t.turns[-1].obs_tokens == 0
     assert loop.counters["budget/forced_answer_total"] == 4 and loop.counters["budget/end_budget_total"] == 0
@@ -190,7 +202,9 @@ def test_hf_engine_with_tiny_model_and_real_server(tokenizer, tiny_model_dir, se
         assert all(lp <= 0 for lp, m in zip(t.logprobs, t.loss_mask) if m)
     # Same seed, same model -> the same rollouts (reproducible on CPU).
     engine2 = HFEngine(model, tokenizer, "cpu", batch_size=8, seed=0)
-    again = AgentLoop(engine2, tokenizer, RetrieverClient(url), BUDGET).run(_items(tokenizer, 3), group_size=2, temperature=1.0)
+    again = AgentLoop(engine2, tokenizer, RetrieverClient(url), BUDGET).run(
+        _items(tokenizer, 3), group_size=2, temperature=1.0
+    )
     assert [t.response_ids for t in trajs] == [t.response_ids for t in again]
 
 
@@ -221,7 +235,9 @@ def test_hf_engine_drops_finished_rows_without_changing_the_rest(tokenizer, tiny
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     engine = HFEngine(model, tokenizer, "cpu", batch_size=8, seed=0)
     engine.stop_ids, engine.stop_strings = [tokenizer.pad_token_id], []  # rows run to their limits
-    prompts = [tokenizer(f"Question: Who directed film {i}?\n", add_special_tokens=False)["input_ids"] for i in range(8)]
+    prompts = [
+        tokenizer(f"Question: Who directed film {i}?\n", add_special_tokens=False)["input_ids"] for i in range(8)
+    ]
     rows_fed: list[int] = []
     hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: rows_fed.append(args[0].shape[0]))
     try:
@@ -245,7 +261,10 @@ def test_hf_engine_prefills_a_repeated_prompt_once(tokenizer, tiny_model_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     engine = HFEngine(model, tokenizer, "cpu", batch_size=8, seed=0)
     engine.stop_ids, engine.stop_strings = [tokenizer.pad_token_id], []
-    a, b = (tokenizer(q, add_special_tokens=False)["input_ids"] for q in ("Question: Who wrote it?\n", "Question: Where is the old mill of Velk?\n"))
+    a, b = (
+        tokenizer(q, add_special_tokens=False)["input_ids"]
+        for q in ("Question: Who wrote it?\n", "Question: Where is the old mill of Velk?\n")
+    )
     rows_fed: list[tuple] = []
     hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: rows_fed.append(tuple(args[0].shape)))
     try:
@@ -283,7 +302,9 @@ def test_fast_decode_matches_transformers_forward(tokenizer, tiny_model_dir):
     from agent_rl.rollout.engines import _LlamaDecoder
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    assert _LlamaDecoder.supports(model, torch.device("cpu")) and not _LlamaDecoder.supports(model, torch.device("meta"))
+    assert _LlamaDecoder.supports(model, torch.device("cpu")) and not _LlamaDecoder.supports(
+        model, torch.device("meta")
+    )
     questions = ["Who wrote it?", "Where is the old mill of Velk, and who runs it now?", "When?", "Who wrote it?"]
     prompts = [tokenizer(f"Question: {q}\n", add_special_tokens=False)["input_ids"] for q in questions]
     steps: list[int] = []
@@ -294,7 +315,9 @@ def test_fast_decode_matches_transformers_forward(tokenizer, tiny_model_dir):
             steps.clear()
             engine = HFEngine(model, tokenizer, "cpu", batch_size=8, seed=3, fast_decode=fast)
             engine.stop_ids, engine.stop_strings = [tokenizer.pad_token_id], []
-            runs[fast] = engine.generate(prompts, [30, 6, 30, 18], temperature=1.0) + engine.generate(prompts, [12] * 4, temperature=0.0)
+            runs[fast] = engine.generate(prompts, [30, 6, 30, 18], temperature=1.0) + engine.generate(
+                prompts, [12] * 4, temperature=0.0
+            )
             runs[fast, "rows"] = list(steps)
     finally:
         hook.remove()
@@ -311,7 +334,9 @@ def test_total_budget_binds_with_a_forced_answer_turn(tokenizer, server, turns, 
     gets a forced-answer turn (its search not run) before room runs out, counted under
     budget/forced_answer_total; the loss mask is 1 exactly on generated tokens."""
     _, url = server
-    budget = TokenBudget(max_turns=turns, max_prompt_tokens=64, max_tokens_per_turn=per_turn, max_obs_tokens=256, max_total_tokens=total)
+    budget = TokenBudget(
+        max_turns=turns, max_prompt_tokens=64, max_tokens_per_turn=per_turn, max_obs_tokens=256, max_total_tokens=total
+    )
     for script in (lambda ctx: "<search> Inception film director </search>", lambda ctx: "blah " * 5000):
         loop = AgentLoop(ScriptedEngine(tokenizer, script), tokenizer, RetrieverClient(url), budget)
         trajs = loop.run(_items(tokenizer, 2), group_size=2)

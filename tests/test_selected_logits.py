@@ -5,15 +5,15 @@ gradient: on the tiny Qwen2 and on the real SmolLM2 (tied embeddings, vocab 49,1
 without the shared prompt prefix, under LoRA, and in small float32 chunks; and the head sees only
 the trained positions.
 """
+
 import pytest
 import torch
-
-from agent_rl.learn.batch import collate
-from agent_rl.config import load_config
-from agent_rl.learn.policy import forward_logprobs, load_policy
-
 from agent_fixtures import smollm2_dir, tiny_model_dir  # noqa: F401  (pytest fixtures)
 from test_losses import _trajs
+
+from agent_rl.config import load_config
+from agent_rl.learn.batch import collate
+from agent_rl.learn.policy import forward_logprobs, load_policy
 
 
 def _compare(policy, mb, share: bool, chunk: int, rtol: float = 1e-4):
@@ -23,7 +23,9 @@ def _compare(policy, mb, share: bool, chunk: int, rtol: float = 1e-4):
         policy.zero_grad()
         seen = []
         hook = policy.get_output_embeddings().register_forward_hook(lambda m, a, o: seen.append(tuple(o.shape)))
-        lp, ent = forward_logprobs(policy, mb, 0.7, with_entropy=True, share_prefix=share, selected=selected, chunk_tokens=chunk)
+        lp, ent = forward_logprobs(
+            policy, mb, 0.7, with_entropy=True, share_prefix=share, selected=selected, chunk_tokens=chunk
+        )
         hook.remove()
         ((lp + 0.1 * ent) * weights).sum().backward()
         grads = [p.grad.clone() for p in policy.parameters() if p.requires_grad]
@@ -36,7 +38,9 @@ def _compare(policy, mb, share: bool, chunk: int, rtol: float = 1e-4):
     for a, b in zip(g0, g1):
         assert float((a - b).norm()) <= rtol * float(a.norm()) + 1e-6
     trained = int(m.sum())
-    assert sum(s[0] * s[1] for s in seen1) <= trained + len(mb.index)  # head rows: the trained tokens (+ one per prompt pass)
+    assert sum(s[0] * s[1] for s in seen1) <= trained + len(
+        mb.index
+    )  # head rows: the trained tokens (+ one per prompt pass)
     return trained
 
 
@@ -52,7 +56,16 @@ def test_selected_head_equals_full_path_tiny(tiny_model_dir, share):
 
 def test_selected_head_equals_full_path_under_lora(tiny_model_dir):
     """A peft policy: the hook finds the output embedding through peft; adapter gradients match."""
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", "budget.max_total_tokens=1000", "algo.group_size=3", "model.lora.enabled=true", "model.lora.rank=4"])
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            "budget.max_total_tokens=1000",
+            "algo.group_size=3",
+            "model.lora.enabled=true",
+            "model.lora.rank=4",
+        ],
+    )
     torch.manual_seed(0)
     policy = load_policy(cfg, str(tiny_model_dir), "cpu")
     with torch.no_grad():

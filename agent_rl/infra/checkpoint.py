@@ -8,6 +8,7 @@ ignores, so the previous checkpoint stays usable. Tensors are written file by fi
 shards by safetensors, optimizer state with torch.save) so saving does not build a second
 full copy of the model in host memory.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,7 +47,11 @@ def checkpoints(root: Path) -> list[Path]:
     """Finished checkpoints under root, oldest first."""
     if not root.exists():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _STEP.match(p.name)) and (p / "state.pt").exists()]
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if p.is_dir() and (m := _STEP.match(p.name)) and (p / "state.pt").exists()
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -76,7 +81,9 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(root: Path, step: int, model, optimizer, scheduler, extra_state: dict, config_dict: dict, keep_last: int) -> Path:
+def save_checkpoint(
+    root: Path, step: int, model, optimizer, scheduler, extra_state: dict, config_dict: dict, keep_last: int
+) -> Path:
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp_step_{step}"
@@ -88,7 +95,13 @@ def save_checkpoint(root: Path, step: int, model, optimizer, scheduler, extra_st
         model.save_pretrained(tmp / "model", safe_serialization=True)
     else:
         torch.save(model.state_dict(), tmp / "model.pt")
-    torch.save({"optimizer": optimizer.state_dict() if optimizer is not None else None, "scheduler": scheduler.state_dict() if scheduler is not None else None}, tmp / "optim.pt")
+    torch.save(
+        {
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        },
+        tmp / "optim.pt",
+    )
     torch.save({"rng": rng_state(), "extra": extra_state, "step": step}, tmp / "state.pt")
     (tmp / "config.json").write_text(json.dumps(config_dict, indent=1, default=str))
     _fsync_tree(tmp)  # make the bytes durable before the rename publishes them
@@ -130,10 +143,15 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
                             seen.add(key)
             real_missing = [k for k in target if k not in seen and not k.endswith("lm_head.weight")]  # tied embeddings
             if real_missing or unexpected:
-                raise RuntimeError(f"checkpoint {path} does not match the model: missing {real_missing[:5]}, unexpected {unexpected[:5]}")
+                raise RuntimeError(
+                    f"checkpoint {path} does not match the model: missing {real_missing[:5]}, unexpected "
+                    f"{unexpected[:5]}"
+                )
     else:
         model.load_state_dict(torch.load(path / "model.pt", map_location="cpu"))
-    optim = torch.load(path / "optim.pt", map_location="cpu", weights_only=False, mmap=True)  # mmap: no second in-RAM copy of the Adam moments
+    optim = torch.load(
+        path / "optim.pt", map_location="cpu", weights_only=False, mmap=True
+    )  # mmap: no second in-RAM copy of the Adam moments
     if optimizer is not None and optim["optimizer"] is not None:
         optimizer.load_state_dict(optim["optimizer"])
     if scheduler is not None and optim["scheduler"] is not None:

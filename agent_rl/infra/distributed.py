@@ -18,6 +18,7 @@ shards, vLLM sync) are the same calls on another device; the tests run the gloo/
 Departures from verl / OpenRLHF: no Ray, no parameter server, no `nn.DataParallel`; the retriever
 is a separate HTTP service that all ranks share.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,7 +38,7 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from agent_rl.infra.checkpoint import prune_checkpoints, rng_state, set_rng_state
-from agent_rl.infra.world import LocalWorld
+from agent_rl.infra.world import LocalWorld, World
 
 T = TypeVar("T")
 
@@ -135,7 +136,8 @@ def check_world_size(cfg, world: int) -> None:
     if cfg.rollout.prompts_per_step % world:
         fix = math.ceil(cfg.rollout.prompts_per_step / world) * world
         raise ValueError(
-            f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be divisible by the number of ranks ({world}): "
+            f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be divisible by the number of ranks "
+            f"({world}): "
             f"each rank rolls out the same number of whole GRPO groups. Set rollout.prompts_per_step={fix} "
             f"or launch with --nproc-per-node dividing it"
         )
@@ -167,10 +169,14 @@ def init_distributed(cfg) -> DistInfo | LocalWorld:
         )
     if cfg.train.device.startswith("cuda"):
         if not torch.cuda.is_available():
-            raise RuntimeError(f"train.device={cfg.train.device} but torch sees no CUDA device (torch {torch.__version__}); set train.device=cpu to train with gloo on CPUs")
+            raise RuntimeError(
+                f"train.device={cfg.train.device} but torch sees no CUDA device (torch {torch.__version__}); set "
+                "train.device=cpu to train with gloo on CPUs"
+            )
         if local >= torch.cuda.device_count():
             raise RuntimeError(
-                f"LOCAL_RANK {local} has no GPU: this node shows {torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
+                f"LOCAL_RANK {local} has no GPU: this node shows {torch.cuda.device_count()} "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); "
                 f"use --nproc-per-node {torch.cuda.device_count()} or fewer"
             )
         device, backend = torch.device("cuda", local), "nccl"
@@ -178,9 +184,13 @@ def init_distributed(cfg) -> DistInfo | LocalWorld:
     elif cfg.train.device == "cpu":
         device, backend = torch.device("cpu"), "gloo"
     else:
-        raise ValueError(f"train.device={cfg.train.device!r}: under torchrun use cpu (gloo) or cuda (nccl, one GPU per local rank)")
+        raise ValueError(
+            f"train.device={cfg.train.device!r}: under torchrun use cpu (gloo) or cuda (nccl, one GPU per local rank)"
+        )
     if not torch_dist.is_initialized():
-        torch_dist.init_process_group(process_group_backend(device), rank=rank, world_size=world, device_id=device if backend == "nccl" else None)
+        torch_dist.init_process_group(
+            process_group_backend(device), rank=rank, world_size=world, device_id=device if backend == "nccl" else None
+        )
     cfg.train.device = str(device)
     if cfg.rollout.device.startswith("cuda"):
         cfg.rollout.device = str(device)
@@ -232,7 +242,8 @@ def shard_model(model: nn.Module, dist: DistInfo, cfg) -> nn.Module:
 
     Per-layer units bound the memory of one all-gather to one layer's parameters. With
     `train.bf16` (CUDA, or gloo ranks on CPU), compute runs in bf16 over fp32 master weights and
-    gradients are reduced in fp32. `train.offload_params` keeps the shards (and the optimizer step) in host RAM. Works on
+    gradients are reduced in fp32. `train.offload_params` keeps the shards (and the optimizer step) in host RAM.
+    Works on
     any module (actor, reference, critic); returns the same module, now holding DTensor shards.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -247,14 +258,19 @@ def shard_model(model: nn.Module, dist: DistInfo, cfg) -> nn.Module:
         if on_cuda:
             kwargs["offload_policy"] = CPUOffloadPolicy()
         elif dist.is_main:
-            print("[dist] train.offload_params: a CPU run already keeps parameters in host RAM; nothing to offload", file=sys.stderr)
+            print(
+                "[dist] train.offload_params: a CPU run already keeps parameters in host RAM; nothing to offload",
+                file=sys.stderr,
+            )
     for layer in decoder_layers(model):
         fully_shard(layer, **kwargs)
     fully_shard(model, **kwargs)
     return model
 
 
-def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_params(
+    model: nn.Module, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(name, full tensor)` for every entry of the model's state dict, one at a time.
 
     A collective: every rank must iterate to the end in step. FSDP2 DTensor shards are
@@ -269,14 +285,20 @@ def iter_full_params(model: nn.Module, dtype: torch.dtype | None = None, device:
         if isinstance(tensor, DTensor):
             mesh = tensor.device_mesh
             if tensor.device.type != mesh.device_type:
-                local = tensor.to_local().to(mesh.device_type if mesh.device_type == "cpu" else torch.device(mesh.device_type, torch.cuda.current_device()))
+                local = tensor.to_local().to(
+                    mesh.device_type
+                    if mesh.device_type == "cpu"
+                    else torch.device(mesh.device_type, torch.cuda.current_device())
+                )
                 tensor = DTensor.from_local(local, mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride())
             full = tensor.full_tensor()
         else:
             full = tensor
         full = full.detach()
         if dtype is not None or device is not None:
-            full = full.to(device=device if device is not None else full.device, dtype=dtype if dtype is not None else full.dtype)
+            full = full.to(
+                device=device if device is not None else full.device, dtype=dtype if dtype is not None else full.dtype
+            )
         yield name, full
 
 
@@ -291,7 +313,10 @@ def copy_full_params(target: nn.Module, named: Iterable[tuple[str, torch.Tensor]
     with torch.no_grad():
         for name, tensor in named:
             if name not in own:
-                raise KeyError(f"weight sync: the rollout model has no tensor named {name!r}; it must be built from the same model as the trained one")
+                raise KeyError(
+                    f"weight sync: the rollout model has no tensor named {name!r}; it must be built from the same "
+                    "model as the trained one"
+                )
             own[name].copy_(tensor)
             copied += 1
     return copied
@@ -304,7 +329,9 @@ def sync_vllm_weights(engine, model: nn.Module) -> None:
     peak extra GPU memory is one gathered parameter, cast to the engine's dtype.
     """
     if hasattr(model, "peft_config"):
-        raise NotImplementedError("LoRA under torchrun is refused at start-up; train LoRA in one process (its weights reach vLLM merged)")
+        raise NotImplementedError(
+            "LoRA under torchrun is refused at start-up; train LoRA in one process (its weights reach vLLM merged)"
+        )
     engine.load_weights(iter_full_params(model, dtype=getattr(torch, engine.dtype)))
 
 
@@ -368,7 +395,7 @@ def save_sharded(
     step: int,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
-    dist: DistInfo,
+    dist: World,
     scheduler=None,
     extra_state: dict | None = None,
     config_dict: dict | None = None,
@@ -407,7 +434,15 @@ def save_sharded(
             model.save_pretrained(tmp / "model", state_dict=full, safe_serialization=True)
     dist.barrier()
     if dist.is_main:
-        torch.save({"step": step, "world_size": dist.world_size, "scheduler": scheduler.state_dict() if scheduler is not None else None, "sharded": True}, tmp / "state.pt")
+        torch.save(
+            {
+                "step": step,
+                "world_size": dist.world_size,
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "sharded": True,
+            },
+            tmp / "state.pt",
+        )
         (tmp / "config.json").write_text(json.dumps(config_dict or {}, indent=1, default=str))
         if final.exists():
             shutil.rmtree(final)
@@ -421,7 +456,7 @@ def load_sharded(
     path: str | Path,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None,
-    dist: DistInfo | None,
+    dist: World | None,
     scheduler=None,
     critic: nn.Module | None = None,
     critic_optimizer: torch.optim.Optimizer | None = None,
@@ -439,7 +474,10 @@ def load_sharded(
     path = Path(path)
     meta = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
     if not meta.get("sharded"):
-        raise ValueError(f"{path} is a single-process checkpoint; load it with agent_rl.infra.checkpoint.load_checkpoint before sharding the model")
+        raise ValueError(
+            f"{path} is a single-process checkpoint; load it with agent_rl.infra.checkpoint.load_checkpoint before "
+            "sharding the model"
+        )
     modules = _modules(model, optimizer, critic, critic_optimizer)
     state = _state(modules)
     with warnings.catch_warnings():  # DCP warns that it loads in one process; that is the point of dist=None

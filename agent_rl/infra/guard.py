@@ -8,6 +8,7 @@ Action as configured: `warn` (log), `stop` (the trainer checkpoints and exits no
 the signal), `rollback` (the trainer reloads the last checkpoint, lowers the learning rate,
 raises the KL coefficient, and goes on; after `max_rollbacks` it stops).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -35,10 +36,16 @@ class CollapseGuard:
         if length is not None and len(self.lengths) >= 3:
             median = statistics.median(self.lengths)
             if median > 0 and length > self.cfg.length_factor * median:
-                return "length", f"mean response length {length:.1f} > {self.cfg.length_factor} x window median {median:.1f}"
+                return (
+                    "length",
+                    f"mean response length {length:.1f} > {self.cfg.length_factor} x window median {median:.1f}",
+                )
         hit = metrics.get("budget/end_budget_total_frac")
         if hit is not None and hit > self.cfg.budget_hit_frac:
-            return "budget_total", f"{100 * hit:.0f}% of trajectories ended on budget_total (> {100 * self.cfg.budget_hit_frac:.0f}%)"
+            return (
+                "budget_total",
+                f"{100 * hit:.0f}% of trajectories ended on budget_total (> {100 * self.cfg.budget_hit_frac:.0f}%)",
+            )
         invalid = metrics.get("rollout/invalid_frac")
         if invalid is not None and invalid > self.cfg.invalid_frac:
             return "invalid", f"{100 * invalid:.0f}% of actions were invalid (> {100 * self.cfg.invalid_frac:.0f}%)"

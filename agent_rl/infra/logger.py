@@ -4,6 +4,7 @@ Keys are namespaced (`rollout/`, `budget/`, `loss/`, `actor/`, `critic/`, `retri
 `memory/`, `timing/`, `eval/`); each JSONL line is one flat object with `step`.
 Only rank 0 writes (`enabled=False` elsewhere).
 """
+
 from __future__ import annotations
 
 import json
@@ -31,7 +32,10 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        clean = {k: (float(v) if isinstance(v, (int, float)) and math.isfinite(float(v)) else None) for k, v in metrics.items()}
+        clean = {
+            k: (float(v) if isinstance(v, (int, float)) and math.isfinite(float(v)) else None)
+            for k, v in metrics.items()
+        }
         with self.path.open("a") as fh:
             fh.write(json.dumps({"step": step, **clean}) + "\n")
         if self._tb is not None:
@@ -51,7 +55,13 @@ class MetricsLogger:
         if not self.enabled:
             return
         parts = [f"step {step}/{total}"]
-        for key, label in (("reward/mean", "reward"), ("rollout/response_length_mean", "resp_len"), ("timing/tokens_per_s", "tok/s"), ("eval/em", "eval_em"), ("loss/policy", "pg_loss")):
+        for key, label in (
+            ("reward/mean", "reward"),
+            ("rollout/response_length_mean", "resp_len"),
+            ("timing/tokens_per_s", "tok/s"),
+            ("eval/em", "eval_em"),
+            ("loss/policy", "pg_loss"),
+        ):
             if key in metrics and metrics[key] is not None:
                 parts.append(f"{label} {metrics[key]:.3f}")
         print(" | ".join(parts), flush=True)

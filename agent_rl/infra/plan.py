@@ -30,14 +30,15 @@ optimizer state, gradients). Update: parameters, gradients, optimizer state, ref
 activations and logits, plus the engine only where it cannot sleep (vLLM on CPU stays resident;
 on CUDA it sleeps: weights offloaded, KV cache freed).
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from agent_rl.config import Config
 
@@ -85,7 +86,11 @@ class Arch:
 
     def params(self) -> int:
         d = self.head_dim
-        attn = self.hidden * (self.heads * d) * 2 + self.hidden * (self.kv_heads * d) * 2 + (self.heads + 2 * self.kv_heads) * d
+        attn = (
+            self.hidden * (self.heads * d) * 2
+            + self.hidden * (self.kv_heads * d) * 2
+            + (self.heads + 2 * self.kv_heads) * d
+        )
         mlp = 3 * self.hidden * self.intermediate
         per_layer = attn + mlp + 2 * self.hidden
         emb = self.vocab * self.hidden
@@ -94,8 +99,12 @@ class Arch:
     def lora_params(self, rank: int, targets: list[str]) -> int:
         d = self.head_dim
         shapes = {
-            "q_proj": (self.hidden, self.heads * d), "k_proj": (self.hidden, self.kv_heads * d), "v_proj": (self.hidden, self.kv_heads * d),
-            "o_proj": (self.heads * d, self.hidden), "gate_proj": (self.hidden, self.intermediate), "up_proj": (self.hidden, self.intermediate),
+            "q_proj": (self.hidden, self.heads * d),
+            "k_proj": (self.hidden, self.kv_heads * d),
+            "v_proj": (self.hidden, self.kv_heads * d),
+            "o_proj": (self.heads * d, self.hidden),
+            "gate_proj": (self.hidden, self.intermediate),
+            "up_proj": (self.hidden, self.intermediate),
             "down_proj": (self.intermediate, self.hidden),
         }
         return self.layers * sum(rank * (i + o) for name, (i, o) in shapes.items() if name in targets)
@@ -107,12 +116,24 @@ def read_arch(model_path: str) -> Arch:
     if cfg_path.exists():
         c = json.loads(cfg_path.read_text())
         heads = c["num_attention_heads"]
-        return Arch(c["hidden_size"], c["num_hidden_layers"], heads, c.get("num_key_value_heads", heads), c["intermediate_size"], c["vocab_size"], bool(c.get("tie_word_embeddings", False)))
-    key = model_path.rstrip("/").split("/")[-1].lower().replace("meta-", "").replace("-instruct", "").replace("-base", "")
+        return Arch(
+            c["hidden_size"],
+            c["num_hidden_layers"],
+            heads,
+            c.get("num_key_value_heads", heads),
+            c["intermediate_size"],
+            c["vocab_size"],
+            bool(c.get("tie_word_embeddings", False)),
+        )
+    key = (
+        model_path.rstrip("/").split("/")[-1].lower().replace("meta-", "").replace("-instruct", "").replace("-base", "")
+    )
     key = key.replace("llama-3.1", "llama-3").replace("meta-llama-3", "llama-3")
     if key in KNOWN_SHAPES:
         return Arch(*KNOWN_SHAPES[key])
-    raise ValueError(f"cannot read the architecture of {model_path!r}: no config.json there and not one of {sorted(KNOWN_SHAPES)}")
+    raise ValueError(
+        f"cannot read the architecture of {model_path!r}: no config.json there and not one of {sorted(KNOWN_SHAPES)}"
+    )
 
 
 def config_arch(cfg: Config) -> Arch:
@@ -127,7 +148,15 @@ def config_arch(cfg: Config) -> Arch:
         from agent_rl.infra.model_init import SIZES
 
         sz = SIZES[cfg.model.init_size]
-        return Arch(sz["hidden_size"], sz["num_hidden_layers"], sz["num_attention_heads"], sz["num_key_value_heads"], sz["intermediate_size"], sz["vocab"], True)
+        return Arch(
+            sz["hidden_size"],
+            sz["num_hidden_layers"],
+            sz["num_attention_heads"],
+            sz["num_key_value_heads"],
+            sz["intermediate_size"],
+            sz["vocab"],
+            True,
+        )
     return read_arch(cfg.model.path)
 
 
@@ -156,8 +185,15 @@ class PlanResult:
     phases: dict = field(default_factory=dict)  # {"rollout" | "update": {gpu_bytes_per_device, host_bytes, components}}
 
     def to_json(self) -> dict:
-        return {"fits": self.fits, "gpu_peak_bytes_per_device": self.gpu_peak_bytes_per_device, "host_peak_bytes": self.host_peak_bytes,
-                "components": self.components, "peak_phase": self.peak_phase, "phases": self.phases, "fixes": self.fixes}
+        return {
+            "fits": self.fits,
+            "gpu_peak_bytes_per_device": self.gpu_peak_bytes_per_device,
+            "host_peak_bytes": self.host_peak_bytes,
+            "components": self.components,
+            "peak_phase": self.peak_phase,
+            "phases": self.phases,
+            "fixes": self.fixes,
+        }
 
 
 def _host_ram() -> int:
@@ -254,7 +290,10 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
     if cfg.memory.retriever_on_gpu_gib and on_gpu:
         engine_c["retriever_index"] = int(cfg.memory.retriever_on_gpu_gib * GIB)
     resident = {k: v for k, v in train_c.items() if k in ("params", "grads", "optimizer", "reference", "critic")}
-    phases = {"rollout": ({**resident, **engine_c, **rollout_c}, dict(host)), "update": ({**train_c, **engine_c}, dict(host))}
+    phases = {
+        "rollout": ({**resident, **engine_c, **rollout_c}, dict(host)),
+        "update": ({**train_c, **engine_c}, dict(host)),
+    }
     if on_gpu:
         if vllm_cpu:  # a CPU engine beside GPU training lives in host RAM
             for name, (gpu, hst) in phases.items():
@@ -265,7 +304,9 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
     return {name: ({}, {**hst, **{k: v for k, v in gpu.items() if v >= 0}}) for name, (gpu, hst) in phases.items()}
 
 
-def plan(cfg: Config, gpus: int | None = None, gpu_mem_gib: float | None = None, host_mem_gib: float | None = None) -> PlanResult:
+def plan(
+    cfg: Config, gpus: int | None = None, gpu_mem_gib: float | None = None, host_mem_gib: float | None = None
+) -> PlanResult:
     """Estimate peak memory, decide whether it fits, and rank fixes by what they save."""
     gpus = gpus or 1
     gpu_budget = int((gpu_mem_gib or cfg.memory.gpu_mem_gib or 80) * GIB)
@@ -280,41 +321,76 @@ def plan(cfg: Config, gpus: int | None = None, gpu_mem_gib: float | None = None,
     gpu_peak = max(sum(g.values()) for g, _ in phases.values())
     host_peak = max(sum(h.values()) for _, h in phases.values())
     fits = gpu_peak <= gpu_budget and host_peak <= host_budget
-    res = PlanResult(fits, gpu_peak, host_peak, {**{f"gpu/{k}": v for k, v in gpu_c.items()}, **{f"host/{k}": v for k, v in host_c.items()}},
-                     device_class="gpu" if gpu_c else "cpu", gpu_budget_bytes=gpu_budget if gpu_c else 0, host_budget_bytes=host_budget)
+    res = PlanResult(
+        fits,
+        gpu_peak,
+        host_peak,
+        {**{f"gpu/{k}": v for k, v in gpu_c.items()}, **{f"host/{k}": v for k, v in host_c.items()}},
+        device_class="gpu" if gpu_c else "cpu",
+        gpu_budget_bytes=gpu_budget if gpu_c else 0,
+        host_budget_bytes=host_budget,
+    )
     res.peak_phase = peak
-    res.phases = {name: {"gpu_bytes_per_device": sum(g.values()), "host_bytes": sum(h.values()),
-                         "components": {**{f"gpu/{k}": v for k, v in g.items()}, **{f"host/{k}": v for k, v in h.items()}}}
-                  for name, (g, h) in phases.items()}
+    res.phases = {
+        name: {
+            "gpu_bytes_per_device": sum(g.values()),
+            "host_bytes": sum(h.values()),
+            "components": {**{f"gpu/{k}": v for k, v in g.items()}, **{f"host/{k}": v for k, v in h.items()}},
+        }
+        for name, (g, h) in phases.items()
+    }
     res.fixes = _fixes(cfg, gpus, gpu_peak, host_peak, gpu_budget, host_budget, bool(gpu_c))
     return res
 
 
-def _fixes(cfg: Config, gpus: int, gpu_peak: int, host_peak: int, gpu_budget: int, host_budget: int, on_gpu: bool) -> list[dict]:
+def _fixes(
+    cfg: Config, gpus: int, gpu_peak: int, host_peak: int, gpu_budget: int, host_budget: int, on_gpu: bool
+) -> list[dict]:
     """Try each lever on a copy of the config; rank by the bytes it saves on the binding limit."""
     import copy
 
-    candidates: list[tuple[str, list[tuple[str, str, object]]]] = []
+    candidates: list[tuple[str, list[tuple[str, str, Any]]]] = []
     cap = cfg.train.max_tokens_per_microbatch
     if cap // 2 >= cfg.budget.max_total_tokens:
-        candidates.append((f"train.max_tokens_per_microbatch={cap // 2}", [("train", "max_tokens_per_microbatch", cap // 2)]))
+        candidates.append(
+            (f"train.max_tokens_per_microbatch={cap // 2}", [("train", "max_tokens_per_microbatch", cap // 2)])
+        )
     if not cfg.model.gradient_checkpointing:
         candidates.append(("model.gradient_checkpointing=true", [("model", "gradient_checkpointing", True)]))
     if not cfg.model.lora.enabled:
         candidates.append(("model.lora.enabled=true", [("model", "lora", None)]))
     if cfg.algo.group_size > 2:
-        candidates.append((f"algo.group_size={max(2, cfg.algo.group_size // 2)}", [("algo", "group_size", max(2, cfg.algo.group_size // 2))]))
+        candidates.append(
+            (
+                f"algo.group_size={max(2, cfg.algo.group_size // 2)}",
+                [("algo", "group_size", max(2, cfg.algo.group_size // 2))],
+            )
+        )
     if on_gpu:
         if cfg.memory.retriever_on_gpu_gib:
-            candidates.append(("serve the retriever as HNSW on CPU (memory.retriever_on_gpu_gib=0)", [("memory", "retriever_on_gpu_gib", 0.0)]))
+            candidates.append(
+                (
+                    "serve the retriever as HNSW on CPU (memory.retriever_on_gpu_gib=0)",
+                    [("memory", "retriever_on_gpu_gib", 0.0)],
+                )
+            )
         if cfg.rollout.engine == "vllm" and cfg.rollout.gpu_memory_utilization > 0.3:
-            candidates.append((f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization - 0.2:.1f}", [("rollout", "gpu_memory_utilization", round(cfg.rollout.gpu_memory_utilization - 0.2, 2))]))
+            candidates.append(
+                (
+                    f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization - 0.2:.1f}",
+                    [("rollout", "gpu_memory_utilization", round(cfg.rollout.gpu_memory_utilization - 0.2, 2))],
+                )
+            )
         if not cfg.train.offload_optimizer:
             candidates.append(("train.offload_optimizer=true", [("train", "offload_optimizer", True)]))
         if cfg.train.offload_optimizer and host_peak > host_budget:
-            candidates.append(("train.offload_optimizer=false (host RAM is the limit)", [("train", "offload_optimizer", False)]))
+            candidates.append(
+                ("train.offload_optimizer=false (host RAM is the limit)", [("train", "offload_optimizer", False)])
+            )
         if cfg.train.offload_params and host_peak > host_budget:
-            candidates.append(("train.offload_params=false (host RAM is the limit)", [("train", "offload_params", False)]))
+            candidates.append(
+                ("train.offload_params=false (host RAM is the limit)", [("train", "offload_params", False)])
+            )
         candidates.append((f"--gpus {gpus * 2} (FSDP shards params, grads, optimizer)", [("__gpus__", "", gpus * 2)]))
     out = []
     for label, changes in candidates:
@@ -333,7 +409,13 @@ def _fixes(cfg: Config, gpus: int, gpu_peak: int, host_peak: int, gpu_budget: in
                 gc["vllm_reserved"] = int(c.rollout.gpu_memory_utilization * gpu_budget)
         gpu_saved = gpu_peak - max(sum(gc.values()) for gc, _ in ph.values()) if on_gpu else 0
         host_saved = host_peak - max(sum(hc.values()) for _, hc in ph.values())
-        saved = gpu_saved if on_gpu and gpu_peak > gpu_budget else host_saved if host_peak > host_budget else max(gpu_saved, host_saved)
+        saved = (
+            gpu_saved
+            if on_gpu and gpu_peak > gpu_budget
+            else host_saved
+            if host_peak > host_budget
+            else max(gpu_saved, host_saved)
+        )
         if saved > 0:
             out.append({"fix": label, "saves_bytes": int(saved)})
     return sorted(out, key=lambda f: -f["saves_bytes"])
@@ -344,17 +426,26 @@ def render(res: PlanResult) -> str:
     if res.phases:
         for name, ph in res.phases.items():
             where = f"GPU {ph['gpu_bytes_per_device'] / GIB:.3f} GiB per device, " if res.gpu_budget_bytes else ""
-            lines.append(f"phase {name:<8} {where}host {ph['host_bytes'] / GIB:.3f} GiB{'   <- peak' if name == res.peak_phase else ''}")
+            lines.append(
+                f"phase {name:<8} {where}host {ph['host_bytes'] / GIB:.3f} GiB"
+                f"{'   <- peak' if name == res.peak_phase else ''}"
+            )
         lines.append(f"components at the peak ({res.peak_phase}):")
-    for cls, budget, prefix in (("GPU (per device)", res.gpu_budget_bytes, "gpu/"), ("host RAM", res.host_budget_bytes, "host/")):
-        items = {k[len(prefix):]: v for k, v in res.components.items() if k.startswith(prefix)}
+    for cls, budget, prefix in (
+        ("GPU (per device)", res.gpu_budget_bytes, "gpu/"),
+        ("host RAM", res.host_budget_bytes, "host/"),
+    ):
+        items = {k[len(prefix) :]: v for k, v in res.components.items() if k.startswith(prefix)}
         if not items:
             continue
         lines.append(f"{cls}")
         for k, v in sorted(items.items(), key=lambda kv: -kv[1]):
             lines.append(f"  {k:<22} {v / GIB:>9.3f} GiB")
         total = sum(items.values())
-        lines.append(f"  {'total':<22} {total / GIB:>9.3f} GiB of {budget / GIB:.1f} GiB  {'ok' if total <= budget else 'DOES NOT FIT'}")
+        lines.append(
+            f"  {'total':<22} {total / GIB:>9.3f} GiB of {budget / GIB:.1f} GiB  "
+            f"{'ok' if total <= budget else 'DOES NOT FIT'}"
+        )
     lines.append(f"verdict: {'fits' if res.fits else 'does not fit'}")
     if res.fixes:
         lines.append("fixes, most effective first:")
@@ -373,7 +464,9 @@ def _cmd(args: argparse.Namespace) -> int:
 
 
 def add_cli(subparsers) -> None:
-    p = subparsers.add_parser("plan", help="estimate peak GPU memory per device and host RAM for a config, before launch")
+    p = subparsers.add_parser(
+        "plan", help="estimate peak GPU memory per device and host RAM for a config, before launch"
+    )
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")
     p.add_argument("--gpus", type=int, help="GPUs the trainer shards over (FSDP)")
@@ -381,4 +474,3 @@ def add_cli(subparsers) -> None:
     p.add_argument("--host-mem", type=float, help="GiB of host RAM (default memory.host_mem_gib or this machine's)")
     p.add_argument("--json", action="store_true", help="print the JSON verdict only")
     p.set_defaults(func=_cmd)
-

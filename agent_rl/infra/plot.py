@@ -1,4 +1,5 @@
 """`agent-rl plot RUN_DIR`: PNG curves of reward, EM, response length and budget hits."""
+
 from __future__ import annotations
 
 import json
@@ -8,7 +9,15 @@ PANELS = (
     ("reward", ["reward/mean"]),
     ("eval_em", ["eval/em"]),
     ("response_length", ["rollout/response_length_mean", "rollout/generated_tokens_mean"]),
-    ("budget_hits", ["budget/end_budget_total_frac", "budget/end_max_turns_frac", "budget/end_invalid_frac", "budget/end_answer_frac"]),
+    (
+        "budget_hits",
+        [
+            "budget/end_budget_total_frac",
+            "budget/end_max_turns_frac",
+            "budget/end_invalid_frac",
+            "budget/end_answer_frac",
+        ],
+    ),
 )
 
 

@@ -4,6 +4,7 @@ Before step 1 the trainer runs the worst case the budgets allow (rows = cap // m
 each max_total_tokens long), so a run that will run out of memory fails in its first minute
 with the planner's advice, not hours later when the longest sample finally appears.
 """
+
 from __future__ import annotations
 
 import resource
@@ -70,7 +71,9 @@ def _is_oom(err: BaseException) -> bool:
     if isinstance(err, (torch.OutOfMemoryError, MemoryError)):
         return True
     text = str(err)
-    return isinstance(err, RuntimeError) and ("can't allocate memory" in text or "not enough memory" in text or "out of memory" in text.lower())
+    return isinstance(err, RuntimeError) and (
+        "can't allocate memory" in text or "not enough memory" in text or "out of memory" in text.lower()
+    )
 
 
 def run_preflight(model, cfg: Config, device: str) -> dict:
@@ -105,10 +108,22 @@ def run_preflight(model, cfg: Config, device: str) -> dict:
             advice = "; ".join(f["fix"] for f in res.fixes[:3])
         except Exception:  # the advice is best effort; the OOM is the message
             pass
-        raise PreflightError(f"preflight at the largest micro-batch ({rows} x {length} tokens) ran out of memory: {err}. Try: {advice or 'lower train.max_tokens_per_microbatch or budget.max_total_tokens, or turn on model.gradient_checkpointing'}") from err
+        raise PreflightError(
+            f"preflight at the largest micro-batch ({rows} x {length} tokens) ran out of memory: {err}. Try: "
+            + (
+                advice
+                or "lower train.max_tokens_per_microbatch or budget.max_total_tokens, "
+                "or turn on model.gradient_checkpointing"
+            )
+        ) from err
     finally:
         model.zero_grad(set_to_none=True)
-    report = {"rows": rows, "tokens": rows * length, "seconds": round(time.perf_counter() - start, 2), "peak_rss_gib": round(peak_rss_bytes() / 2**30, 3)}
+    report = {
+        "rows": rows,
+        "tokens": rows * length,
+        "seconds": round(time.perf_counter() - start, 2),
+        "peak_rss_gib": round(peak_rss_bytes() / 2**30, 3),
+    }
     if torch.cuda.is_available() and str(device).startswith("cuda"):
         report["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
     return report

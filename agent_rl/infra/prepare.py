@@ -6,6 +6,7 @@ written to a temporary directory and renamed, so a killed build never leaves a h
 When `retriever.url` is unset, `local_retriever` starts `retriever-server` on 127.0.0.1 on an
 ephemeral port as a subprocess (the trainer only ever talks to it over HTTP) and stops it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -80,7 +81,10 @@ def ensure_model(cfg: Config) -> None:
         return
     if path.exists() or not cfg.model.init_size:
         if not path.exists() and not ("/" in cfg.model.path and not cfg.model.path.startswith((".", "/"))):
-            raise FileNotFoundError(f"model.path {path} does not exist; set model.init_size=tiny to build one, or point model.path at a model")
+            raise FileNotFoundError(
+                f"model.path {path} does not exist; set model.init_size=tiny to build one, or point model.path at a "
+                "model"
+            )
         return
     from agent_rl.infra.model_init import init_model
 
@@ -99,11 +103,24 @@ def ensure_index(cfg: Config) -> None:
         return
     corpus = Path(cfg.retriever.corpus)
     if not corpus.exists():
-        raise FileNotFoundError(f"retriever.corpus {corpus} does not exist and retriever.index_dir {index} has no index; build one with retriever-build or set retriever.url")
+        raise FileNotFoundError(
+            f"retriever.corpus {corpus} does not exist and retriever.index_dir {index} has no index; build one with "
+            "retriever-build or set retriever.url"
+        )
     _log(f"building a {cfg.retriever.kind} index of {corpus} in {index}")
     index.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".index_", dir=index.parent))
-    cmd = [sys.executable, "-m", "retriever_server.build", "--corpus", str(corpus), "--out", str(tmp), "--kind", cfg.retriever.kind]
+    cmd = [
+        sys.executable,
+        "-m",
+        "retriever_server.build",
+        "--corpus",
+        str(corpus),
+        "--out",
+        str(tmp),
+        "--kind",
+        cfg.retriever.kind,
+    ]
     subprocess.run(cmd, check=True)
     # The manifest records the corpus path, not the index path, so the rename keeps it valid.
     os.replace(tmp, index)
@@ -133,7 +150,9 @@ def ensure_qa(cfg: Config) -> None:
         meta.setdefault("queries", list(meta.get("supporting_titles", [])) or [row["question"]])
         row["metadata"] = meta
     tokenizer = load_tokenizer(cfg.model.path)
-    _log(f"splitting {source} into {train} and {test} ({cfg.data.qa_test_size} test rows, template {cfg.data.template})")
+    _log(
+        f"splitting {source} into {train} and {test} ({cfg.data.qa_test_size} test rows, template {cfg.data.template})"
+    )
     n_test = cfg.data.qa_test_size if test is not None else 0
     for split, part, path in (("test", rows[:n_test], test), ("train", rows[n_test:], train)):
         if path is None:
@@ -154,9 +173,27 @@ def prepare(cfg: Config, need_index: bool = True) -> None:
 def spawn_retriever(index_dir: str | Path, ready: Path, log: Path, *extra_args: str) -> subprocess.Popen:
     """`python -m retriever_server.app` on an ephemeral 127.0.0.1 port, output to `log`; it writes
     `ready` (atomically) once listening and gets SIGTERM if this process dies."""
-    cmd = [sys.executable, "-m", "retriever_server.app", "--index", str(index_dir), "--host", "127.0.0.1", "--port", "0", "--ready-file", str(ready), *extra_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "retriever_server.app",
+        "--index",
+        str(index_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--ready-file",
+        str(ready),
+        *extra_args,
+    ]
     with log.open("w") as log_fh:
-        return subprocess.Popen(cmd, stdout=log_fh, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        return subprocess.Popen(
+            cmd,
+            stdout=log_fh,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
+        )
 
 
 def wait_ready(proc: subprocess.Popen, ready: Path, log: Path, timeout_s: float, name: str = "retriever-server") -> str:

@@ -6,6 +6,7 @@ is transparent: the "next value" of the last token of a turn is the value of the
 of the next turn, and observation positions get advantage 0 and return 0 (as verl's multi-turn
 GAE does).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -13,7 +14,9 @@ from collections.abc import Sequence
 import torch
 
 
-def grpo_advantages(rewards: torch.Tensor, group_ids: Sequence[str], norm_by_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor, group_ids: Sequence[str], norm_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """rewards: (B,) -> advantages (B,): (r - group mean) / (group std + eps).
 
     Groups are keyed by prompt id (prefixed by data source, so groups never collide across
@@ -35,8 +38,11 @@ def grpo_advantages(rewards: torch.Tensor, group_ids: Sequence[str], norm_by_std
     return out
 
 
-def token_level_rewards(scores: torch.Tensor, loss_mask: torch.Tensor, kl: torch.Tensor | None = None, kl_coef: float = 0.0) -> torch.Tensor:
-    """scores: (B,), loss_mask: (B, T) -> (B, T): the score on the last policy token, minus kl_coef * kl on policy tokens."""
+def token_level_rewards(
+    scores: torch.Tensor, loss_mask: torch.Tensor, kl: torch.Tensor | None = None, kl_coef: float = 0.0
+) -> torch.Tensor:
+    """scores: (B,), loss_mask: (B, T) -> (B, T): the score on the last policy token, minus kl_coef * kl
+    on policy tokens."""
     B, T = loss_mask.shape
     rewards = torch.zeros((B, T), dtype=torch.float32)
     positions = torch.arange(T).expand(B, T)
@@ -48,7 +54,9 @@ def token_level_rewards(scores: torch.Tensor, loss_mask: torch.Tensor, kl: torch
     return rewards
 
 
-def gae_reference(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae_reference(
+    rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain loop GAE over mask-1 positions only; (B, T) each -> (advantages, returns)."""
     B, T = rewards.shape
     adv = torch.zeros((B, T))
@@ -66,7 +74,9 @@ def gae_reference(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.
     return adv, ret
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor, gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gae(
+    rewards: torch.Tensor, values: torch.Tensor, loss_mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """GAE vectorised over the batch: (B, T) each -> (advantages, returns), 0 on mask-0 positions.
 
     Masked positions carry the running state through unchanged (they are skipped, not zeroed).

@@ -7,6 +7,7 @@ Micro-batches are packed longest-first so rows of similar length share a batch, 
 micro-batch satisfies rows x longest row <= `max_tokens_per_microbatch` (a hard cap: config
 validation guarantees one maximal trajectory fits).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -35,7 +36,9 @@ def pack_microbatches(lengths: list[int], max_tokens: int, groups: list | None =
     longest = 0
     for i in order:
         if lengths[i] > max_tokens:
-            raise ValueError(f"a trajectory of {lengths[i]} tokens exceeds train.max_tokens_per_microbatch ({max_tokens})")
+            raise ValueError(
+                f"a trajectory of {lengths[i]} tokens exceeds train.max_tokens_per_microbatch ({max_tokens})"
+            )
         new_longest = max(longest, lengths[i])
         if current and (len(current) + 1) * new_longest > max_tokens:
             batches.append(current)
@@ -88,8 +91,12 @@ def collate(trajs: list[Trajectory], index: list[int], pad_id: int, device: torc
         mask[r, t.prompt_tokens : len(seq)] = torch.tensor(t.loss_mask, dtype=torch.float32)
         engine_lp[r, t.prompt_tokens : len(seq)] = torch.tensor(t.logprobs, dtype=torch.float32)
     return MicroBatch(
-        index=list(index), input_ids=ids.to(device), attention_mask=attn.to(device), loss_mask=mask.to(device),
-        prompt_lengths=[t.prompt_tokens for t in rows], rollout_logprobs=engine_lp.to(device),
+        index=list(index),
+        input_ids=ids.to(device),
+        attention_mask=attn.to(device),
+        loss_mask=mask.to(device),
+        prompt_lengths=[t.prompt_tokens for t in rows],
+        rollout_logprobs=engine_lp.to(device),
     )
 
 
@@ -105,7 +112,10 @@ def even_microbatches(batches: list[list[int]], world: World) -> list[tuple[list
     most = int(world.all_reduce_max(len(batches)))
     if most > len(batches):
         if not batches:
-            raise RuntimeError(f"rank {world.rank} has no trajectories to train on while others have; every rank needs at least one group per step (raise buffer.max_tokens)")
+            raise RuntimeError(
+                f"rank {world.rank} has no trajectories to train on while others have; every rank needs at least one "
+                "group per step (raise buffer.max_tokens)"
+            )
         out += [(batches[0], False)] * (most - len(batches))
     return out
 
@@ -155,12 +165,16 @@ class RolloutBatch:
         width = max(self.lengths(index))
         rows = torch.tensor(index, dtype=torch.long)
 
-        def take(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t[rows, :width].to(device)
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t[rows, :width].to(device)
 
-        scored = {name: take(getattr(self, name)) for name in _SCORED}
+        scored = {name: take(t) for name in _SCORED if (t := getattr(self, name)) is not None}
         return MicroBatch(
-            index=list(index), input_ids=take(self.rows.input_ids), attention_mask=take(self.rows.attention_mask),
-            loss_mask=take(self.rows.loss_mask), prompt_lengths=[self.rows.prompt_lengths[i] for i in index],
-            rollout_logprobs=take(self.rows.rollout_logprobs), **scored,
+            index=list(index),
+            input_ids=take(self.rows.input_ids),
+            attention_mask=take(self.rows.attention_mask),
+            loss_mask=take(self.rows.loss_mask),
+            prompt_lengths=[self.rows.prompt_lengths[i] for i in index],
+            rollout_logprobs=None if self.rows.rollout_logprobs is None else take(self.rows.rollout_logprobs),
+            **scored,
         )

@@ -4,6 +4,7 @@ Every term is multiplied by `loss_mask`, so inserted observation tokens get exac
 gradient from the policy, KL, entropy and value terms. The KL estimators follow verl's
 `core_algos.kl_penalty` (k1 and the low-variance k3, clamped to [-10, 10]).
 """
+
 from __future__ import annotations
 
 import torch
@@ -116,11 +117,16 @@ def value_loss(
         err = torch.maximum(err, (clipped - returns) ** 2)
     loss = 0.5 * aggregate(err * loss_mask, loss_mask, agg)
     with torch.no_grad():
-        stats = {"value_mean": masked_mean(values, loss_mask).item(), "return_mean": masked_mean(returns, loss_mask).item()}
+        stats = {
+            "value_mean": masked_mean(values, loss_mask).item(),
+            "return_mean": masked_mean(returns, loss_mask).item(),
+        }
     return loss, stats
 
 
-def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor, cap: float) -> torch.Tensor:
+def tis_weights(
+    old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor, cap: float
+) -> torch.Tensor:
     """Truncated importance sampling (Yao et al. 2025, as verl and OpenRLHF apply it).
 
     The rollout engine samples from pi_engine, which differs from the trainer's pi_old by kernels
@@ -131,7 +137,9 @@ def tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss
     return ratio.clamp(max=cap).detach()
 
 
-def logprob_diff(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, float, float]:
+def logprob_diff(
+    trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor
+) -> tuple[float, float, float]:
     """|trainer - engine| log-prob over sampled tokens: (sum, max, count), for the agreement metrics."""
     diff = (trainer_logprobs.detach().float() - rollout_logprobs.float()).abs() * loss_mask
     return float(diff.sum()), float(diff.max()) if diff.numel() else 0.0, float(loss_mask.sum())

@@ -5,17 +5,19 @@ wrapped in `nn.DataParallel` (TRL's auto-wrap spreads training onto the generati
 With LoRA the frozen base doubles as the reference model (adapters disabled), so no second
 copy is held.
 """
+
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import torch
 from torch import nn
 
-from agent_rl.learn.batch import MicroBatch
-from agent_rl.rollout.padding import distinct, left_pad
 from agent_rl.config import Config
+from agent_rl.learn.batch import MicroBatch
 from agent_rl.learn.losses import entropy_from_logits, token_logprobs
+from agent_rl.rollout.padding import distinct, left_pad
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,7 +31,7 @@ def load_tokenizer(path: str):
     return tok
 
 
-def load_policy(cfg: Config, path: str, device: str) -> nn.Module:
+def load_policy(cfg: Config, path: str, device: str) -> Any:  # a transformers causal LM, or its peft wrapper
     """The trained policy. Trained parameters are float32 master weights whatever `model.dtype`
     says: AdamW on bf16 parameters rounds away every update below half a bf16 ulp (at lr 1e-6 an
     Adam step on a 0.02 weight is ~100x smaller), so a bf16 run would silently not learn. With
@@ -38,7 +40,8 @@ def load_policy(cfg: Config, path: str, device: str) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     dtype = _DTYPES[cfg.model.dtype] if cfg.model.lora.enabled else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    model = model.to(device)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -46,7 +49,16 @@ def load_policy(cfg: Config, path: str, device: str) -> nn.Module:
         from peft import LoraConfig, get_peft_model
 
         lora = cfg.model.lora
-        model = get_peft_model(model, LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=list(lora.target_modules), task_type="CAUSAL_LM"))
+        model = get_peft_model(
+            model,
+            LoraConfig(
+                r=lora.rank,
+                lora_alpha=lora.alpha,
+                lora_dropout=lora.dropout,
+                target_modules=list(lora.target_modules),
+                task_type="CAUSAL_LM",
+            ),
+        )
     return model
 
 
@@ -69,7 +81,7 @@ def frozen_copy(model: nn.Module, device: str, dtype: torch.dtype | None = None)
 
 
 @contextlib.contextmanager
-def reference_mode(policy: nn.Module, ref: nn.Module | None):
+def reference_mode(policy: Any, ref: nn.Module | None):
     """Yield the module that computes reference log-probs: the frozen copy, or the LoRA base."""
     if ref is not None:
         yield ref
@@ -83,7 +95,7 @@ def reference_mode(policy: nn.Module, ref: nn.Module | None):
 class ValueModel(nn.Module):
     """The PPO critic: the policy's backbone (its own copy) plus a scalar head."""
 
-    def __init__(self, causal_lm: nn.Module):
+    def __init__(self, causal_lm: Any):  # a transformers causal LM
         super().__init__()
         self.backbone = causal_lm.get_decoder() if hasattr(causal_lm, "get_decoder") else causal_lm.model
         hidden = causal_lm.config.hidden_size
@@ -100,8 +112,13 @@ class ValueModel(nn.Module):
 
 
 def forward_logprobs(
-    model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool = False, share_prefix: bool = False,
-    selected: bool = True, chunk_tokens: int = 512,
+    model: nn.Module,
+    mb: MicroBatch,
+    temperature: float,
+    with_entropy: bool = False,
+    share_prefix: bool = False,
+    selected: bool = True,
+    chunk_tokens: int = 512,
 ):
     """Token log-probs (B, T) aligned so column t scores token t; 0 where `loss_mask` is 0.
 
@@ -132,12 +149,14 @@ def forward_logprobs(
     lp, ent = selected_logprobs(logits, labels, temperature, with_entropy, chunk_tokens)
     shape = mb.input_ids.shape
     logprobs = torch.zeros(shape, dtype=lp.dtype, device=lp.device).index_put((rows, cols), lp)
-    entropy = None if ent is None else torch.zeros(shape, dtype=ent.dtype, device=ent.device).index_put((rows, cols), ent)
+    entropy = (
+        None if ent is None else torch.zeros(shape, dtype=ent.dtype, device=ent.device).index_put((rows, cols), ent)
+    )
     return logprobs, entropy
 
 
 @contextlib.contextmanager
-def _head_at(model: nn.Module, rows: torch.Tensor, positions: torch.Tensor):
+def _head_at(model: Any, rows: torch.Tensor, positions: torch.Tensor):
     """While active, the model's output embedding sees only hidden[rows, positions] (as (1, N, H))."""
 
     def pick(module, args):
@@ -161,7 +180,9 @@ def _chunk_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: flo
     return lp, -(logp.exp() * logp).sum(-1)
 
 
-def selected_logprobs(logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool = False, chunk_tokens: int = 512):
+def selected_logprobs(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool = False, chunk_tokens: int = 512
+):
     """logits: (N, V) at the trained positions, labels: (N,) -> log-probs (N,), entropy (N,) or None.
 
     Float32 work in chunks of `chunk_tokens`; under autograd each chunk is recomputed in backward
@@ -199,6 +220,7 @@ def _full_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with_en
         logprobs = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
         entropy = None if ent is None else torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
     else:
+        assert cols is not None and valid is not None
         logprobs = lp.gather(1, cols) * valid
         entropy = None if ent is None else ent.gather(1, cols) * valid
     return logprobs, entropy
@@ -241,8 +263,11 @@ def _shared_prefix_logits(model: nn.Module, mb: MicroBatch, groups: list[int], p
     s_valid = cols < ends[:, None]
     s_ids = torch.where(s_valid, mb.input_ids.gather(1, cols.clamp(max=T - 1)), torch.full_like(cols, pad))
     tail = model(
-        input_ids=s_ids, attention_mask=torch.cat([p_attn[g], s_valid.long()], dim=1),
-        position_ids=cols, past_key_values=cache, use_cache=True,
+        input_ids=s_ids,
+        attention_mask=torch.cat([p_attn[g], s_valid.long()], dim=1),
+        position_ids=cols,
+        past_key_values=cache,
+        use_cache=True,
     )
     logits = torch.cat([head.logits[g, -1:], tail.logits[:, :-1]], dim=1)
     back = torch.arange(T, device=device)[None] - starts[:, None]
@@ -250,7 +275,9 @@ def _shared_prefix_logits(model: nn.Module, mb: MicroBatch, groups: list[int], p
     return logits, s_ids, back.clamp(0, suffix - 1), valid
 
 
-def _shared_prefix_selected(model: nn.Module, mb: MicroBatch, target: torch.Tensor, groups: list[int], prompts: list[tuple]):
+def _shared_prefix_selected(
+    model: nn.Module, mb: MicroBatch, target: torch.Tensor, groups: list[int], prompts: list[tuple]
+):
     """`_shared_prefix_logits` with the head only at trained positions: logits (N, V) and the
     (rows, cols) of the full layout each one scores. The prompt pass keeps one position (its last,
     which predicts the first response token); the response pass, the positions before trained
@@ -274,8 +301,11 @@ def _shared_prefix_selected(model: nn.Module, mb: MicroBatch, target: torch.Tens
     rows, slot = torch.nonzero(s_target[:, 1:], as_tuple=True)
     with _head_at(model, rows, slot):  # slot j of the response pass predicts response token j + 1
         tail = model(
-            input_ids=s_ids, attention_mask=torch.cat([p_attn[g], s_valid.long()], dim=1),
-            position_ids=cols, past_key_values=cache, use_cache=True,
+            input_ids=s_ids,
+            attention_mask=torch.cat([p_attn[g], s_valid.long()], dim=1),
+            position_ids=cols,
+            past_key_values=cache,
+            use_cache=True,
         )
     logits = torch.cat([head.logits[g[first], -1], tail.logits[0]], dim=0)
     return logits, torch.cat([first, rows]), torch.cat([starts[first], starts[rows] + slot + 1])

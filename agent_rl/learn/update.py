@@ -10,12 +10,14 @@ have loss weight 0 and report no metrics. The loss is normalised by the mini-bat
 (or row) count, times the world size because FSDP averages gradients over ranks, so N ranks take
 the step one process would take.
 """
+
 from __future__ import annotations
 
 import contextlib
 import random
 
 import torch
+from torch import nn
 
 from agent_rl.config import Config
 from agent_rl.infra.world import LOCAL, World
@@ -43,7 +45,16 @@ def _pack(cfg: Config, batch: RolloutBatch, members: list[int], share: bool) -> 
     return [[members[j] for j in b] for b in local]
 
 
-def prepare_batch(cfg: Config, policy, ref, critic, trajs: list[Trajectory], pad_id: int, need_old: bool, world: World = LOCAL) -> RolloutBatch:
+def prepare_batch(
+    cfg: Config,
+    policy: nn.Module,
+    ref: nn.Module | None,
+    critic: nn.Module | None,
+    trajs: list[Trajectory],
+    pad_id: int,
+    need_old: bool,
+    world: World = LOCAL,
+) -> RolloutBatch:
     """The step's batch, scored: old log-probs (when `need_old`), reference log-probs (when a KL
     term is on), values (PPO), then advantages and returns, each (N, W) over the full sequence."""
     batch = RolloutBatch.from_trajectories(trajs, pad_id)
@@ -88,13 +99,25 @@ def prepare_batch(cfg: Config, policy, ref, critic, trajs: list[Trajectory], pad
     return batch
 
 
-def update(cfg: Config, policy, critic, optimizer, critic_opt, batch: RolloutBatch, rng: random.Random, world: World = LOCAL,
-           trainer_logprobs: dict[int, list[float] | None] | None = None) -> dict[str, float]:
+def update(
+    cfg: Config,
+    policy: nn.Module,
+    critic: nn.Module | None,
+    optimizer: torch.optim.Optimizer,
+    critic_opt: torch.optim.Optimizer | None,
+    batch: RolloutBatch,
+    rng: random.Random,
+    world: World = LOCAL,
+    trainer_logprobs: dict[int, list[float] | None] | None = None,
+) -> dict[str, float]:
     """PPO-style epochs over mini-batches, each accumulated over token-capped micro-batches.
 
     `trainer_logprobs`, when given, maps rows of the batch to be reported (`save_trajectories`);
     the first epoch fills each with that row's old log-probs over its response tokens.
     """
+    if batch.advantages is None:
+        raise ValueError("update needs a scored batch: build it with prepare_batch")
+    advantages = batch.advantages
     n = len(batch)
     mini = (cfg.algo.mini_batch_size // world.world_size if cfg.algo.mini_batch_size else 0) or n
     share = share_prefix(cfg, world)
@@ -103,8 +126,12 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, batch: RolloutBat
     policy.train()
     # A row whose advantage is 0 on every token adds exactly 0 to the policy gradient (every
     # term of the clipped loss is advantage x ratio) unless a KL, entropy or value loss reads it.
-    skip_zero = cfg.train.skip_zero_advantage and critic is None and cfg.algo.entropy_coef == 0 and not (
-        cfg.algo.kl_coef > 0 and cfg.algo.kl_type == "low_var_kl")
+    skip_zero = (
+        cfg.train.skip_zero_advantage
+        and critic is None
+        and cfg.algo.entropy_coef == 0
+        and not (cfg.algo.kl_coef > 0 and cfg.algo.kl_type == "low_var_kl")
+    )
     skipped = 0
     for epoch in range(cfg.algo.ppo_epochs):
         order = list(range(n))
@@ -119,7 +146,7 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, batch: RolloutBat
             if skip_zero:  # kept in the normaliser above, left out of the forward and backward
                 # One row still runs when none would: a zero gradient, not a missing one, so AdamW
                 # moves (momentum, weight decay) exactly as the plain path, and FSDP ranks stay in step.
-                run = [i for i in members if batch.advantages[i].any()] or members[:1]
+                run = [i for i in members if advantages[i].any()] or members[:1]
                 skipped += len(members) - len(run)
                 members = run
             for index, real in even_microbatches(_pack(cfg, batch, members, share), world):
@@ -129,14 +156,27 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, batch: RolloutBat
                 else:
                     weight = len(index) / rows
                 # an FSDP padding pass: the same collectives, a zero gradient, no metrics
-                mb_stats = _microbatch_step(cfg, policy, critic, batch, mb, weight if real else 0.0, share, world,
-                                            first_epoch=epoch == 0 and real, agree=agree, trainer_logprobs=trainer_logprobs)
+                mb_stats = _microbatch_step(
+                    cfg,
+                    policy,
+                    critic,
+                    batch,
+                    mb,
+                    weight if real else 0.0,
+                    share,
+                    world,
+                    first_epoch=epoch == 0 and real,
+                    agree=agree,
+                    trainer_logprobs=trainer_logprobs,
+                )
                 if real:
                     for k, v in mb_stats.items():
                         stats.setdefault(k, []).append(v)
             if cfg.train.max_grad_norm > 0:
                 params = [p for p in policy.parameters() if p.requires_grad]
-                stats.setdefault("actor/grad_norm", []).append(torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm).item())
+                stats.setdefault("actor/grad_norm", []).append(
+                    torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm).item()
+                )
                 if critic is not None:
                     torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.train.max_grad_norm)
             optimizer.step()
@@ -151,29 +191,54 @@ def update(cfg: Config, policy, critic, optimizer, critic_opt, batch: RolloutBat
     return out
 
 
-def _microbatch_step(cfg: Config, policy, critic, batch: RolloutBatch, mb: MicroBatch, weight: float, share: bool, world: World,
-                     first_epoch: bool, agree: list[float], trainer_logprobs: dict[int, list[float] | None] | None) -> dict[str, float]:
+def _microbatch_step(
+    cfg: Config,
+    policy: nn.Module,
+    critic: nn.Module | None,
+    batch: RolloutBatch,
+    mb: MicroBatch,
+    weight: float,
+    share: bool,
+    world: World,
+    first_epoch: bool,
+    agree: list[float],
+    trainer_logprobs: dict[int, list[float] | None] | None,
+) -> dict[str, float]:
     """Forward and backward of one micro-batch, its loss scaled by `weight`; returns its metrics."""
     stats: dict[str, float] = {}
+    advantages, engine_lp = mb.advantages, mb.rollout_logprobs
+    assert advantages is not None and engine_lp is not None, "micro-batches of a scored RolloutBatch carry both"
     with _autocast(cfg, world):
-        logprobs, entropy = forward_logprobs(policy, mb, cfg.rollout.temperature, with_entropy=cfg.algo.entropy_coef > 0, share_prefix=share)
-    old = logprobs.detach() if batch.on_policy else mb.old_logprobs
+        logprobs, entropy = forward_logprobs(
+            policy, mb, cfg.rollout.temperature, with_entropy=cfg.algo.entropy_coef > 0, share_prefix=share
+        )
+    old = logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs  # None: on-policy, the update's own forward
     if first_epoch:  # old = the weights the engine sampled with
-        total, worst, count = losses.logprob_diff(old, mb.rollout_logprobs, mb.loss_mask)
+        total, worst, count = losses.logprob_diff(old, engine_lp, mb.loss_mask)
         agree[0], agree[1], agree[2] = agree[0] + total, max(agree[1], worst), agree[2] + count
         for r, i in enumerate(mb.index):
             if trainer_logprobs is not None and i in trainer_logprobs:
                 t = batch.trajs[i]
                 trainer_logprobs[i] = old[r, t.prompt_tokens : t.total_tokens].float().cpu().tolist()
-    tis = losses.tis_weights(old, mb.rollout_logprobs, mb.loss_mask, cfg.algo.tis_cap) if cfg.algo.tis_cap > 0 else None
+    tis = losses.tis_weights(old, engine_lp, mb.loss_mask, cfg.algo.tis_cap) if cfg.algo.tis_cap > 0 else None
     pg_loss, pg_stats = losses.policy_loss(
-        logprobs, old, mb.advantages, mb.loss_mask, cfg.algo.clip_ratio_low, cfg.algo.clip_ratio_high, cfg.algo.loss_agg, is_weights=tis
+        logprobs,
+        old,
+        advantages,
+        mb.loss_mask,
+        cfg.algo.clip_ratio_low,
+        cfg.algo.clip_ratio_high,
+        cfg.algo.loss_agg,
+        is_weights=tis,
     )
     if tis is not None:
         stats["actor/tis_weight_mean"] = float((tis * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1))
     loss = pg_loss
     if cfg.algo.kl_coef > 0 and cfg.algo.kl_type == "low_var_kl":
-        kl = losses.aggregate(losses.kl_penalty(logprobs, mb.ref_logprobs, "low_var_kl"), mb.loss_mask, cfg.algo.loss_agg)
+        assert mb.ref_logprobs is not None, "prepare_batch computes reference log-probs whenever algo.kl_coef > 0"
+        kl = losses.aggregate(
+            losses.kl_penalty(logprobs, mb.ref_logprobs, "low_var_kl"), mb.loss_mask, cfg.algo.loss_agg
+        )
         loss = loss + cfg.algo.kl_coef * kl
         stats["actor/kl"] = kl.item()
     if entropy is not None:
@@ -184,9 +249,14 @@ def _microbatch_step(cfg: Config, policy, critic, batch: RolloutBatch, mb: Micro
     stats["loss/policy"] = pg_loss.item()
     stats.update({f"actor/{k}": float(v) for k, v in pg_stats.items()})
     if critic is not None:
+        assert mb.values is not None and mb.returns is not None, (
+            "prepare_batch computes values and returns with a critic"
+        )
         with _autocast(cfg, world):
             values = critic(mb.input_ids, mb.attention_mask)
-        v_loss, v_stats = losses.value_loss(values, mb.values, mb.returns, mb.loss_mask, cfg.algo.value_clip or None, cfg.algo.loss_agg)
+        v_loss, v_stats = losses.value_loss(
+            values, mb.values, mb.returns, mb.loss_mask, cfg.algo.value_clip or None, cfg.algo.loss_agg
+        )
         (v_loss * weight).backward()
         stats["loss/value"] = v_loss.item()
         stats.update({f"critic/{k}": float(v) for k, v in v_stats.items()})

@@ -26,6 +26,7 @@ trajectory's search overlaps other trajectories' generation, and a straggler hol
 - `rollout.max_inflight` bounds the trajectories in flight (0: all of the call's); nothing else
   queues without bound (at most one pending request per in-flight trajectory).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -73,7 +74,12 @@ class GenerationBatcher:
                 batch, self.pending = self.pending[: self.max_batch], self.pending[self.max_batch :]
                 try:
                     gens = await asyncio.to_thread(
-                        self.engine.generate, [b[0] for b in batch], [b[1] for b in batch], self.temperature, self.top_p, [b[2] for b in batch]
+                        self.engine.generate,
+                        [b[0] for b in batch],
+                        [b[1] for b in batch],
+                        self.temperature,
+                        self.top_p,
+                        [b[2] for b in batch],
                     )
                 except BaseException as err:  # the engine failed: every waiting trajectory sees it
                     for *_, future in batch + self.pending:
@@ -180,7 +186,15 @@ class SearchBatcher:
             self.busy = False
 
 
-async def _run_one(loop: AgentLoop, t: Trajectory, index: int, base: int, gen: GenerationBatcher | StepBatcher, search: SearchBatcher, slots: asyncio.Semaphore) -> None:
+async def _run_one(
+    loop: AgentLoop,
+    t: Trajectory,
+    index: int,
+    base: int,
+    gen: GenerationBatcher | StepBatcher,
+    search: SearchBatcher,
+    slots: asyncio.Semaphore,
+) -> None:
     async with slots:
         turn = 0
         while not t.done:
@@ -200,7 +214,10 @@ async def _run_one(loop: AgentLoop, t: Trajectory, index: int, base: int, gen: G
             turn += 1
 
 
-async def _run_all(loop: AgentLoop, trajs: list[Trajectory], base: int, temperature: float, top_p: float) -> tuple[int, int]:
+async def _run_all(
+    loop: AgentLoop, trajs: list[Trajectory], base: int, temperature: float, top_p: float
+) -> tuple[int, int]:
+    gen: StepBatcher | GenerationBatcher
     if loop.engine.continuous:
         gen = StepBatcher(loop.engine, temperature, top_p)
     else:
@@ -216,7 +233,9 @@ async def _run_all(loop: AgentLoop, trajs: list[Trajectory], base: int, temperat
     return gen.calls, search.requests
 
 
-def run_async(loop: AgentLoop, items: list[PromptItem], group_size: int, temperature: float, top_p: float) -> list[Trajectory]:
+def run_async(
+    loop: AgentLoop, items: list[PromptItem], group_size: int, temperature: float, top_p: float
+) -> list[Trajectory]:
     """`AgentLoop.run` in `rollout.mode=async`: the same trajectories' contract, each trajectory
     advancing on its own."""
     trajs = loop.new_trajectories(items, group_size)

@@ -12,6 +12,7 @@ not even one token of a turn fits does a trajectory end with `budget_total`. The
 never truncated: a prompt over `max_prompt_tokens` is rejected at data loading (Search-R1 cuts
 the context from the left and can lose the question).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,7 +30,9 @@ class TokenBudget:
 
     @classmethod
     def from_config(cls, cfg: BudgetConfig) -> "TokenBudget":
-        return cls(cfg.max_turns, cfg.max_prompt_tokens, cfg.max_tokens_per_turn, cfg.max_obs_tokens, cfg.max_total_tokens)
+        return cls(
+            cfg.max_turns, cfg.max_prompt_tokens, cfg.max_tokens_per_turn, cfg.max_obs_tokens, cfg.max_total_tokens
+        )
 
     def admits_prompt(self, prompt_tokens: int) -> bool:
         """A prompt is admissible when it fits its own budget and leaves room for one turn."""

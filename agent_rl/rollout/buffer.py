@@ -4,6 +4,7 @@ Policy when full: a whole GRPO group is admitted or refused together (a partial 
 bias its advantages); a refused group is counted in `buffer/dropped_groups` and
 `buffer/dropped_tokens`.
 """
+
 from __future__ import annotations
 
 from collections import Counter

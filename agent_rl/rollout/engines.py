@@ -10,6 +10,7 @@ LM (CPU or one GPU). It shares the module with the trainer when both sit on one 
 weight sync is needed. `VLLMEngine` wraps vLLM's offline `LLM` (GPU only, imported lazily),
 sleeps while the trainer runs, and takes weights from the trainer after each update.
 """
+
 from __future__ import annotations
 
 import time
@@ -47,7 +48,12 @@ class Engine(Protocol):
     batch_size: int
 
     def generate(
-        self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, top_p: float = 1.0, seeds: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: list[int],
+        temperature: float,
+        top_p: float = 1.0,
+        seeds: list[int] | None = None,
     ) -> list[Generation]: ...
 
     def sleep(self) -> None: ...
@@ -70,7 +76,9 @@ def stop_token_ids(tokenizer) -> list[int]:
     return sorted(set(ids))
 
 
-def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | list[torch.Generator] | None):
+def _sample(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | list[torch.Generator] | None
+):
     """logits: (B, V) -> (token ids (B,), log-probs (B,)) under the sampling distribution.
 
     `generator` is one generator for the batch, or one per row (each row's draws its own)."""
@@ -91,10 +99,15 @@ def _sample(logits: torch.Tensor, temperature: float, top_p: float, generator: t
     # entry (20x slower for 64 rows x 689 tokens, a tenth of a decode step on CPU).
     cdf = probs.cumsum(-1)
     if isinstance(generator, list):
-        u = torch.cat([torch.rand((1, 1), generator=g, dtype=cdf.dtype) for g in generator]).to(cdf.device) * cdf[:, -1:]
+        u = (
+            torch.cat([torch.rand((1, 1), generator=g, dtype=cdf.dtype) for g in generator]).to(cdf.device)
+            * cdf[:, -1:]
+        )
     else:
         u = torch.rand((probs.shape[0], 1), generator=generator, dtype=cdf.dtype).to(cdf.device) * cdf[:, -1:]
-    ids = torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1).squeeze(-1)  # first entry with cdf > u: never a 0-probability token
+    ids = (
+        torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1).squeeze(-1)
+    )  # first entry with cdf > u: never a 0-probability token
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
 
 
@@ -119,8 +132,10 @@ class _LlamaDecoder:
         inner, cfg = model.model, model.config
         rope = inner.rotary_emb
         return (
-            getattr(rope, "rope_type", None) == "default" and float(getattr(rope, "attention_scaling", 1.0)) == 1.0
-            and cfg.hidden_act == "silu" and not getattr(cfg, "mlp_bias", False)
+            getattr(rope, "rope_type", None) == "default"
+            and float(getattr(rope, "attention_scaling", 1.0)) == 1.0
+            and cfg.hidden_act == "silu"
+            and not getattr(cfg, "mlp_bias", False)
             and all(getattr(layer.self_attn, "sliding_window", None) is None for layer in inner.layers)
         )
 
@@ -160,7 +175,9 @@ class _LlamaDecoder:
         freqs = positions[:, None].float() * self.inner.rotary_emb.inv_freq[None].float()
         emb = torch.cat([freqs, freqs], dim=-1)
         cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
-        bias = torch.zeros(attention.shape, dtype=x.dtype, device=x.device).masked_fill(attention == 0, float("-inf"))[:, None, None]
+        bias = torch.zeros(attention.shape, dtype=x.dtype, device=x.device).masked_fill(attention == 0, float("-inf"))[
+            :, None, None
+        ]
         for i, layer in enumerate(self.inner.layers):
             a, mlp = layer.self_attn, layer.mlp
             h = self._norm(x, layer.input_layernorm)
@@ -172,7 +189,9 @@ class _LlamaDecoder:
             o = torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v).reshape(B, self.heads * d)
             x = x + F.linear(o, a.o_proj.weight, a.o_proj.bias)
             h = self._norm(x, layer.post_attention_layernorm)
-            x = x + F.linear(F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight), mlp.down_proj.weight)
+            x = x + F.linear(
+                F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight), mlp.down_proj.weight
+            )
         self.length = t + 1
         return self.model.lm_head(self._norm(x, self.inner.norm))
 
@@ -182,7 +201,9 @@ class HFEngine:
 
     continuous = False
 
-    def __init__(self, model, tokenizer, device: str = "cpu", batch_size: int = 128, seed: int = 0, fast_decode: bool = True):
+    def __init__(
+        self, model, tokenizer, device: str = "cpu", batch_size: int = 128, seed: int = 0, fast_decode: bool = True
+    ):
         self.model = model
         self.fast_decode = fast_decode  # `_LlamaDecoder` for the models it supports
         self.tokenizer = tokenizer
@@ -216,7 +237,12 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, top_p: float = 1.0, seeds: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: list[int],
+        temperature: float,
+        top_p: float = 1.0,
+        seeds: list[int] | None = None,
     ) -> list[Generation]:
         out: list[Generation] = []
         start = time.perf_counter()
@@ -224,10 +250,15 @@ class HFEngine:
         self.model.eval()
         try:
             for lo in range(0, len(prompts), self.batch_size):
-                out.extend(self._generate_batch(
-                    prompts[lo : lo + self.batch_size], max_new_tokens[lo : lo + self.batch_size], temperature, top_p,
-                    None if seeds is None else seeds[lo : lo + self.batch_size],
-                ))
+                out.extend(
+                    self._generate_batch(
+                        prompts[lo : lo + self.batch_size],
+                        max_new_tokens[lo : lo + self.batch_size],
+                        temperature,
+                        top_p,
+                        None if seeds is None else seeds[lo : lo + self.batch_size],
+                    )
+                )
         finally:
             self.model.train(was_training)
         self.stats["generate_s"] += time.perf_counter() - start
@@ -238,7 +269,9 @@ class HFEngine:
         tokens: list[list[int]] = [[] for _ in range(bsz)]
         logps: list[list[float]] = [[] for _ in range(bsz)]
         finish = ["length"] * bsz
-        rows = torch.tensor([i for i in range(bsz) if max_new[i] > 0], dtype=torch.long)  # original index of each live row
+        rows = torch.tensor(
+            [i for i in range(bsz) if max_new[i] > 0], dtype=torch.long
+        )  # original index of each live row
         if len(rows) == 0:
             return [Generation([], [], "length") for _ in range(bsz)]
         # A GRPO group repeats its prompt: prefill each distinct prompt once, then copy its cache rows.
@@ -251,13 +284,19 @@ class HFEngine:
         past = out.past_key_values
         logits = out.logits[:, -1, :]
         if len(unique) < len(rows):
-            copy_of = torch.tensor(copy_of, dtype=torch.long, device=self.device)
-            past.batch_select_indices(copy_of)
-            logits, attention, positions = logits[copy_of], attention[copy_of], positions[copy_of]
+            expand = torch.tensor(copy_of, dtype=torch.long, device=self.device)
+            past.batch_select_indices(expand)
+            logits, attention, positions = logits[expand], attention[expand], positions[expand]
         last_pos = positions[:, -1]
-        fast = _LlamaDecoder(self.model, past, width + int(limits.max())) if self.fast_decode and _LlamaDecoder.supports(self.model, self.device) else None
+        fast = (
+            _LlamaDecoder(self.model, past, width + int(limits.max()))
+            if self.fast_decode and _LlamaDecoder.supports(self.model, self.device)
+            else None
+        )
         active = torch.ones(len(rows), dtype=torch.bool)
-        row_gens = None if seeds is None else [torch.Generator(device="cpu").manual_seed(int(seeds[i])) for i in rows.tolist()]
+        row_gens = (
+            None if seeds is None else [torch.Generator(device="cpu").manual_seed(int(seeds[i])) for i in rows.tolist()]
+        )
         for _ in range(int(limits.max().item())):
             ids, lp = _sample(logits, temperature, top_p, self.generator if row_gens is None else row_gens)
             ids, lp = ids.cpu(), lp.cpu()
@@ -298,7 +337,11 @@ class HFEngine:
                 logits = fast.step(feed, last_pos, attention)
             else:
                 out = self.model(
-                    input_ids=feed[:, None], attention_mask=attention, position_ids=last_pos[:, None], past_key_values=past, use_cache=True
+                    input_ids=feed[:, None],
+                    attention_mask=attention,
+                    position_ids=last_pos[:, None],
+                    past_key_values=past,
+                    use_cache=True,
                 )
                 past, logits = out.past_key_values, out.logits[:, -1, :]
         self.stats["generated_tokens"] += sum(len(t) for t in tokens)
@@ -347,7 +390,8 @@ class VLLMWeightSync:
             from safetensors.torch import load as load_safetensors
 
             named = list(load_safetensors(bytes(named)).items())
-        self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
+        # `reload_weights` is the vLLM worker's own method: this class is mixed into that worker
+        self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)  # type: ignore[attr-defined]
         return len(named)
 
 
@@ -406,7 +450,8 @@ class VLLMEngine:
         if on_cpu != (current_platform.device_type == "cpu"):
             raise RuntimeError(
                 f"rollout.device={device} but the installed vLLM is built for {current_platform.device_type}: "
-                f"set rollout.device={'cpu' if current_platform.device_type == 'cpu' else 'cuda'} or install the matching vLLM"
+                f"set rollout.device={'cpu' if current_platform.device_type == 'cpu' else 'cuda'} or install the "
+                "matching vLLM"
             )
         self._sampling_cls, self._prompt_cls = SamplingParams, TokensPrompt
         self.tokenizer = tokenizer
@@ -445,7 +490,12 @@ class VLLMEngine:
         self._next_request = 0
 
     def generate(
-        self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, top_p: float = 1.0, seeds: list[int] | None = None
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: list[int],
+        temperature: float,
+        top_p: float = 1.0,
+        seeds: list[int] | None = None,
     ) -> list[Generation]:
         self.wake()
         start = time.perf_counter()
@@ -453,7 +503,13 @@ class VLLMEngine:
             seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=self.generator).tolist()
         live = [i for i, n in enumerate(max_new_tokens) if n > 0]
         params = [self._params(max_new_tokens[i], temperature, top_p, seeds[i]) for i in live]
-        outs = self.llm.generate([self._prompt_cls(prompt_token_ids=list(prompts[i])) for i in live], params, use_tqdm=False) if live else []
+        outs = (
+            self.llm.generate(
+                [self._prompt_cls(prompt_token_ids=list(prompts[i])) for i in live], params, use_tqdm=False
+            )
+            if live
+            else []
+        )
         gens = [Generation([], [], "length") for _ in prompts]
         for i, o in zip(live, outs):
             gens[i] = self._generation(o)
@@ -463,8 +519,15 @@ class VLLMEngine:
 
     def _params(self, max_new: int, temperature: float, top_p: float, seed: int):
         return self._sampling_cls(
-            max_tokens=max_new, temperature=temperature, top_p=top_p, seed=seed, stop=list(STOP_TAGS),
-            stop_token_ids=self.stop_ids, include_stop_str_in_output=True, logprobs=0, detokenize=True,
+            max_tokens=max_new,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=list(STOP_TAGS),
+            stop_token_ids=self.stop_ids,
+            include_stop_str_in_output=True,
+            logprobs=0,
+            detokenize=True,
         )
 
     @staticmethod
@@ -475,7 +538,9 @@ class VLLMEngine:
         if c.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM ended a request with finish_reason={c.finish_reason!r} (expected stop or length)")
         if c.logprobs is None or len(c.logprobs) != len(ids):
-            raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for {len(ids)} sampled tokens")
+            raise RuntimeError(
+                f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for {len(ids)} sampled tokens"
+            )
         lps = []
         for tok, entry in zip(ids, c.logprobs):
             if tok not in entry:
@@ -515,7 +580,11 @@ class VLLMEngine:
             if not self._said_no_sleep:
                 import sys
 
-                print("[rollout] vLLM has no sleep mode on this platform: the engine keeps its weights and KV cache during the update", file=sys.stderr)
+                print(
+                    "[rollout] vLLM has no sleep mode on this platform: the engine keeps its weights and KV cache "
+                    "during the update",
+                    file=sys.stderr,
+                )
                 self._said_no_sleep = True
             return
         if not self.asleep:
@@ -531,6 +600,7 @@ class VLLMEngine:
         """Replace the engine's weights with (Hugging Face name, tensor) pairs, then reset the prefix cache."""
         self.wake()
         named = [(n, t.detach()) for n, t in named_tensors]
+        payload: list[tuple[str, torch.Tensor]] | bytes
         if self.in_process:
             payload = named
         else:

@@ -8,6 +8,7 @@ policy must answer (as Search-R1's final rollout). An invalid action gets Search
 corrective message. A dead retriever gives an observation saying retrieval failed.
 Departure from Search-R1: no decode/re-tokenize of sampled text, stop at tags, hard budgets.
 """
+
 from __future__ import annotations
 
 import re
@@ -81,7 +82,14 @@ class AgentLoop:
     """Runs batched multi-turn rollouts for a list of prompts."""
 
     def __init__(
-        self, engine: Engine, tokenizer, client: RetrieverClient | None, budget: TokenBudget, topk: int = 3, mode: str = "sync", max_inflight: int = 0
+        self,
+        engine: Engine,
+        tokenizer,
+        client: RetrieverClient | None,
+        budget: TokenBudget,
+        topk: int = 3,
+        mode: str = "sync",
+        max_inflight: int = 0,
     ):
         if mode not in ("sync", "async"):
             raise ValueError(f"rollout mode {mode!r}: use sync or async")
@@ -97,7 +105,9 @@ class AgentLoop:
         self.counters: Counter = Counter()
         self._forced: set[int] = set()  # trajectories whose next turn must answer (no room for the corrective message)
 
-    def run(self, items: list[PromptItem], group_size: int = 1, temperature: float = 1.0, top_p: float = 1.0) -> list[Trajectory]:
+    def run(
+        self, items: list[PromptItem], group_size: int = 1, temperature: float = 1.0, top_p: float = 1.0
+    ) -> list[Trajectory]:
         """`group_size` trajectories per prompt, by `self.mode`: turn-synchronous or per-trajectory async."""
         if self.mode == "async":
             from agent_rl.rollout.async_loop import run_async
@@ -105,7 +115,9 @@ class AgentLoop:
             return run_async(self, items, group_size, temperature, top_p)
         return self.run_sync(items, group_size, temperature, top_p)
 
-    def run_sync(self, items: list[PromptItem], group_size: int = 1, temperature: float = 1.0, top_p: float = 1.0) -> list[Trajectory]:
+    def run_sync(
+        self, items: list[PromptItem], group_size: int = 1, temperature: float = 1.0, top_p: float = 1.0
+    ) -> list[Trajectory]:
         """Search-R1's loop: every active trajectory generates its turn, then one batched search."""
         trajs = self.new_trajectories(items, group_size)
         turn = 0
@@ -121,7 +133,9 @@ class AgentLoop:
             if not pairs:
                 break
             finals = [self.must_answer(t, turn) for t, _ in pairs]  # asked before the turn is generated
-            gens = self.engine.generate([t.prompt_ids + t.response_ids for t, _ in pairs], [a for _, a in pairs], temperature, top_p)
+            gens = self.engine.generate(
+                [t.prompt_ids + t.response_ids for t, _ in pairs], [a for _, a in pairs], temperature, top_p
+            )
             searches: list[tuple[Trajectory, str]] = []
             for (t, _), g, final in zip(pairs, gens, finals):
                 query = self.take_turn(t, g, final)
@@ -137,14 +151,21 @@ class AgentLoop:
         """`group_size` empty trajectories per prompt (a GRPO group's rows are adjacent)."""
         self._forced.clear()
         trajs = [
-            Trajectory(prompt_id=it.prompt_id, data_source=it.data_source, prompt_ids=list(it.prompt_ids), golden_answers=list(it.golden_answers), sample_idx=j)
+            Trajectory(
+                prompt_id=it.prompt_id,
+                data_source=it.data_source,
+                prompt_ids=list(it.prompt_ids),
+                golden_answers=list(it.golden_answers),
+                sample_idx=j,
+            )
             for it in items
             for j in range(group_size)
         ]
         for t in trajs:
             if not self.budget.admits_prompt(t.prompt_tokens):
                 raise ValueError(
-                    f"prompt {t.prompt_id} has {t.prompt_tokens} tokens > budget.max_prompt_tokens ({self.budget.max_prompt_tokens}); "
+                    f"prompt {t.prompt_id} has {t.prompt_tokens} tokens > budget.max_prompt_tokens "
+                    f"({self.budget.max_prompt_tokens}); "
                     "prompts are filtered at data loading, never truncated"
                 )
         return trajs
@@ -163,7 +184,14 @@ class AgentLoop:
         text = self.tok.decode(g.token_ids, skip_special_tokens=False)
         action, content = parse_action(text)
         truncated = g.finish_reason == "length"
-        t.turns.append(Turn(action=action, gen_tokens=len(g.token_ids), truncated=truncated, query=content if action == "search" else None))
+        t.turns.append(
+            Turn(
+                action=action,
+                gen_tokens=len(g.token_ids),
+                truncated=truncated,
+                query=content if action == "search" else None,
+            )
+        )
         self.counters["rollout/turns"] += 1
         self.counters[f"rollout/action_{action}"] += 1
         if truncated:
@@ -201,6 +229,7 @@ class AgentLoop:
         queries = [q for _, q in searches]
         start = time.perf_counter()
         error = None
+        results: list[list[dict]] | list[None]
         try:
             if self.client is None:
                 raise RetrievalError("no retriever configured")
@@ -248,7 +277,8 @@ def rollout_metrics(trajs: list[Trajectory], counters: Counter) -> dict[str, flo
         "rollout/generated_tokens_mean": sum(gen) / n,
         "rollout/turns_mean": sum(len(t.turns) for t in trajs) / n,
         "rollout/searches_mean": sum(sum(1 for x in t.turns if x.action == "search") for t in trajs) / n,
-        "rollout/invalid_frac": sum(sum(1 for x in t.turns if x.action == "invalid") for t in trajs) / max(1, sum(len(t.turns) for t in trajs)),
+        "rollout/invalid_frac": sum(sum(1 for x in t.turns if x.action == "invalid") for t in trajs)
+        / max(1, sum(len(t.turns) for t in trajs)),
         "rollout/total_tokens_max": float(max((t.total_tokens for t in trajs), default=0)),
     }
     reasons = Counter(t.end_reason for t in trajs)

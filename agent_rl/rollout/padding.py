@@ -1,4 +1,5 @@
 """Token sequences into batched tensors, shared by the engine's decode and the policy forward."""
+
 from __future__ import annotations
 
 import torch

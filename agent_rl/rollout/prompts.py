@@ -3,6 +3,7 @@
 The prompt is never truncated. A prompt longer than `budget.max_prompt_tokens` is dropped
 here, counted per data source and reported, so the one long sample cannot show up hours in.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,7 +32,9 @@ def load_prompts(files: list[str], tokenizer, budget: TokenBudget, max_samples: 
     for f in files:
         path = Path(f)
         if not path.exists():
-            raise FileNotFoundError(f"data file {path} does not exist; write it with `data-prep qa` or `data-prep toy-world`")
+            raise FileNotFoundError(
+                f"data file {path} does not exist; write it with `data-prep qa` or `data-prep toy-world`"
+            )
         table = pq.read_table(path)
         missing = {"uid", "data_source", "prompt", "golden_answers"} - set(table.column_names)
         if missing:
@@ -51,7 +54,10 @@ def load_prompts(files: list[str], tokenizer, budget: TokenBudget, max_samples: 
         if max_samples and len(items) >= max_samples:
             break
     for source, n in dropped.items():
-        print(f"[data] dropped {n} {source} prompts longer than budget.max_prompt_tokens={budget.max_prompt_tokens}", file=sys.stderr)
+        print(
+            f"[data] dropped {n} {source} prompts longer than budget.max_prompt_tokens={budget.max_prompt_tokens}",
+            file=sys.stderr,
+        )
     if not items:
         raise ValueError(f"no admissible prompts in {files} (budget.max_prompt_tokens={budget.max_prompt_tokens})")
     return PromptSet(items, metas, questions, dropped)

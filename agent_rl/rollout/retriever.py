@@ -6,6 +6,7 @@ connection, a timeout, retries with exponential backoff. When the server stays d
 gets a `RetrievalError` per call, and the rollout turns it into an observation saying retrieval
 failed: it never crashes a run.
 """
+
 from __future__ import annotations
 
 import threading
@@ -20,7 +21,16 @@ class RetrievalError(RuntimeError):
 
 
 class RetrieverClient:
-    def __init__(self, url: str, topk: int = 3, timeout_s: float = 10.0, max_retries: int = 3, backoff_s: float = 0.2, api_key: str | None = None, max_queries_per_request: int = 128):
+    def __init__(
+        self,
+        url: str,
+        topk: int = 3,
+        timeout_s: float = 10.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.2,
+        api_key: str | None = None,
+        max_queries_per_request: int = 128,
+    ):
         if max_queries_per_request < 1:
             raise ValueError(f"max_queries_per_request must be >= 1, got {max_queries_per_request}")
         self.url = url.rstrip("/")
@@ -45,7 +55,10 @@ class RetrieverClient:
     def retrieve(self, queries: list[str], topk: int | None = None) -> list[list[dict]]:
         """Documents `{"id", "contents", "score"}` per query, in order (score None from a server
         that answers without scores). Raises RetrievalError at last."""
-        chunks = [queries[lo : lo + self.max_queries_per_request] for lo in range(0, len(queries), self.max_queries_per_request)]
+        chunks = [
+            queries[lo : lo + self.max_queries_per_request]
+            for lo in range(0, len(queries), self.max_queries_per_request)
+        ]
         if len(chunks) <= 1:
             return self._retrieve_chunk(queries, topk) if queries else []
         # The chunks go out concurrently so the server can batch them together; order is kept.
@@ -64,7 +77,9 @@ class RetrieverClient:
             try:
                 resp = self._http.post(f"{self.url}/retrieve", json=payload)
                 if resp.status_code >= 500 or resp.status_code == 429:
-                    raise httpx.HTTPStatusError(f"server answered {resp.status_code}", request=resp.request, response=resp)
+                    raise httpx.HTTPStatusError(
+                        f"server answered {resp.status_code}", request=resp.request, response=resp
+                    )
                 if resp.status_code >= 400:  # our own request is wrong: retrying will not help
                     self._count("errors", 1)
                     raise RetrievalError(f"retriever rejected the request ({resp.status_code}): {resp.text[:300]}")
@@ -72,7 +87,10 @@ class RetrieverClient:
                 self._count("requests", 1)
                 self._count("queries", len(queries))
                 self._count("latency_s", time.perf_counter() - start)
-                return [[{**item["document"], "score": item.get("score")} if "document" in item else item for item in docs] for docs in result]
+                return [
+                    [{**item["document"], "score": item.get("score")} if "document" in item else item for item in docs]
+                    for docs in result
+                ]
             except RetrievalError:
                 raise
             except (httpx.HTTPError, ValueError, KeyError) as err:
@@ -95,7 +113,10 @@ class RetrieverClient:
             if left <= 0:
                 return False
             if log is not None:
-                log(f"retriever at {self.url} is not answering /health; next try in {min(delay, left):.1f} s ({left:.0f} s left)")
+                log(
+                    f"retriever at {self.url} is not answering /health; next try in {min(delay, left):.1f} s "
+                    f"({left:.0f} s left)"
+                )
             time.sleep(min(delay, left))
             delay = min(10.0, delay * 2)
 

@@ -9,6 +9,7 @@ is closed, it ends with exactly one `<answer>...</answer>` and nothing after it;
 capped at 1. It is off by default (Search-R1's format variant can pay for well-formed wrong
 answers).
 """
+
 from __future__ import annotations
 
 import re

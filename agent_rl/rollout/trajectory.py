@@ -5,6 +5,7 @@
 corrective messages). Token ids pass through untouched: the ids trained are the ids sampled,
 never decoded and re-tokenized (Search-R1 and verl #6501 re-tokenize and can drift).
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
