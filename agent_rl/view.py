@@ -171,11 +171,13 @@ function shade(mode) {
   for (const s of spans) {
     const i = +s.dataset.i, m = D.mask[i];
     let c = '';
-    if (mode === 'engine' && m && D.engine) { const p = Math.exp(D.engine[i] || 0); c = `hsl(210,80%,${Math.round(95 - 45 * (1 - p))}%)`; }
+    if (mode === 'engine' && m && D.engine) {
+      const p = Math.exp(D.engine[i] || 0); c = `hsl(210,80%,${Math.round(95 - 45 * (1 - p))}%)`; }
     if (mode === 'diff' && m && D.trainer && D.engine && D.trainer[i] !== null) {
       const d = Math.min(1, Math.abs(D.trainer[i] - D.engine[i]) * 5); c = `hsl(0,85%,${Math.round(96 - 46 * d)}%)`; }
     if (mode === 'advantage' && m && D.advantage) {
-      const a = Math.max(-1, Math.min(1, D.advantage[i])); c = a >= 0 ? `hsl(130,60%,${Math.round(96 - 40 * a)}%)` : `hsl(0,75%,${Math.round(96 + 40 * a)}%)`; }
+      const a = Math.max(-1, Math.min(1, D.advantage[i]));
+      c = a >= 0 ? `hsl(130,60%,${Math.round(96 - 40 * a)}%)` : `hsl(0,75%,${Math.round(96 + 40 * a)}%)`; }
     s.style.background = c;
   }
 }
@@ -232,7 +234,8 @@ def trajectory_page(rec: dict, n: int, total: int) -> str:
         (
             "tokens",
             f"prompt {_esc(rec.get('prompt_tokens'))}, response {len(mask)}: "
-            f"<span id='trained-count'>{trained}</span> trained, <span id='masked-count'>{len(mask) - trained}</span> masked",
+            f"<span id='trained-count'>{trained}</span> trained, "
+            f"<span id='masked-count'>{len(mask) - trained}</span> masked",
         ),
         ("data source", _esc(rec.get("data_source"))),
         ("prompt", f"{_esc(rec.get('prompt_id'))}, sample {_esc(rec.get('sample_idx'))}"),
@@ -355,7 +358,8 @@ def _plot(steps: list[dict], key: str, label: str, color: str) -> str:
         f"<text x='4' y='{pad + 4}' font-size='10'>{hi:.3g}</text><text x='4' y='{h - pad + 4}' "
         f"font-size='10'>{lo:.3g}</text>"
         f"<text x='{left}' y='{h - 4}' font-size='10'>step {_esc(first if first is not None else '-')}</text>"
-        f"<text x='{w - pad}' y='{h - 4}' font-size='10' text-anchor='end'>step {_esc(last if last is not None else '-')}</text>"
+        f"<text x='{w - pad}' y='{h - 4}' font-size='10' text-anchor='end'>"
+        f"step {_esc(last if last is not None else '-')}</text>"
         f"<polyline fill='none' stroke='{color}' stroke-width='2' points='{pts}'/>{dots}</svg>"
     )
 
@@ -368,9 +372,13 @@ const $ = id => document.getElementById(id);
 function shown() {
   const reason = $('f-reason').value, source = $('f-source').value, step = $('f-step').value, sort = $('f-sort').value;
   const lo = parseFloat($('f-rmin').value), hi = parseFloat($('f-rmax').value);
-  const rows = ROWS.filter(r => (!reason || String(r.end_reason) === reason) && (!source || String(r.data_source) === source)
+  const rows = ROWS.filter(r => (!reason || String(r.end_reason) === reason)
+    && (!source || String(r.data_source) === source)
     && (!step || String(r.step) === step) && !(r.reward < lo) && !(r.reward > hi));
-  if (sort) { const [k, dir] = sort.split(':'); rows.sort((a, b) => (dir === 'desc' ? b[k] - a[k] : a[k] - b[k]) || a.n - b.n); }
+  if (sort) {
+    const [k, dir] = sort.split(':');
+    rows.sort((a, b) => (dir === 'desc' ? b[k] - a[k] : a[k] - b[k]) || a.n - b.n);
+  }
   return rows;
 }
 function render() {
@@ -381,8 +389,12 @@ function render() {
     const tr = document.createElement('tr');
     for (const k of COLS) {
       const td = document.createElement('td'), v = r[k];
-      if (k === 'n') { const a = document.createElement('a'); a.href = 't/' + r.n + '.html'; a.textContent = String(r.n); td.appendChild(a); }
-      else td.textContent = v === null || v === undefined ? '' : (FLOATS.includes(k) ? Number(v).toFixed(3) : String(v));
+      if (k === 'n') {
+        const a = document.createElement('a');
+        a.href = 't/' + r.n + '.html'; a.textContent = String(r.n); td.appendChild(a);
+      } else {
+        td.textContent = v === null || v === undefined ? '' : (FLOATS.includes(k) ? Number(v).toFixed(3) : String(v));
+      }
       if (typeof v === 'number') td.className = 'num';
       tr.appendChild(td);
     }
@@ -391,7 +403,9 @@ function render() {
   $('count').textContent = rows.length + ' of ' + ROWS.length + ' trajectories; page ' + (page + 1) + ' of ' + pages;
 }
 // index.html?reason=answer&sort=length:desc opens with those filters set (a link to a view)
-const FILTERS = {reason: 'f-reason', source: 'f-source', step: 'f-step', rmin: 'f-rmin', rmax: 'f-rmax', sort: 'f-sort'};
+const FILTERS = {
+  reason: 'f-reason', source: 'f-source', step: 'f-step', rmin: 'f-rmin', rmax: 'f-rmax', sort: 'f-sort',
+};
 const query = new URLSearchParams(location.search);
 for (const [name, id] of Object.entries(FILTERS)) {
   if (query.has(name)) $(id).value = query.get(name);

@@ -152,6 +152,8 @@ def read_cacm(path: Path) -> Iterator[tuple[str, str]]:
                 if not member.isfile() or not name.lower().endswith(".html"):
                     continue
                 fh = tar.extractfile(member)
+                if fh is None:  # a regular file always has a reader; None is for links and devices
+                    continue
                 markup = fh.read().decode("utf-8", errors="replace")
                 yield name[: -len(".html")], cacm_html_to_contents(markup)
         return

@@ -24,6 +24,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
@@ -145,15 +146,17 @@ class Retriever:
         so their batch stays whole instead of splitting at a fixed deadline, and a lone client
         never waits at all."""
         loop = asyncio.get_running_loop()
+        queue = self.queue
+        assert queue is not None, "start() creates the queue before the batch loop runs"
         expect = 1
         while True:
-            first = await self.queue.get()
+            first = await queue.get()
             items = [first]
             n = len(first[0])
             deadline = loop.time() + self.s.batch_window_ms / 1000.0
             while n < self.s.max_batch:
                 try:  # requests already waiting always join, whatever the window (even 0 ms)
-                    item = self.queue.get_nowait()
+                    item = queue.get_nowait()
                 except asyncio.QueueEmpty:
                     if len(items) >= expect:
                         break
@@ -161,7 +164,7 @@ class Retriever:
                     if timeout <= 0:
                         break
                     try:
-                        item = await asyncio.wait_for(self.queue.get(), timeout)
+                        item = await asyncio.wait_for(queue.get(), timeout)
                     except asyncio.TimeoutError:
                         break
                 items.append(item)
@@ -205,6 +208,7 @@ class Retriever:
             miss_q = [queries[i] for i in misses]
             if self.s.batching:
                 fut = asyncio.get_running_loop().create_future()
+                assert self.queue is not None, "batching servers start their queue at startup"
                 await self.queue.put((miss_q, k, fut))
                 s, r = await fut
             else:
@@ -307,7 +311,10 @@ def create_app(
                 return await self.app(scope, receive, send)
             length = headers.get(b"content-length", b"")
             if length.isdigit() and int(length) > settings.max_body_bytes:
-                message = f"request body of {length.decode()} bytes exceeds the limit of {settings.max_body_bytes} bytes (--max-body-bytes)"
+                message = (
+                    f"request body of {length.decode()} bytes exceeds the limit of {settings.max_body_bytes} bytes "
+                    "(--max-body-bytes)"
+                )
                 if int(length) <= settings.max_drain_bytes:
                     await drain(receive, 0, True)
                 return await error(413, message, close=True)(scope, receive, send)
@@ -359,7 +366,7 @@ def create_app(
 
         detail: str
 
-    errors = {
+    errors: dict[int | str, dict[str, Any]] = {
         status: {"model": ErrorResponse, "description": text}
         for status, text in (
             (401, "missing or wrong API key"),
@@ -372,7 +379,7 @@ def create_app(
     @app.post("/retrieve", responses=errors)
     async def retrieve(req: RetrieveRequest):
         start = time.perf_counter()
-        k = settings.topk if req.topk is None else req.topk
+        k = settings.topk if req.topk is None else int(req.topk)  # integral: the validator refused 2.5
         if k < 1:
             return error(422, f"topk must be >= 1, got {k}")
         if k > settings.max_topk:
@@ -389,11 +396,10 @@ def create_app(
                     f"query {i} has {len(q)} characters, over the limit of {settings.max_query_chars} "
                     "(--max-query-chars)",
                 )
+            # a lone surrogate ("\ud800") is valid JSON but breaks the tokenizer and its whole batch
             try:
                 q.encode("utf-8")
-            except (
-                UnicodeEncodeError
-            ) as err:  # a lone surrogate ("\ud800") is valid JSON but breaks the tokenizer and its whole batch
+            except UnicodeEncodeError as err:
                 return error(422, f"query {i} is not valid Unicode text: {err.reason} at character {err.start}")
         if not req.queries:
             retriever.metrics.requests[200] = retriever.metrics.requests.get(200, 0) + 1
@@ -471,7 +477,7 @@ def create_app(
             app.openapi_schema = doc
         return app.openapi_schema
 
-    app.openapi = openapi
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to customise the schema
     return app
 
 
@@ -490,13 +496,15 @@ def main(argv: list[str] | None = None) -> int:
         "--max-body-bytes",
         type=int,
         default=1_000_000,
-        help="largest request body; a larger one gets 413 after its body is read and discarded, up to --max-drain-bytes",
+        help="largest request body; a larger one gets 413 after its body is read and discarded, "
+        "up to --max-drain-bytes",
     )
     p.add_argument(
         "--max-drain-bytes",
         type=int,
         default=64_000_000,
-        help="an over-limit body up to this size is read to the end before the 413 (so clients that send the whole body first see the answer); past it the connection is closed",
+        help="an over-limit body up to this size is read to the end before the 413 (so clients that send "
+        "the whole body first see the answer); past it the connection is closed",
     )
     p.add_argument(
         "--api-key",
@@ -508,7 +516,8 @@ def main(argv: list[str] | None = None) -> int:
         "--batch-window-ms",
         type=float,
         default=20.0,
-        help="the most a batch waits for more requests; it waits only while it holds fewer requests than the previous batch",
+        help="the most a batch waits for more requests; it waits only while it holds fewer requests "
+        "than the previous batch",
     )
     p.add_argument("--no-batching", action="store_true", help="one request at a time (Search-R1's behaviour)")
     p.add_argument("--cache-size", type=int, default=10_000, help="LRU entries keyed by (query, topk)")
@@ -516,7 +525,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="cpu, or cuda to serve a flat index on the GPU(s)")
     p.add_argument(
         "--encoder-device",
-        help="device of the query encoder (default: cuda with --device cuda, else cpu); an HNSW index on CPU can take a GPU encoder",
+        help="device of the query encoder (default: cuda with --device cuda, else cpu); "
+        "an HNSW index on CPU can take a GPU encoder",
     )
     p.add_argument("--fp16", action="store_true", help="fp16 vectors and encoder on the GPU")
     p.add_argument(

@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from retriever_server.answers import contains_answer
 
@@ -302,11 +303,12 @@ def run_queries(
             for fut in as_completed(futures):
                 idx = futures[fut]
                 res, latency, err = fut.result()
-                if err is None:
+                if res is not None:
                     latencies.append(latency)
                     for i, passages in zip(idx, res):
                         outcomes[i] = Outcome(passages)
                 else:
+                    err = err or "no result"
                     failed_requests += 1
                     errors[err] += len(idx)
                     for i in idx:
@@ -317,7 +319,8 @@ def run_queries(
         wall = time.perf_counter() - start
         bar.close()
         client.close()
-    return RunResult(retrieve_url(url), outcomes, latencies, wall, failed_requests, errors)
+    done = [o if o is not None else Outcome(None, "not run") for o in outcomes]  # every batch ran: none is None
+    return RunResult(retrieve_url(url), done, latencies, wall, failed_requests, errors)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,9 +366,7 @@ def aggregate(questions: Sequence[Question], outcomes: Sequence[Outcome], topks:
         groups.setdefault(q.data_source, []).append(i)
 
     def summarise(idx: list[int]) -> dict:
-        scored = [
-            score_question(questions[i], outcomes[i].passages, topks) for i in idx if outcomes[i].passages is not None
-        ]
+        scored = [score_question(questions[i], p, topks) for i in idx if (p := outcomes[i].passages) is not None]
         m: dict = {"n": len(idx), "answered": len(scored), "failed": len(idx) - len(scored)}
         keys = [f"answer_recall@{k}" for k in topks] + ["mrr"]
         keys += [f"{kind}_recall@{k}" for kind in ("title", "gold") for k in topks]
@@ -556,7 +557,7 @@ def write_dump(
     with open(path, "w") as fh:
         for label, run in runs:
             for q, o in zip(questions, run.outcomes):
-                rec = {
+                rec: dict[str, Any] = {
                     "server": label,
                     "url": run.url,
                     "id": q.id,
@@ -616,10 +617,10 @@ def _positive(kind: Callable, name: str, allow_zero: bool = False):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="retriever-eval",
-        description="Evaluate a retriever over Search-R1's /retrieve HTTP API: answer recall@k, supporting-title / gold-passage "
-        "recall@k, MRR per data source, and client-side latency and throughput.",
-        epilog="example: retriever-eval --url http://127.0.0.1:8000 --data data/hotpotqa/test.parquet --topk 1,3,5,10 --out results.json "
-        "--compare http://127.0.0.1:8001",
+        description="Evaluate a retriever over Search-R1's /retrieve HTTP API: answer recall@k, "
+        "supporting-title / gold-passage recall@k, MRR per data source, and client-side latency and throughput.",
+        epilog="example: retriever-eval --url http://127.0.0.1:8000 --data data/hotpotqa/test.parquet "
+        "--topk 1,3,5,10 --out results.json --compare http://127.0.0.1:8001",
     )
     p.add_argument("--url", required=True, help="server base URL (or its /retrieve endpoint)")
     p.add_argument(

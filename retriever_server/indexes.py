@@ -94,7 +94,8 @@ class DenseIndex:
         )
         index = faiss.read_index(str(Path(index_dir) / "index.faiss"))
         if self.kind == "hnsw":
-            index.hnsw.efSearch = ef_search  # type: ignore[attr-defined]  # an IndexHNSWFlat or manifest["build"].get("ef_search", 128)
+            # an IndexHNSWFlat (read_index returns the base type)
+            index.hnsw.efSearch = ef_search or manifest["build"].get("ef_search", 128)  # type: ignore[attr-defined]
         self.index = index
         self.ntotal = index.ntotal
         if device.startswith("cuda"):

@@ -29,7 +29,10 @@ from agent_rl.view import read_records, script_json, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 # Run, it would mark the page; as text it must not. Chromium serialises attributes as name="value".
-PAYLOAD = "<script>document.body.setAttribute('data-pwned','1')</script><img src=x onerror=\"document.body.setAttribute('data-pwned','2')\">"
+PAYLOAD = (
+    "<script>document.body.setAttribute('data-pwned','1')</script>"
+    "<img src=x onerror=\"document.body.setAttribute('data-pwned','2')\">"
+)
 PWNED = re.compile(r"data-pwned=\"")
 QUERY = "Inception film directed by Christopher Nolan"
 PAYLOAD_TITLE = "Inception (film)"

@@ -431,7 +431,8 @@ def save_sharded(
             for _ in iter_full_params(model):  # take part in every gather, keep nothing
                 pass
         if dist.is_main:
-            model.save_pretrained(tmp / "model", state_dict=full, safe_serialization=True)
+            save_pretrained = model.save_pretrained  # a transformers model under FSDP2
+            save_pretrained(tmp / "model", state_dict=full, safe_serialization=True)  # type: ignore[operator]
     dist.barrier()
     if dist.is_main:
         torch.save(
