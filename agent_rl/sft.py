@@ -25,6 +25,7 @@ from agent_rl.learn.policy import forward_logprobs, load_policy, load_tokenizer
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.loop import ObservationBuilder
 from agent_rl.rollout.prompts import load_prompts
+from agent_rl.rollout.protocol import answer_action, search_action
 from agent_rl.rollout.retriever import RetrieverClient, format_documents
 from agent_rl.rollout.trajectory import Trajectory
 
@@ -51,11 +52,11 @@ def build_demonstrations(cfg: Config, tokenizer, client: RetrieverClient) -> Dem
     for it, meta in rows:
         t = Trajectory(it.prompt_id, it.data_source, list(it.prompt_ids), list(it.golden_answers))
         for q in meta["queries"][: cfg.budget.max_turns]:
-            t.append(enc(f"<search> {q} </search>"), sampled=True)
+            t.append(enc(search_action(q)), sampled=True)
             ids, _ = obs.build(format_documents(cache[q]), budget.obs_allowance(t.total_tokens))
             t.append(ids, sampled=False)
         demos.append(t)  # the prefix: prompt, searches and observations; the answer is added per draw
-    answer_ids = {a: enc(f"<answer> {a} </answer>") for a in answers_pool + [it.golden_answers[0] for it, _ in rows]}
+    answer_ids = {a: enc(answer_action(a)) for a in answers_pool + [it.golden_answers[0] for it, _ in rows]}
     longest = max(len(v) for v in answer_ids.values())
     return Demonstrations(
         [t for t in demos if t.total_tokens + longest <= budget.max_total_tokens], answers_pool, answer_ids

@@ -29,7 +29,8 @@ import html
 import json
 from pathlib import Path
 
-from agent_rl.rollout.rewards import answer_scores, extract_answer, policy_text
+from agent_rl.rollout.protocol import extract_answer, policy_text
+from agent_rl.rollout.rewards import answer_scores
 from retriever_server.jsonl import iter_jsonl
 
 PAGE_ROWS = 200  # rows of the index table shown at a time

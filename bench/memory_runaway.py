@@ -68,7 +68,8 @@ def point(setting: str, scale: int, args) -> dict:
     from agent_rl.learn.update import prepare_batch, update
     from agent_rl.rollout.budget import TokenBudget
     from agent_rl.rollout.engines import HFEngine
-    from agent_rl.rollout.loop import INVALID_MESSAGE, AgentLoop, PromptItem
+    from agent_rl.rollout.loop import AgentLoop, PromptItem
+    from agent_rl.rollout.protocol import INVALID_MESSAGE
 
     torch.set_num_threads(args.threads)
     tok = load_tokenizer(args.model_dir)

@@ -17,7 +17,8 @@ from agent_rl.learn.update import prepare_batch, update
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.engines import Generation
 from agent_rl.rollout.loop import AgentLoop, PromptItem
-from agent_rl.rollout.rewards import compute_reward, extract_answer, well_formed
+from agent_rl.rollout.protocol import extract_answer, well_formed
+from agent_rl.rollout.rewards import compute_reward
 from agent_rl.rollout.trajectory import Trajectory
 
 # ---------------------------------------------------------------- GAE

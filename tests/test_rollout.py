@@ -9,7 +9,8 @@ from agent_fixtures import hotpot_index_dir, start_server, tiny_model_dir  # noq
 
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.engines import Generation, HFEngine, _sample
-from agent_rl.rollout.loop import INVALID_MESSAGE, AgentLoop, PromptItem, parse_action
+from agent_rl.rollout.loop import AgentLoop, PromptItem
+from agent_rl.rollout.protocol import INVALID_MESSAGE, parse_action
 from agent_rl.rollout.retriever import RetrieverClient
 
 STOP = ("</search>", "</answer>")

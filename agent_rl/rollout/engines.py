@@ -20,8 +20,7 @@ from typing import Protocol
 import torch
 
 from agent_rl.rollout.padding import distinct, left_pad
-
-STOP_TAGS = ("</search>", "</answer>")
+from agent_rl.rollout.protocol import STOP_TAGS
 
 
 @dataclass

@@ -11,23 +11,21 @@ Departure from Search-R1: no decode/re-tokenize of sampled text, stop at tags, h
 
 from __future__ import annotations
 
-import re
 import time
 from collections import Counter
 from dataclasses import dataclass
 
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.engines import Engine, Generation
+from agent_rl.rollout.protocol import (
+    INVALID_MESSAGE,
+    OBSERVATION_HEAD,
+    OBSERVATION_TAIL,
+    TRUNCATION_MARKER,
+    parse_action,
+)
 from agent_rl.rollout.retriever import RetrievalError, RetrieverClient, document_summaries, format_documents
 from agent_rl.rollout.trajectory import Trajectory, Turn
-
-INVALID_MESSAGE = (
-    "\nMy previous action is invalid. If I want to search, I should put the query between <search> and </search>. "
-    "If I want to give the final answer, I should put the answer between <answer> and </answer>. Let me try again.\n"
-)
-TRUNCATION_MARKER = " ...[truncated]"
-_SEARCH = re.compile(r"<search>(.*?)</search>", re.DOTALL)
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 
 
 @dataclass
@@ -40,24 +38,13 @@ class PromptItem:
     golden_answers: list[str]
 
 
-def parse_action(text: str) -> tuple[str, str | None]:
-    """The first complete `<search>` or `<answer>` of a turn wins: ("search"|"answer"|"invalid", content)."""
-    search, answer = _SEARCH.search(text), _ANSWER.search(text)
-    if answer and (not search or answer.start() < search.start()):
-        return "answer", answer.group(1).strip()
-    if search:
-        query = search.group(1).strip()
-        return ("search", query) if query else ("invalid", None)
-    return "invalid", None
-
-
 class ObservationBuilder:
     """Turns retrieved documents into observation token ids that fit an allowance."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
-        self.head = self._ids("\n\n<information>")
-        self.tail = self._ids("</information>\n\n")
+        self.head = self._ids(OBSERVATION_HEAD)
+        self.tail = self._ids(OBSERVATION_TAIL)
         self.marker = self._ids(TRUNCATION_MARKER)
 
     def _ids(self, text: str) -> list[int]:

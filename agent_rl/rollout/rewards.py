@@ -12,33 +12,8 @@ answers).
 
 from __future__ import annotations
 
-import re
-
-from agent_rl.rollout.loop import INVALID_MESSAGE
+from agent_rl.rollout.protocol import extract_answer, policy_text, well_formed
 from retriever_server.answers import exact_match, f1_score
-
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_OBSERVATION = re.compile(r"<information>.*?</information>", re.DOTALL)
-
-
-def policy_text(response_text: str) -> str:
-    """The response without the environment's inserted text (observations, corrective message)."""
-    return _OBSERVATION.sub(" ", response_text).replace(INVALID_MESSAGE.strip(), " ")
-
-
-def extract_answer(response_text: str) -> str | None:
-    """The content of the last complete `<answer>...</answer>` in the response, stripped."""
-    found = _ANSWER.findall(response_text)
-    return found[-1].strip() if found else None
-
-
-def well_formed(response_text: str) -> bool:
-    text = response_text.replace("<|endoftext|>", "").rstrip()
-    if text.count("<search>") != text.count("</search>"):
-        return False
-    if len(_ANSWER.findall(text)) != 1:
-        return False
-    return text.endswith("</answer>")
 
 
 def _em(answer: str, golden: list[str]) -> float:

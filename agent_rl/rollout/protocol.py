@@ -1,0 +1,83 @@
+"""The agent's tag protocol (Search-R1's): what the policy writes, what the environment inserts.
+
+The policy reasons, then either searches, `<search> query </search>`, or answers,
+`<answer> text </answer>`; generation stops at either closing tag. The environment answers a
+search with `<information>...</information>` (loss mask 0) and an action it cannot parse with
+`INVALID_MESSAGE`. Everything that writes or reads these strings takes them from here.
+"""
+
+from __future__ import annotations
+
+import re
+
+SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
+ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
+INFORMATION_OPEN, INFORMATION_CLOSE = "<information>", "</information>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# every tag, for tokenizers that make them single tokens
+TAGS = [
+    THINK_OPEN,
+    THINK_CLOSE,
+    SEARCH_OPEN,
+    SEARCH_CLOSE,
+    INFORMATION_OPEN,
+    INFORMATION_CLOSE,
+    ANSWER_OPEN,
+    ANSWER_CLOSE,
+]
+# generation of a turn ends at the first of these
+STOP_TAGS = (SEARCH_CLOSE, ANSWER_CLOSE)
+
+INVALID_MESSAGE = (
+    f"\nMy previous action is invalid. If I want to search, I should put the query between {SEARCH_OPEN} and "
+    f"{SEARCH_CLOSE}. If I want to give the final answer, I should put the answer between {ANSWER_OPEN} and "
+    f"{ANSWER_CLOSE}. Let me try again.\n"
+)
+# ends an observation cut to its token allowance
+TRUNCATION_MARKER = " ...[truncated]"
+# an observation, as inserted between turns
+OBSERVATION_HEAD, OBSERVATION_TAIL = f"\n\n{INFORMATION_OPEN}", f"{INFORMATION_CLOSE}\n\n"
+
+_SEARCH = re.compile(f"{SEARCH_OPEN}(.*?){SEARCH_CLOSE}", re.DOTALL)
+_ANSWER = re.compile(f"{ANSWER_OPEN}(.*?){ANSWER_CLOSE}", re.DOTALL)
+_OBSERVATION = re.compile(f"{INFORMATION_OPEN}.*?{INFORMATION_CLOSE}", re.DOTALL)
+
+
+def search_action(query: str) -> str:
+    return f"{SEARCH_OPEN} {query} {SEARCH_CLOSE}"
+
+
+def answer_action(answer: str) -> str:
+    return f"{ANSWER_OPEN} {answer} {ANSWER_CLOSE}"
+
+
+def parse_action(text: str) -> tuple[str, str | None]:
+    """The first complete `<search>` or `<answer>` of a turn wins: ("search"|"answer"|"invalid", content)."""
+    search, answer = _SEARCH.search(text), _ANSWER.search(text)
+    if answer and (not search or answer.start() < search.start()):
+        return "answer", answer.group(1).strip()
+    if search:
+        query = search.group(1).strip()
+        return ("search", query) if query else ("invalid", None)
+    return "invalid", None
+
+
+def policy_text(response_text: str) -> str:
+    """The response without the environment's inserted text (observations, corrective message)."""
+    return _OBSERVATION.sub(" ", response_text).replace(INVALID_MESSAGE.strip(), " ")
+
+
+def extract_answer(response_text: str) -> str | None:
+    """The content of the last complete `<answer>...</answer>` in the response, stripped."""
+    found = _ANSWER.findall(response_text)
+    return found[-1].strip() if found else None
+
+
+def well_formed(response_text: str) -> bool:
+    """Every `<search>` closed, exactly one `<answer>...</answer>`, and nothing after it."""
+    text = response_text.replace("<|endoftext|>", "").rstrip()
+    if text.count(SEARCH_OPEN) != text.count(SEARCH_CLOSE):
+        return False
+    if len(_ANSWER.findall(text)) != 1:
+        return False
+    return text.endswith(ANSWER_CLOSE)
