@@ -350,7 +350,7 @@ def sync_rollout_weights(engine, model: nn.Module) -> float:
     elif engine.model is model:
         raise RuntimeError(
             "the HF rollout engine shares the FSDP-sharded policy; under torchrun build it on "
-            "models.frozen_copy(policy, cfg.rollout.device) before shard_model (ranks generate different lengths)"
+            "learn.policy.frozen_copy(policy, cfg.rollout.device) before shard_model (ranks generate different lengths)"
         )
     else:
         copy_full_params(engine.model, iter_full_params(model))

