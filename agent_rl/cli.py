@@ -78,7 +78,7 @@ def _loop(cfg, model_path: str, url: str):
     from agent_rl.rollout.budget import TokenBudget
     from agent_rl.rollout.engines import HFEngine
     from agent_rl.rollout.loop import AgentLoop
-    from agent_rl.rollout.retriever import RetrieverClient
+    from retriever_server.client import RetrieverClient
 
     tokenizer = _load_tokenizer(cfg, model_path)
     if cfg.rollout.engine == "vllm":

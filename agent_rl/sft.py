@@ -26,8 +26,9 @@ from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.loop import ObservationBuilder
 from agent_rl.rollout.prompts import load_prompts
 from agent_rl.rollout.protocol import answer_action, search_action
-from agent_rl.rollout.retriever import RetrieverClient, format_documents
+from agent_rl.rollout.retriever import format_documents
 from agent_rl.rollout.trajectory import Trajectory
+from retriever_server.client import RetrieverClient
 
 
 def build_demonstrations(cfg: Config, tokenizer, client: RetrieverClient) -> Demonstrations:

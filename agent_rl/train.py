@@ -46,10 +46,10 @@ from agent_rl.rollout.buffer import TrajectoryBuffer
 from agent_rl.rollout.engines import Engine, HFEngine, VLLMEngine, hf_named_weights
 from agent_rl.rollout.loop import AgentLoop, rollout_metrics
 from agent_rl.rollout.prompts import PromptSet, load_prompts
-from agent_rl.rollout.retriever import RetrieverClient
 from agent_rl.rollout.rewards import answer_scores, compute_reward
 from agent_rl.rollout.trajectory import Trajectory
 from agent_rl.sft import sft
+from retriever_server.client import RetrieverClient
 
 
 def seed_everything(seed: int) -> None:

@@ -49,7 +49,7 @@ def throughput(args) -> None:
     from agent_rl.rollout.engines import HFEngine
     from agent_rl.rollout.loop import AgentLoop
     from agent_rl.rollout.prompts import load_prompts
-    from agent_rl.rollout.retriever import RetrieverClient
+    from retriever_server.client import RetrieverClient
 
     cfg = _setup([])
     path = cfg.model.warm_start if Path(cfg.model.warm_start).exists() else cfg.model.path

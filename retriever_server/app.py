@@ -27,26 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel
 
-
-class RetrieveRequest(BaseModel):
-    """Search-R1's request: one result list per query, in order."""
-
-    model_config = ConfigDict(extra="ignore")
-    queries: list[StrictStr]
-    topk: StrictInt | StrictFloat | None = None
-    return_scores: StrictBool = False
-
-    @field_validator("topk")
-    @classmethod
-    def _integral(cls, v):
-        """JSON Schema counts 2.0 as an integer; so does this server (2.5, "3" and true are refused)."""
-        if isinstance(v, float):
-            if not v.is_integer():
-                raise ValueError(f"Input should be a valid integer, got {v}")
-            return int(v)
-        return v
+from retriever_server.schema import RetrieveRequest
 
 
 @dataclass

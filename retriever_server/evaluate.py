@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from retriever_server.answers import contains_answer
+from retriever_server.client import RetrievalError, RetrieverClient, base_url
 
 # Where FlashRAG-style files keep gold passage ids (top level or under `metadata`).
 GOLD_ID_KEYS = ("gold_ids", "gold_passage_ids", "gold_doc_ids", "supporting_ids", "positive_ids")
@@ -72,10 +73,6 @@ class RunResult:
     wall_s: float
     requests_failed: int = 0
     errors: Counter = field(default_factory=Counter)
-
-
-class RetrieveError(Exception):
-    pass
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,83 +170,13 @@ def load_questions(path: Path, data_source: str | None = None, limit: int | None
 
 
 def retrieve_url(url: str) -> str:
-    """Accept a base URL or the full /retrieve endpoint."""
-    url = url.rstrip("/")
-    return url if url.endswith("/retrieve") else url + "/retrieve"
+    """The /retrieve endpoint from a base URL or the endpoint itself (how runs are labelled)."""
+    return base_url(url) + "/retrieve"
 
 
-def parse_passage(item) -> Passage:
-    """A result item is `{"document": {...}, "score"}` or, without scores, the document alone."""
-    if not isinstance(item, dict):
-        raise RetrieveError(f"a result item is {type(item).__name__}, not an object")
-    doc = item.get("document", item)
-    if not isinstance(doc, dict):
-        raise RetrieveError("a result item's document is not an object")
-    contents = str(doc.get("contents", ""))
-    title = doc.get("title")
-    if title is None:
-        title = contents.split("\n", 1)[0]
-    title = str(title).strip().strip('"')  # Search-R1's wiki-18 puts the title in quotes
-    score = item.get("score")
-    return Passage(
-        id=str(doc.get("id", "")), title=title, contents=contents, score=None if score is None else float(score)
-    )
-
-
-class Client:
-    """A thread-safe /retrieve client: timeout, retries with exponential backoff."""
-
-    def __init__(
-        self, url: str, api_key: str | None = None, timeout_s: float = 30.0, retries: int = 2, backoff_s: float = 0.5
-    ):
-        import httpx
-
-        self.httpx = httpx
-        self.url = retrieve_url(url)
-        self.retries, self.backoff_s = retries, backoff_s
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(
-            timeout=timeout_s, headers=headers, limits=httpx.Limits(max_connections=64, max_keepalive_connections=64)
-        )
-
-    def close(self) -> None:
-        self.http.close()
-
-    def warm_up(self, topk: int) -> None:
-        """One untimed request, so lazy start-up work in the server is not billed to the first
-        batches (a fixed query: a caching server never sees it again). Errors are left to the run."""
-        try:
-            self.http.post(self.url, json={"queries": ["retriever-eval warm-up"], "topk": topk, "return_scores": True})
-        except self.httpx.HTTPError:
-            pass
-
-    def retrieve(self, queries: list[str], topk: int) -> list[list[Passage]]:
-        """One result list per query; raises RetrieveError naming the cause once retries are spent."""
-        last = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(self.backoff_s * 2 ** (attempt - 1))
-            try:
-                resp = self.http.post(self.url, json={"queries": queries, "topk": topk, "return_scores": True})
-            except self.httpx.HTTPError as err:
-                last = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-                continue
-            if resp.status_code == 429 or resp.status_code >= 500:
-                last = f"HTTP {resp.status_code}: {resp.text[:200]}"
-                continue
-            if resp.status_code != 200:
-                raise RetrieveError(f"HTTP {resp.status_code}: {resp.text[:300]}")
-            try:
-                result = resp.json()["result"]
-            except (ValueError, KeyError, TypeError) as err:
-                raise RetrieveError(
-                    f"response is not Search-R1's {{'result': [...]}}: {type(err).__name__}: {err}"
-                ) from err
-            if not isinstance(result, list) or len(result) != len(queries):
-                n = len(result) if isinstance(result, list) else type(result).__name__
-                raise RetrieveError(f"sent {len(queries)} queries, got {n} result lists")
-            return [[parse_passage(it) for it in (items or [])] for items in result]
-        raise RetrieveError(last)
+def _passage(doc: dict) -> Passage:
+    """A document as the client parsed it (`retriever_server.schema`), for scoring."""
+    return Passage(id=doc["id"], title=doc["title"], contents=doc["contents"], score=doc["score"])
 
 
 def run_queries(
@@ -269,7 +196,16 @@ def run_queries(
     """Send every question (batch_size per request, `concurrency` requests in flight)."""
     from tqdm import tqdm
 
-    client = Client(url, api_key, timeout_s, retries, backoff_s)
+    client = RetrieverClient(
+        url,
+        topk,
+        timeout_s,
+        max_retries=retries,
+        backoff_s=backoff_s,
+        api_key=api_key,
+        max_queries_per_request=max(1, batch_size),
+        max_connections=max(8, concurrency),
+    )
     outcomes: list[Outcome | None] = [None] * len(questions)
     latencies: list[float] = []
     errors: Counter = Counter()
@@ -279,8 +215,9 @@ def run_queries(
     def one(idx: list[int]) -> tuple[list[list[Passage]] | None, float, str | None]:
         start = time.perf_counter()
         try:
-            res = client.retrieve([questions[i].question for i in idx], topk)
-        except RetrieveError as err:
+            docs = client.retrieve([questions[i].question for i in idx], topk)
+            res = [[_passage(d) for d in per_query] for per_query in docs]
+        except RetrievalError as err:
             return None, time.perf_counter() - start, str(err)
         except Exception as err:  # a bug in a reply we did not foresee must still not lose the run
             return None, time.perf_counter() - start, f"{type(err).__name__}: {err}"

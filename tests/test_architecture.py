@@ -81,3 +81,22 @@ def test_train_is_the_loop_only():
         if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)) and n is not fn and hasattr(n, "name")
     ]
     assert not nested, f"closures inside train(): {nested}"
+
+
+def test_the_trainer_imports_only_the_servers_light_modules():
+    """`agent_rl` may use the server package's wire format, client and text helpers, never its
+    index, encoders or app (FAISS, a second torch model, FastAPI)."""
+    light = {"retriever_server.schema", "retriever_server.client", "retriever_server.answers", "retriever_server.jsonl"}
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            for name in names:
+                if name.startswith("retriever_server") and name not in light:
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
+    assert not bad, "\n".join(bad)

@@ -14,7 +14,7 @@ from agent_fixtures import delaying_proxy, hotpot_index_dir, start_server, tiny_
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.engines import Generation, HFEngine
 from agent_rl.rollout.loop import AgentLoop, PromptItem
-from agent_rl.rollout.retriever import RetrieverClient
+from retriever_server.client import RetrieverClient
 
 STOP = ("</search>", "</answer>")
 BUDGET = TokenBudget(

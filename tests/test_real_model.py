@@ -81,7 +81,7 @@ def test_agent_loop_on_the_real_tokenizer_trains_the_sampled_ids(smollm2_dir, ho
 
     from agent_rl.rollout.budget import TokenBudget
     from agent_rl.rollout.loop import AgentLoop, PromptItem
-    from agent_rl.rollout.retriever import RetrieverClient
+    from retriever_server.client import RetrieverClient
 
     tok = load_tokenizer(str(smollm2_dir))
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)

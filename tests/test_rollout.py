@@ -11,7 +11,7 @@ from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.engines import Generation, HFEngine, _sample
 from agent_rl.rollout.loop import AgentLoop, PromptItem
 from agent_rl.rollout.protocol import INVALID_MESSAGE, parse_action
-from agent_rl.rollout.retriever import RetrieverClient
+from retriever_server.client import RetrieverClient
 
 STOP = ("</search>", "</answer>")
 

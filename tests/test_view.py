@@ -23,9 +23,9 @@ from agent_rl.cli import write_trajectories
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.engines import HFEngine
 from agent_rl.rollout.loop import AgentLoop
-from agent_rl.rollout.retriever import RetrieverClient
 from agent_rl.rollout.rewards import compute_reward
 from agent_rl.view import read_records, script_json, write_report
+from retriever_server.client import RetrieverClient
 
 ROOT = Path(__file__).resolve().parents[1]
 # Run, it would mark the page; as text it must not. Chromium serialises attributes as name="value".

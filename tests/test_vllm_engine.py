@@ -181,7 +181,7 @@ def test_vllm_async_rollout_batches_continuously_and_is_seeded_per_trajectory(ti
     from agent_rl.rollout.async_loop import StepBatcher
     from agent_rl.rollout.budget import TokenBudget
     from agent_rl.rollout.loop import AgentLoop, PromptItem
-    from agent_rl.rollout.retriever import RetrieverClient
+    from retriever_server.client import RetrieverClient
 
     engine, tok = tiny_vllm
     budget = TokenBudget(

@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from agent_rl.rollout.engines import Generation
-from agent_rl.rollout.retriever import RetrievalError
 from agent_rl.rollout.trajectory import Trajectory
+from retriever_server.client import RetrievalError
 
 if TYPE_CHECKING:
     from agent_rl.rollout.loop import AgentLoop, PromptItem

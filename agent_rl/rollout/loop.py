@@ -24,8 +24,9 @@ from agent_rl.rollout.protocol import (
     TRUNCATION_MARKER,
     parse_action,
 )
-from agent_rl.rollout.retriever import RetrievalError, RetrieverClient, document_summaries, format_documents
+from agent_rl.rollout.retriever import document_summaries, format_documents
 from agent_rl.rollout.trajectory import Trajectory, Turn
+from retriever_server.client import RetrievalError, RetrieverClient
 
 
 @dataclass

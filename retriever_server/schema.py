@@ -1,0 +1,70 @@
+"""Search-R1's `/retrieve` wire format, owned by the server and read by every client.
+
+Request: `{"queries": [str], "topk": int | null, "return_scores": bool}`. Response:
+`{"result": [[item, ...] per query]}`, where an item is `{"document": {"id", "contents", ...},
+"score": float}` with `return_scores`, else the document alone. A document's `contents` is
+`title\\ntext` (Search-R1's corpora); a `title` field, where a server sends one, wins.
+
+Only pydantic here: `agent_rl` imports this module, never the server's internals.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
+
+
+class RetrieveRequest(BaseModel):
+    """Search-R1's request: one result list per query, in order."""
+
+    model_config = ConfigDict(extra="ignore")
+    queries: list[StrictStr]
+    topk: StrictInt | StrictFloat | None = None
+    return_scores: StrictBool = False
+
+    @field_validator("topk")
+    @classmethod
+    def _integral(cls, v):
+        """JSON Schema counts 2.0 as an integer; so does this server (2.5, "3" and true are refused)."""
+        if isinstance(v, float):
+            if not v.is_integer():
+                raise ValueError(f"Input should be a valid integer, got {v}")
+            return int(v)
+        return v
+
+
+class ResponseError(ValueError):
+    """A /retrieve answer that is not Search-R1's format."""
+
+
+def parse_response(payload: Any, n_queries: int) -> list[list[dict]]:
+    """The documents of a /retrieve answer, one list per query: dicts with `id`, `contents`,
+    `title` and `score` (None from a server that answers without scores)."""
+    if not isinstance(payload, dict) or "result" not in payload:
+        raise ResponseError(f"response is not Search-R1's {{'result': [...]}}: got {type(payload).__name__}")
+    result = payload["result"]
+    if not isinstance(result, list) or len(result) != n_queries:
+        n = len(result) if isinstance(result, list) else type(result).__name__
+        raise ResponseError(f"sent {n_queries} queries, got {n} result lists")
+    return [[_document(item) for item in (items or [])] for items in result]
+
+
+def _document(item: Any) -> dict:
+    if not isinstance(item, dict):
+        raise ResponseError(f"a result item is {type(item).__name__}, not an object")
+    doc = item.get("document", item)
+    if not isinstance(doc, dict):
+        raise ResponseError("a result item's document is not an object")
+    contents = str(doc.get("contents", ""))
+    title = doc.get("title")
+    if title is None:
+        title = contents.split("\n", 1)[0]
+    score = item.get("score")
+    return {
+        **doc,
+        "id": str(doc.get("id", "")),
+        "contents": contents,
+        "title": str(title).strip().strip('"'),  # Search-R1's wiki-18 puts the title in quotes
+        "score": None if score is None else float(score),
+    }
