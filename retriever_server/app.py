@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel
 
-from retriever_server.schema import RetrieveRequest
+from retriever_server.schema import RetrieveRequest, RetrieveResponse
 
 
 @dataclass
@@ -359,7 +359,7 @@ def create_app(
         )
     }
 
-    @app.post("/retrieve", responses=errors)
+    @app.post("/retrieve", response_model=RetrieveResponse, responses=errors)
     async def retrieve(req: RetrieveRequest):
         start = time.perf_counter()
         k = settings.topk if req.topk is None else int(req.topk)  # integral: the validator refused 2.5

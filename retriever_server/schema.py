@@ -5,6 +5,10 @@ Request: `{"queries": [str], "topk": int | null, "return_scores": bool}`. Respon
 "score": float}` with `return_scores`, else the document alone. A document's `contents` is
 `title\\ntext` (Search-R1's corpora); a `title` field, where a server sends one, wins.
 
+`RetrieveRequest` and `RetrieveResponse` are what this server validates and declares in its
+OpenAPI document. `parse_response` reads the same shape from any server (Search-R1's, verl's)
+and forgives what they may leave out: a missing `id` or `contents` is read as empty.
+
 Only pydantic here: `agent_rl` imports this module, never the server's internals.
 """
 
@@ -32,6 +36,28 @@ class RetrieveRequest(BaseModel):
                 raise ValueError(f"Input should be a valid integer, got {v}")
             return int(v)
         return v
+
+
+class Document(BaseModel):
+    """One passage as this server stores it; `contents` is `title\\ntext`."""
+
+    model_config = ConfigDict(extra="allow")  # other servers add fields (a title, metadata)
+    id: str
+    contents: str
+
+
+class ScoredDocument(BaseModel):
+    """A result item when the request asked for `return_scores`."""
+
+    document: Document
+    score: float
+
+
+class RetrieveResponse(BaseModel):
+    """One result list per query, in the order sent: scored items with `return_scores`, else the
+    documents alone. A list may be shorter than `topk` (an index with fewer documents)."""
+
+    result: list[list[ScoredDocument | Document]]
 
 
 class ResponseError(ValueError):

@@ -29,7 +29,8 @@ def server(hotpot_index_dir):
 
 
 def test_openapi_states_the_enforced_limits_and_error_model(server):
-    """The document's limits equal /health's, the 4xx model is ErrorResponse, /metrics is text."""
+    """The document's limits equal /health's, the 200 model is RetrieveResponse, the 4xx model is
+    ErrorResponse, /metrics is text."""
     doc = requests.get(f"{server}/openapi.json", timeout=30).json()
     limits = requests.get(f"{server}/health", timeout=30).json()["limits"]
     props = doc["components"]["schemas"]["RetrieveRequest"]["properties"]
@@ -38,6 +39,7 @@ def test_openapi_states_the_enforced_limits_and_error_model(server):
     topk = next(s for s in props["topk"]["anyOf"] if s.get("type") == "integer")
     assert topk["minimum"] == 1 and topk["maximum"] == limits["max_topk"] == 20
     responses = doc["paths"]["/retrieve"]["post"]["responses"]
+    assert responses["200"]["content"]["application/json"]["schema"]["$ref"].endswith("/RetrieveResponse")
     for status in ("401", "413", "422", "503"):
         assert responses[status]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
     assert "HTTPValidationError" not in json.dumps(doc)
