@@ -431,8 +431,8 @@ def save_sharded(
             for _ in iter_full_params(model):  # take part in every gather, keep nothing
                 pass
         if dist.is_main:
-            save_pretrained = model.save_pretrained  # a transformers model under FSDP2
-            save_pretrained(tmp / "model", state_dict=full, safe_serialization=True)  # type: ignore[operator]
+            # a transformers model under FSDP2 (nn.Module's typing does not know save_pretrained)
+            model.save_pretrained(tmp / "model", state_dict=full, safe_serialization=True)  # type: ignore[operator]
     dist.barrier()
     if dist.is_main:
         torch.save(
