@@ -75,7 +75,7 @@ class LoraConfig:
 class ModelConfig:
     path: str = _f(".cache/tiny_model", "Hugging Face model directory or hub id (policy and reference start from it).")
     init_size: str = _f(
-        "", "When set (tiny|small|medium) and `path` does not exist, `agent-rl init-model` builds it first."
+        "", "When set (tiny|small|base|medium) and `path` does not exist, `agent-rl init-model` builds it first."
     )
     preset: str = _f(
         "",
@@ -249,6 +249,11 @@ class AlgoConfig:
         "low_var_kl", "low_var_kl (k3, as a loss term) | k1 (subtracted from the token rewards, PPO style)."
     )
     entropy_coef: float = _f(0.0, "Entropy bonus coefficient.")
+    log_entropy: bool = _f(
+        False,
+        "Report the policy's entropy at trained tokens (actor/entropy) even when entropy_coef is 0; costs one "
+        "pass over the vocabulary per trained token, no backward.",
+    )
     ppo_epochs: int = _f(1, "Update epochs over each rollout batch.")
     mini_batch_size: int = _f(0, "Trajectories per optimizer step (0 = the whole rollout batch in one step).")
     tis_cap: float = _f(
@@ -275,6 +280,12 @@ class TrainConfig:
         "Run a GRPO group's common prompt through the model once per micro-batch (its KV cache, with gradient, "
         "serves every response); same loss and gradient up to float rounding. Not used under torchrun or with "
         "gradient checkpointing.",
+    )
+    pack_rows: bool = _f(
+        True,
+        "In the update's passes, pack a micro-batch's rows several to a row (own positions, block-diagonal causal "
+        "mask) so padding does not run through the model; same loss and gradient up to float rounding. Where a shared "
+        "prompt prefix saves more tokens, that is used instead.",
     )
     offload_optimizer: bool = _f(False, "Keep AdamW states in host RAM (a no-op on CPU-only runs, which says so).")
     offload_params: bool = _f(False, "FSDP: keep parameters in host RAM between uses (torchrun/GPU only).")
@@ -391,8 +402,10 @@ class Config:
                 "model.preset and model.init_size both set: a model is either a converted preset or a random init; "
                 "clear one"
             )
-        if self.model.init_size not in ("", "tiny", "small", "medium"):
-            raise ConfigError(f"model.init_size = {self.model.init_size!r}: use tiny, small, medium or leave it empty")
+        if self.model.init_size not in ("", "tiny", "small", "base", "medium"):
+            raise ConfigError(
+                f"model.init_size = {self.model.init_size!r}: use tiny, small, base, medium or leave it empty"
+            )
         if self.algo.name == "grpo" and self.algo.kl_type == "k1" and self.algo.kl_coef > 0:
             raise ConfigError(
                 "algo.kl_type=k1 puts the KL into per-token rewards, which only PPO's GAE uses; GRPO would ignore it. "

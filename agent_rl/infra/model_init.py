@@ -44,6 +44,14 @@ SIZES = {
         intermediate_size=1024,
         vocab=4096,
     ),
+    "base": dict(  # ~32M: matrices dominate the step, as in real models (bench/train_vs_trl.py)
+        hidden_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=2048,
+        vocab=1536,
+    ),
     "medium": dict(
         hidden_size=768,
         num_hidden_layers=12,
@@ -263,7 +271,7 @@ def add_cli(subparsers) -> None:
         "--size",
         default="tiny",
         choices=sorted(SIZES),
-        help="model size (tiny ~2M, small ~15M, medium ~100M parameters)",
+        help="model size (tiny ~2M, small ~15M, base ~32M, medium ~100M parameters)",
     )
     p.add_argument(
         "--text",

@@ -95,7 +95,13 @@ def run_preflight(model, cfg: Config, device: str) -> dict:
         mask[:, length - trained :] = 1.0
         mb = MicroBatch(index=list(range(rows)), input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=mask)
         with compute_autocast(cfg, device):
-            lp, _ = forward_logprobs(model, mb, cfg.rollout.temperature, with_entropy=cfg.algo.entropy_coef > 0)
+            lp, _ = forward_logprobs(
+                model,
+                mb,
+                cfg.rollout.temperature,
+                with_entropy=cfg.algo.entropy_coef > 0 or cfg.algo.log_entropy,
+                pack=cfg.train.pack_rows,
+            )
         lp.sum().backward()
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
         if not _is_oom(err):

@@ -9,6 +9,7 @@ copy is held.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -119,6 +120,7 @@ def forward_logprobs(
     share_prefix: bool = False,
     selected: bool = True,
     chunk_tokens: int = 512,
+    pack: bool = False,
 ):
     """Token log-probs (B, T) aligned so column t scores token t; 0 where `loss_mask` is 0.
 
@@ -132,14 +134,27 @@ def forward_logprobs(
     temperature, as the engine sampled them (verl does the same). With `share_prefix`, rows with
     the same prompt (a GRPO group) run that prompt through the model once (`_prefix_plan`).
     `selected=False` is the plain full-vocabulary path, kept as the reference the tests and
-    benchmarks compare with. Returns (logprobs, entropy or None).
+    benchmarks compare with. With `pack` (and no shared prefix), rows run packed: several to a row
+    of the same width, each with its own positions and a block-diagonal causal mask
+    (`pack_plan`), so padding tokens mostly do not go through the model. Returns (logprobs,
+    entropy or None).
     """
     if not selected:
         return _full_logprobs(model, mb, temperature, with_entropy, share_prefix)
     target = mb.loss_mask > 0
     target[:, 0] = False  # nothing predicts the first token
     plan = _prefix_plan(mb) if share_prefix else None
-    if plan is None:
+    packed = pack_plan(mb) if pack else None
+    if packed is not None and plan is not None:  # whichever runs fewer tokens through the model
+        if packed.input_ids.numel() <= _prefix_cells(mb, plan[1]):
+            plan = None
+        else:
+            packed = None
+    if packed is not None:
+        rows, cols = torch.nonzero(target, as_tuple=True)
+        with _head_at(model, packed.row[rows], packed.offset[rows] + cols - 1):
+            logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits[0]
+    elif plan is None:
         rows, cols = torch.nonzero(target, as_tuple=True)
         with _head_at(model, rows, cols - 1):
             logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[0]
@@ -153,6 +168,53 @@ def forward_logprobs(
         None if ent is None else torch.zeros(shape, dtype=ent.dtype, device=ent.device).index_put((rows, cols), ent)
     )
     return logprobs, entropy
+
+
+@dataclass
+class PackPlan:
+    """Rows of a micro-batch packed into fewer rows of the same width.
+
+    Row r of the micro-batch is columns `offset[r]` .. `offset[r] + length` of packed row `row[r]`.
+    `position_ids` restart at 0 for every sequence (and for the padding at a packed row's end);
+    given position ids and no attention mask, transformers builds the block-diagonal causal mask
+    from where they restart, so no token attends across sequences.
+    """
+
+    input_ids: torch.Tensor  # (P, W)
+    position_ids: torch.Tensor  # (P, W)
+    row: torch.Tensor  # (B,) packed row of each row
+    offset: torch.Tensor  # (B,) first column of each row in its packed row
+
+
+def pack_plan(mb: MicroBatch) -> PackPlan | None:
+    """First-fit decreasing of the rows into rows of the micro-batch's width; None when that saves
+    no row (then padding costs nothing extra)."""
+    lengths = [int(n) for n in mb.attention_mask.sum(-1).tolist()]
+    width = mb.input_ids.shape[1]
+    used: list[int] = []
+    place = [(0, 0)] * len(lengths)
+    for r in sorted(range(len(lengths)), key=lambda r: -lengths[r]):
+        b = next((b for b, u in enumerate(used) if u + lengths[r] <= width), len(used))
+        if b == len(used):
+            used.append(0)
+        place[r] = (b, used[b])
+        used[b] += lengths[r]
+    if len(used) == len(lengths):
+        return None
+    device = mb.input_ids.device
+    ids = torch.zeros((len(used), width), dtype=mb.input_ids.dtype, device=device)
+    positions = torch.zeros((len(used), width), dtype=torch.long, device=device)
+    for r, (b, start) in enumerate(place):
+        ids[b, start : start + lengths[r]] = mb.input_ids[r, : lengths[r]]
+        positions[b, start : start + lengths[r]] = torch.arange(lengths[r], device=device)
+    for b, u in enumerate(used):  # the tail: a block of its own
+        positions[b, u:] = torch.arange(width - u, device=device)
+    return PackPlan(
+        ids,
+        positions,
+        torch.tensor([b for b, _ in place], dtype=torch.long, device=device),
+        torch.tensor([o for _, o in place], dtype=torch.long, device=device),
+    )
 
 
 @contextlib.contextmanager
@@ -231,12 +293,19 @@ def _prefix_plan(mb: MicroBatch):
     if not mb.prompt_lengths:
         return None
     prompts, groups = distinct(mb.input_ids[r, :n].tolist() for r, n in enumerate(mb.prompt_lengths))
-    lengths = mb.attention_mask.sum(-1).tolist()
-    suffix = max(int(n) - p for n, p in zip(lengths, mb.prompt_lengths))
-    shared = len(prompts) * max(len(p) for p in prompts) + len(groups) * suffix
-    if len(prompts) == len(groups) or suffix < 1 or shared > 0.75 * mb.num_tokens:
+    if len(prompts) == len(groups) or _suffix(mb) < 1 or _prefix_cells(mb, prompts) > 0.75 * mb.num_tokens:
         return None
     return groups, prompts
+
+
+def _suffix(mb: MicroBatch) -> int:
+    lengths = mb.attention_mask.sum(-1).tolist()
+    return max(int(n) - p for n, p in zip(lengths, mb.prompt_lengths))
+
+
+def _prefix_cells(mb: MicroBatch, prompts: list) -> int:
+    """Token positions the shared-prefix forward runs: each unique prompt once, then every row's suffix."""
+    return len(prompts) * max(len(p) for p in prompts) + len(mb.input_ids) * _suffix(mb)
 
 
 def _shared_prefix_logits(model: nn.Module, mb: MicroBatch, groups: list[int], prompts: list[tuple]):

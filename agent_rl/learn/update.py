@@ -70,10 +70,14 @@ def prepare_batch(
             mb = batch.micro(index, cfg.train.device)
             got = {}
             if wanted["old"]:
-                got["old"], _ = forward_logprobs(policy, mb, cfg.rollout.temperature, share_prefix=share)
+                got["old"], _ = forward_logprobs(
+                    policy, mb, cfg.rollout.temperature, share_prefix=share, pack=cfg.train.pack_rows
+                )
             if use_ref:
                 with reference_mode(policy, ref) as ref_model:
-                    got["ref"], _ = forward_logprobs(ref_model, mb, cfg.rollout.temperature, share_prefix=share)
+                    got["ref"], _ = forward_logprobs(
+                        ref_model, mb, cfg.rollout.temperature, share_prefix=share, pack=cfg.train.pack_rows
+                    )
             if critic is not None:
                 got["values"] = critic(mb.input_ids, mb.attention_mask)
             if real:
@@ -210,7 +214,12 @@ def _microbatch_step(
     assert advantages is not None and engine_lp is not None, "micro-batches of a scored RolloutBatch carry both"
     with _autocast(cfg, world):
         logprobs, entropy = forward_logprobs(
-            policy, mb, cfg.rollout.temperature, with_entropy=cfg.algo.entropy_coef > 0, share_prefix=share
+            policy,
+            mb,
+            cfg.rollout.temperature,
+            with_entropy=cfg.algo.entropy_coef > 0 or cfg.algo.log_entropy,
+            share_prefix=share,
+            pack=cfg.train.pack_rows,
         )
     old = logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs  # None: on-policy, the update's own forward
     if first_epoch:  # old = the weights the engine sampled with
@@ -242,8 +251,11 @@ def _microbatch_step(
         loss = loss + cfg.algo.kl_coef * kl
         stats["actor/kl"] = kl.item()
     if entropy is not None:
-        ent = losses.aggregate(entropy, mb.loss_mask, cfg.algo.loss_agg)
-        loss = loss - cfg.algo.entropy_coef * ent
+        if cfg.algo.entropy_coef > 0:
+            ent = losses.aggregate(entropy, mb.loss_mask, cfg.algo.loss_agg)
+            loss = loss - cfg.algo.entropy_coef * ent
+        else:  # a metric only (algo.log_entropy)
+            ent = losses.aggregate(entropy.detach(), mb.loss_mask, cfg.algo.loss_agg)
         stats["actor/entropy"] = ent.item()
     (loss * weight).backward()
     stats["loss/policy"] = pg_loss.item()

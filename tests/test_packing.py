@@ -1,0 +1,150 @@
+"""Packed rows in the update (`train.pack_rows`): several trajectories to a row, each with its own
+positions and a block-diagonal causal mask, so padding does not run through the model.
+
+The packed forward equals the padded one in log-probs and every parameter gradient, on the tiny
+Qwen2 and on the real SmolLM2 (Llama); whichever of packing and the shared prompt prefix runs
+fewer tokens is used; and the parameters after two update steps equal the padded path's.
+"""
+
+import random
+
+import pytest
+import torch
+from agent_fixtures import smollm2_dir, tiny_model_dir  # noqa: F401  (pytest fixtures)
+from test_losses import _trajs
+
+from agent_rl.config import load_config
+from agent_rl.learn.batch import collate
+from agent_rl.learn.policy import forward_logprobs, load_policy, pack_plan
+from agent_rl.learn.update import prepare_batch, update
+
+
+def _varied(vocab: int) -> list:
+    """Three long trajectories (prompt 40) and three short ones (prompt 4): two short fit beside each other."""
+    long = _trajs(vocab, groups=1, n=3, prompt_len=40)
+    short = _trajs(vocab, groups=1, n=3, prompt_len=4)
+    for t in short:
+        t.prompt_id = "toy-short"
+    return long + short
+
+
+def test_pack_plan_places_every_row_once_in_fewer_rows():
+    lengths = [30, 12, 10, 18, 7, 29, 5]
+    width = max(lengths)
+    ids = torch.zeros((len(lengths), width), dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        ids[r, :n] = torch.arange(1, n + 1) + 100 * r
+        attn[r, :n] = 1
+    mb = collate_like(ids, attn)
+    plan = pack_plan(mb)
+    assert plan is not None and plan.input_ids.shape[1] == width and len(plan.input_ids) < len(lengths)
+    taken = torch.zeros(plan.input_ids.shape, dtype=torch.long)
+    for r, n in enumerate(lengths):
+        b, o = int(plan.row[r]), int(plan.offset[r])
+        assert o + n <= width
+        assert torch.equal(plan.input_ids[b, o : o + n], ids[r, :n])
+        assert torch.equal(plan.position_ids[b, o : o + n], torch.arange(n))
+        taken[b, o : o + n] += 1
+    assert int(taken.max()) == 1 and int(taken.sum()) == sum(lengths)
+    # rows that cannot share a row: nothing to gain, no plan
+    assert pack_plan(collate_like(ids[[0, 5]], attn[[0, 5]])) is None
+
+
+def collate_like(ids, attn):
+    from agent_rl.learn.batch import MicroBatch
+
+    return MicroBatch(index=list(range(len(ids))), input_ids=ids, attention_mask=attn, loss_mask=attn.float())
+
+
+def _compare(policy, mb, share: bool):
+    weights = torch.rand(mb.loss_mask.shape, generator=torch.Generator().manual_seed(1)) * mb.loss_mask
+    out = {}
+    for pack in (False, True):
+        policy.zero_grad()
+        rows = []
+        hook = policy.get_decoder().register_forward_pre_hook(
+            lambda m, a, kw: rows.append(len(kw["input_ids"])), with_kwargs=True
+        )
+        lp, ent = forward_logprobs(policy, mb, 0.7, with_entropy=True, share_prefix=share, pack=pack)
+        hook.remove()
+        ((lp + 0.1 * ent) * weights).sum().backward()
+        grads = [p.grad.clone() for p in policy.parameters() if p.requires_grad]
+        out[pack] = (lp.detach(), ent.detach(), grads, rows)
+    (lp0, ent0, g0, rows0), (lp1, ent1, g1, rows1) = out[False], out[True]
+    assert torch.allclose(lp0, lp1, atol=2e-5) and torch.allclose(ent0, ent1, atol=2e-5)
+    for a, b in zip(g0, g1):
+        assert float((a - b).norm()) <= 1e-4 * float(a.norm()) + 1e-6
+    return rows0, rows1
+
+
+def test_packed_forward_equals_padded_tiny(tiny_model_dir):
+    """Tiny Qwen2: 6 rows run as 5 (two short ones share a row); same log-probs, entropy, gradients."""
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "budget.max_total_tokens=1000"])
+    torch.manual_seed(0)
+    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    trajs = _varied(policy.config.vocab_size)
+    mb = collate(trajs, list(range(len(trajs))), 0)
+    rows_padded, rows_packed = _compare(policy, mb, share=False)
+    assert rows_padded == [6] and rows_packed == [5]
+
+
+def test_shared_prefix_or_packing_whichever_runs_fewer_tokens(tiny_model_dir):
+    """Groups with long common prompts: the shared prefix runs fewer tokens than packing and is kept
+    (two passes: prompts, then suffixes); rows with distinct prompts of unequal length: packing."""
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "budget.max_total_tokens=1000"])
+    torch.manual_seed(0)
+    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    grouped = _trajs(policy.config.vocab_size, groups=2, n=3, prompt_len=40)
+    _, rows = _compare(policy, collate(grouped, list(range(6)), 0), share=True)
+    assert rows == [2, 6]  # the two prompts once, then six suffixes
+    distinct = _varied(policy.config.vocab_size)
+    for i, t in enumerate(distinct):
+        t.prompt_id = f"p{i}"
+        t.prompt_ids = [10 + i] + t.prompt_ids[1:]  # no two prompts alike: nothing to share
+    _, rows = _compare(policy, collate(distinct, list(range(6)), 0), share=True)
+    assert rows == [5]
+
+
+def test_update_with_packed_rows_equals_padded_update(tiny_model_dir):
+    """Two SGD-momentum update steps (old log-probs too) with rows packed vs padded: same parameters."""
+    results = {}
+    for pack in (True, False):
+        torch.manual_seed(0)
+        cfg = load_config(
+            None,
+            [
+                f"model.path={tiny_model_dir}",
+                "budget.max_total_tokens=1000",
+                "algo.group_size=3",
+                "algo.ppo_epochs=2",
+                f"train.pack_rows={str(pack).lower()}",
+                "train.share_prompt_prefix=false",
+                "train.skip_zero_advantage=false",
+            ],
+        )
+        policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+        initial = {k: v.clone() for k, v in policy.state_dict().items()}
+        opt = torch.optim.SGD(policy.parameters(), lr=0.5, momentum=0.9)
+        rows: list[int] = []
+        policy.get_decoder().register_forward_pre_hook(
+            lambda m, a, kw: rows.append(len(kw["input_ids"])), with_kwargs=True
+        )
+        trajs = _varied(policy.config.vocab_size)
+        batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=True)
+        update(cfg, policy, None, opt, None, batch, random.Random(0))
+        assert rows == ([5] if pack else [6]) * 3  # the old log-probs pass, then one pass per epoch
+        results[pack] = {k: v.clone() for k, v in policy.state_dict().items()}
+    assert any(not torch.equal(results[False][k], initial[k]) for k in initial)
+    for k in results[False]:
+        assert torch.allclose(results[True][k], results[False][k], atol=1e-6, rtol=1e-5), k
+
+
+@pytest.mark.real_model
+def test_packed_forward_equals_padded_smollm2(smollm2_dir):
+    """The real SmolLM2 (Llama, tied embeddings): the block-diagonal mask holds there too."""
+    cfg = load_config(None, [f"model.path={smollm2_dir}", "budget.max_total_tokens=1000"])
+    policy = load_policy(cfg, str(smollm2_dir), "cpu")
+    trajs = _varied(policy.config.vocab_size)
+    rows_padded, rows_packed = _compare(policy, collate(trajs, list(range(len(trajs))), 0), share=False)
+    assert rows_padded == [6] and rows_packed == [5]
