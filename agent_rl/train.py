@@ -108,6 +108,7 @@ def build_engine(
         batch_size=cfg.rollout.generation_batch_size,
         seed=seed,
         fast_decode=cfg.rollout.fast_decode,
+        bf16=cfg.train.bf16,
     )
 
 

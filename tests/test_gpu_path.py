@@ -148,3 +148,42 @@ def test_cuda_process_group_has_a_cpu_backend_for_offloaded_tensors():
     assert "cpu" not in device_map("nccl")  # why offload failed at clipping
     assert device_map(process_group_backend(torch.device("cuda", 1))) == {"cpu": "gloo", "cuda": "nccl"}
     assert device_map(process_group_backend(torch.device("cpu")))["cpu"] == "gloo"
+
+
+def test_hf_engine_samples_in_the_trainers_compute_dtype(tiny_model_dir):
+    """With `train.bf16` the HF engine generates under bf16 autocast, as the trainer computes: its
+    log-probs of the sampled tokens are closer to the trainer's bf16 log-probs than to float32 ones.
+    Without it, engine and float32 trainer agree to float32 rounding."""
+    from agent_rl.learn.batch import collate
+    from agent_rl.learn.policy import compute_autocast, forward_logprobs, load_policy, load_tokenizer
+    from agent_rl.rollout.trajectory import Trajectory
+    from agent_rl.train import build_engine
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    prompt = tok("Question: who wrote the book?", add_special_tokens=False)["input_ids"]
+    for bf16 in (True, False):
+        cfg = load_config(
+            None, [f"model.path={tiny_model_dir}", f"train.bf16={str(bf16).lower()}", "budget.max_total_tokens=1000"]
+        )
+        torch.manual_seed(0)
+        policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+        engine = build_engine(cfg, policy, tok, seed=0)
+        assert engine.bf16 is bf16
+        trajs = []
+        for g in engine.generate([prompt] * 4, [24] * 4, 1.0):
+            t = Trajectory("p", "toy", prompt, ["x"])
+            t.append(list(g.token_ids), sampled=True, logprobs=list(g.logprobs))
+            trajs.append(t)
+        mb = collate(trajs, list(range(4)), tok.pad_token_id)
+        with torch.no_grad():
+            fp32, _ = forward_logprobs(policy, mb, 1.0)
+            with compute_autocast(load_config(None, ["train.bf16=true"]), "cpu"):
+                half, _ = forward_logprobs(policy, mb, 1.0)
+        m = mb.loss_mask.bool()
+        m[:, 0] = False
+        to_fp32 = float((mb.rollout_logprobs[m] - fp32[m]).abs().mean())
+        to_bf16 = float((mb.rollout_logprobs[m] - half[m]).abs().mean())
+        if bf16:
+            assert to_bf16 < to_fp32 and to_fp32 > 1e-4
+        else:
+            assert to_fp32 < 1e-5 < to_bf16

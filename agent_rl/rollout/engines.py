@@ -13,6 +13,7 @@ sleeps while the trainer runs, and takes weights from the trainer after each upd
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Protocol
@@ -201,9 +202,19 @@ class HFEngine:
     continuous = False
 
     def __init__(
-        self, model, tokenizer, device: str = "cpu", batch_size: int = 128, seed: int = 0, fast_decode: bool = True
+        self,
+        model,
+        tokenizer,
+        device: str = "cpu",
+        batch_size: int = 128,
+        seed: int = 0,
+        fast_decode: bool = True,
+        bf16: bool = False,
     ):
         self.model = model
+        # bf16 compute over the model's own weights (autocast), as the trainer computes with `train.bf16`:
+        # engine and trainer log-probs then come from the same arithmetic.
+        self.bf16 = bf16
         self.fast_decode = fast_decode  # `_LlamaDecoder` for the models it supports
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -247,17 +258,18 @@ class HFEngine:
         start = time.perf_counter()
         was_training = self.model.training
         self.model.eval()
+        cast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
         try:
             for lo in range(0, len(prompts), self.batch_size):
-                out.extend(
-                    self._generate_batch(
+                with cast:
+                    batch = self._generate_batch(
                         prompts[lo : lo + self.batch_size],
                         max_new_tokens[lo : lo + self.batch_size],
                         temperature,
                         top_p,
                         None if seeds is None else seeds[lo : lo + self.batch_size],
                     )
-                )
+                out.extend(batch)
         finally:
             self.model.train(was_training)
         self.stats["generate_s"] += time.perf_counter() - start
