@@ -7,6 +7,7 @@ model, index) on first use, so each works on its own on a fresh checkout.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -22,8 +23,16 @@ def _config(args):
 
 
 def _with_config(p: argparse.ArgumentParser) -> None:
+    from agent_rl.config import Config
+
+    sections = ", ".join(f.name for f in dataclasses.fields(Config))
     p.add_argument("config", help="YAML config, e.g. configs/tiny_cpu_grpo.yaml")
-    p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. trainer.max_steps=10")
+    p.add_argument(
+        "overrides",
+        nargs="*",
+        help=f"section.key=value overrides, e.g. run.max_steps=10 (sections: {sections}; keys documented in "
+        "agent_rl/config.py)",
+    )
 
 
 def cmd_train(args) -> int:
@@ -89,11 +98,11 @@ def _loop(cfg, model_path: str, url: str):
                 f"{model_path} holds LoRA adapters; vLLM here serves plain weights. Merge them first: "
                 f"agent-rl export CONFIG --checkpoint {model_path} --out DIR --merge, then pass --checkpoint DIR"
             )
-        engine: VLLMEngine | HFEngine = VLLMEngine(model_path, tokenizer, cfg, seed=cfg.trainer.seed)
+        engine: VLLMEngine | HFEngine = VLLMEngine(model_path, tokenizer, cfg, seed=cfg.run.seed)
     else:
         model = _load_model(model_path).to(cfg.rollout.device)
         rcfg = cfg.rollout
-        engine = HFEngine(model, tokenizer, rcfg.device, rcfg.generation_batch_size, cfg.trainer.seed, rcfg.fast_decode)
+        engine = HFEngine(model, tokenizer, rcfg.device, rcfg.generation_batch_size, cfg.run.seed, rcfg.fast_decode)
     client = RetrieverClient.from_config(cfg.retriever, url)
     budget = TokenBudget.from_config(cfg.budget)
     loop = AgentLoop(engine, tokenizer, client, budget, cfg.retriever.topk, cfg.rollout.mode, cfg.rollout.max_inflight)
@@ -173,7 +182,7 @@ def cmd_eval(args) -> int:
     for s in sources:
         print(f"{s:<20} {metrics[f'eval/{s}/em']:>7.3f} {metrics[f'eval/{s}/f1']:>7.3f}")
     print(f"{'all':<20} {metrics['eval/em']:>7.3f} {metrics['eval/f1']:>7.3f}   (n={int(metrics['eval/n'])})")
-    out = Path(args.out or Path(cfg.trainer.output_dir) / "eval.json")
+    out = Path(args.out or Path(cfg.run.output_dir) / "eval.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"checkpoint": args.checkpoint, "data": data, **metrics}, indent=1))
     print(f"wrote {out}")
@@ -232,10 +241,10 @@ def cmd_demo(args) -> int:
         with local_retriever(cfg) as url:
             loop, tokenizer, budget = _loop(cfg, cfg.model.path, url)
             base = evaluate_all(
-                loop, load_prompts(cfg.data.test_files, tokenizer, budget, cfg.trainer.eval_max_samples), cfg
+                loop, load_prompts(cfg.data.test_files, tokenizer, budget, cfg.run.eval_max_samples), cfg
             )
     final = train(cfg)
-    out = Path(cfg.trainer.output_dir)
+    out = Path(cfg.run.output_dir)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in metrics if m.get("eval/em") is not None]
     rewards = [m["reward/mean"] for m in metrics if "reward/mean" in m]

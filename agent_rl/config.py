@@ -2,7 +2,8 @@
 
 Every field carries its documentation in `field(metadata={"help": ...})`; a test fails when one
 does not. An unknown key, a wrong type or a bad combination fails at load time with a message
-naming the key and the fix. Departure from Search-R1: its scripts let the prompt plus
+naming the key and the fix; a renamed section (`trainer`, now `run`) is still read, with a warning
+(`migrate_sections`). Departure from Search-R1: its scripts let the prompt plus
 `max_turns` turns overflow the context and then cut the prompt from the left; here the token
 budget is validated up front (`BudgetConfig.validate`) and the prompt is never truncated.
 """
@@ -14,6 +15,7 @@ import dataclasses
 import functools
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,10 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 
 
 @dataclass
-class TrainerConfig:
+class RunConfig:
+    """Settings of one training run: its length, output directory, checkpoints, evaluation and seed.
+    The live run these settings drive (models, optimizer, step counter) is `agent_rl.train.Run`."""
+
     output_dir: str = _f(
         "runs/tiny_cpu_grpo", "Directory for metrics.jsonl, TensorBoard events, checkpoints/ and plots/."
     )
@@ -357,8 +362,9 @@ class MemoryConfig:
 
 @dataclass
 class Config:
-    trainer: TrainerConfig = field(
-        default_factory=TrainerConfig, metadata={"help": "Run control: steps, checkpoints, evaluation."}
+    run: RunConfig = field(
+        default_factory=RunConfig,
+        metadata={"help": "Run control: steps, output directory, checkpoints, evaluation, seed (formerly `trainer`)."},
     )
     model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Policy model."})
     data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Training and test prompts."})
@@ -418,16 +424,16 @@ class Config:
             )
         if self.algo.group_size < 1 or self.rollout.prompts_per_step < 1:
             raise ConfigError("algo.group_size and rollout.prompts_per_step must be >= 1")
-        if self.trainer.save_trajectories_every < 0:
+        if self.run.save_trajectories_every < 0:
             raise ConfigError(
-                f"trainer.save_trajectories_every = {self.trainer.save_trajectories_every}: use 0 (off) or N >= 1 "
+                f"run.save_trajectories_every = {self.run.save_trajectories_every}: use 0 (off) or N >= 1 "
                 "(write every N steps)"
             )
-        if self.trainer.save_trajectories_every and self.trainer.save_trajectories_per_step < 1:
+        if self.run.save_trajectories_every and self.run.save_trajectories_per_step < 1:
             raise ConfigError(
-                f"trainer.save_trajectories_per_step = {self.trainer.save_trajectories_per_step} with "
-                "trainer.save_trajectories_every set: "
-                "keep at least 1 trajectory per saved step, or set trainer.save_trajectories_every=0"
+                f"run.save_trajectories_per_step = {self.run.save_trajectories_per_step} with "
+                "run.save_trajectories_every set: "
+                "keep at least 1 trajectory per saved step, or set run.save_trajectories_every=0"
             )
         for key in ("topk", "max_queries_per_request"):
             if getattr(self.retriever, key) < 1:
@@ -557,10 +563,42 @@ def parse_overrides(overrides: list[str]) -> dict:
     tree: dict = {}
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override '{item}' must look like section.key=value (e.g. trainer.max_steps=10)")
+            raise ConfigError(f"override '{item}' must look like section.key=value (e.g. run.max_steps=10)")
         key, raw = item.split("=", 1)
         _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw.strip() else "")
     return tree
+
+
+# Sections renamed since configs were written: old name -> new name. `migrate_sections` is the one
+# place that reads the old names, for a YAML file and for the overrides alike.
+RENAMED_SECTIONS = {"trainer": "run"}
+
+
+def migrate_sections(data: dict, source: str) -> dict:
+    """`data`, one source's tree (a YAML file's or the overrides'), with renamed sections under
+    their new names. Each renamed section found gives one FutureWarning naming every key's new
+    spelling; a source that gives both the old and the new name is a ConfigError, since which of
+    the two was meant cannot be told. Sources merge after this, so an old-style file still takes
+    new-style overrides (and the other way round)."""
+    out = dict(data)
+    for old, new in RENAMED_SECTIONS.items():
+        if old not in out:
+            continue
+        if new in out:
+            raise ConfigError(
+                f"`{old}` and `{new}` both given in {source}: `{old}` is the old name of `{new}`; move the {old}.* "
+                f"keys under `{new}` and remove `{old}`"
+            )
+        section = out.pop(old)
+        keys = sorted(section) if isinstance(section, dict) else []
+        read = ", ".join(f"{old}.{k} as {new}.{k}" for k in keys) or f"`{old}` as `{new}`"
+        warnings.warn(
+            f"config section `{old}` is now `{new}`; read {read} ({source}). Write `{new}` instead.",
+            FutureWarning,
+            stacklevel=3,  # the caller of load_config
+        )
+        out[new] = section
+    return out
 
 
 def _merge(base: dict, extra: dict) -> dict:
@@ -583,7 +621,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
                 f"config file not found: {path} (the shipped configs are in configs/, e.g. configs/tiny_cpu_grpo.yaml)"
             )
         data = yaml.safe_load(path.read_text()) or {}
-    data = _merge(data, parse_overrides(overrides or []))
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+        data = migrate_sections(data, f"config file {path}")
+    data = _merge(data, migrate_sections(parse_overrides(overrides or []), "the overrides"))
     cfg = _build(Config, data, "")
     lora_keys = sorted(k for k in ((data.get("model") or {}).get("lora") or {}) if k != "enabled")
     if lora_keys and not cfg.model.lora.enabled:

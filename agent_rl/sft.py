@@ -97,9 +97,9 @@ def sft(cfg: Config) -> Path:
 
     fix_mmap_threshold(cfg.train.host_mmap_threshold_mib)
     prepare(cfg)
-    out = Path(cfg.model.warm_start or Path(cfg.trainer.output_dir) / "sft")
-    torch.manual_seed(cfg.trainer.seed)
-    rng = random.Random(cfg.trainer.seed)
+    out = Path(cfg.model.warm_start or Path(cfg.run.output_dir) / "sft")
+    torch.manual_seed(cfg.run.seed)
+    rng = random.Random(cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model.path)
     model = load_policy(cfg, cfg.model.path, cfg.train.device)
     with local_retriever(cfg) as url:

@@ -89,7 +89,7 @@ def build_engine(
     """The rollout engine on `rollout.device`. The HF engine shares the policy module when devices
     match (and `own_copy` is off: under FSDP the engine needs its own unsharded copy); vLLM loads
     the start weights itself (`policy` may be None: build it before the trainer's modules)."""
-    seed = cfg.trainer.seed if seed is None else seed
+    seed = cfg.run.seed if seed is None else seed
     if cfg.rollout.engine == "vllm":
         if distributed and cfg.rollout.tensor_parallel_size > 1:
             raise ValueError(
@@ -123,7 +123,7 @@ def sync_weights(engine: Engine, policy) -> float:
 
 
 def make_scheduler(cfg: Config, optimizer):
-    warm, total = cfg.train.warmup_steps, max(1, cfg.trainer.max_steps)
+    warm, total = cfg.train.warmup_steps, max(1, cfg.run.max_steps)
 
     def factor(step: int) -> float:
         if warm and step < warm:
@@ -168,14 +168,14 @@ def evaluate(
 
 
 def evaluate_all(loop: AgentLoop, prompts: PromptSet, cfg: Config) -> dict[str, float]:
-    """Greedy EM/F1 under eval/, plus, with trainer.eval_sampled, EM/F1 of one sample at
+    """Greedy EM/F1 under eval/, plus, with run.eval_sampled, EM/F1 of one sample at
     rollout.temperature under eval_sampled/ (what GRPO optimises; greedy EM can sit still while
     the sampled policy sharpens)."""
     out = evaluate(loop, prompts, cfg)
-    if cfg.trainer.eval_sampled:
+    if cfg.run.eval_sampled:
         gen = loop.engine.generator  # vLLM draws each request's seed from it too
         state = gen.get_state()
-        gen.manual_seed(cfg.trainer.seed)  # the same draws at every evaluation
+        gen.manual_seed(cfg.run.seed)  # the same draws at every evaluation
         try:
             out.update(evaluate(loop, prompts, cfg, cfg.rollout.temperature, "eval_sampled"))
         finally:
@@ -186,7 +186,7 @@ def evaluate_all(loop: AgentLoop, prompts: PromptSet, cfg: Config) -> dict[str, 
 def save_trajectories(
     out_dir: Path, step: int, batch: RolloutBatch, trainer_logprobs: dict[int, list[float] | None], tokenizer
 ) -> Path:
-    """`trainer.save_trajectories_every`: write `OUTPUT_DIR/trajectories/step_N.jsonl` for
+    """`run.save_trajectories_every`: write `OUTPUT_DIR/trajectories/step_N.jsonl` for
     `agent-rl view`: the rows named by `trainer_logprobs` with the step, the trainer's (old)
     log-probs and the advantages of their response tokens, each aligned with `response_ids`.
 
@@ -215,7 +215,8 @@ def save_trajectories(
 
 @dataclass
 class Run:
-    """Everything one training run holds between steps: what `setup` builds and `train` drives."""
+    """Everything one training run holds between steps: what `setup` builds and `train` drives.
+    Its settings (steps, output directory, checkpoints, evaluation) are `cfg.run`, a `RunConfig`."""
 
     cfg: Config
     world: World
@@ -266,7 +267,7 @@ class Run:
                 self.scheduler,
                 extra,
                 self.cfg.to_dict(),
-                self.cfg.trainer.keep_last,
+                self.cfg.run.keep_last,
                 export_hf=True,
                 critic=self.critic,
                 critic_optimizer=self.critic_opt,
@@ -281,7 +282,7 @@ class Run:
             self.scheduler,
             extra,
             self.cfg.to_dict(),
-            self.cfg.trainer.keep_last,
+            self.cfg.run.keep_last,
         )
 
     def restore(self, path: Path) -> None:
@@ -372,9 +373,9 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     )  # the run may rewrite devices (torchrun) and, on rollback, the KL; the caller's config stays as given
     world = dist_lib.init_distributed(cfg)
     # Same seed everywhere for data order and model init; each rank samples its own rollouts.
-    seed_everything(cfg.trainer.seed)
+    seed_everything(cfg.run.seed)
     fix_mmap_threshold(cfg.train.host_mmap_threshold_mib)
-    out_dir = Path(cfg.trainer.output_dir)
+    out_dir = Path(cfg.run.output_dir)
     if world.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         prepare(cfg)
@@ -386,7 +387,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     world.barrier()  # rank 0 built whatever was missing (toy world, model, index, warm start)
     start_path = cfg.model.warm_start or cfg.model.path
     tokenizer = load_tokenizer(start_path)
-    engine_seed = cfg.trainer.seed + world.rank
+    engine_seed = cfg.run.seed + world.rank
     # vLLM first, before the trainer's modules take device memory (its reservation is a fraction of what is free).
     engine = (
         build_engine(cfg, None, tokenizer, seed=engine_seed, distributed=world.sharded)
@@ -442,19 +443,19 @@ def setup(cfg: Config, resume: bool = False) -> Run:
         scheduler=make_scheduler(cfg, optimizer),
         budget=budget,
         train_set=train_set,
-        test_set=load_prompts(cfg.data.test_files, tokenizer, budget, cfg.trainer.eval_max_samples)
+        test_set=load_prompts(cfg.data.test_files, tokenizer, budget, cfg.run.eval_max_samples)
         if cfg.data.test_files
         else None,
-        stream=PromptStream(len(train_set.items), cfg.trainer.seed, cfg.data.shuffle),
+        stream=PromptStream(len(train_set.items), cfg.run.seed, cfg.data.shuffle),
         buffer=TrajectoryBuffer(cfg.buffer.max_tokens, cfg.buffer.max_trajectories),
-        logger=MetricsLogger(out_dir, cfg.trainer.tensorboard, enabled=world.is_main),  # only rank 0 writes
+        logger=MetricsLogger(out_dir, cfg.run.tensorboard, enabled=world.is_main),  # only rank 0 writes
         guard=CollapseGuard(cfg.guard),
         stop=install_signal_handlers(),
-        update_rng=random.Random(cfg.trainer.seed),
+        update_rng=random.Random(cfg.run.seed),
     )
     if resume:
         run.resume()
-    if cfg.trainer.preflight and run.step == 0:
+    if cfg.run.preflight and run.step == 0:
         report = run_preflight(policy, cfg, cfg.train.device)
         print(f"[train] preflight at the largest admissible micro-batch passed: {report}", file=sys.stderr)
     return run
@@ -516,8 +517,8 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
         if run.test_set is not None and run.step == 0:
             last_eval = run.evaluate(loop)
             run.logger.log(0, last_eval)
-            run.logger.progress(0, cfg.trainer.max_steps, last_eval)
-        while run.step < cfg.trainer.max_steps and not run.stopping():
+            run.logger.progress(0, cfg.run.max_steps, last_eval)
+        while run.step < cfg.run.max_steps and not run.stopping():
             cfg = run.cfg  # a guard rollback replaces it
             run.step += 1
             times = {"start": time.perf_counter()}
@@ -570,9 +571,9 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             )
             times["prepared"] = time.perf_counter()
             # 5. update; this step's first rows (this rank's share) reported with the update's log-probs
-            every = cfg.trainer.save_trajectories_every
+            every = cfg.run.save_trajectories_every
             report = (
-                dict.fromkeys(range(min(len(trajs), cfg.trainer.save_trajectories_per_step)))
+                dict.fromkeys(range(min(len(trajs), cfg.run.save_trajectories_per_step)))
                 if every and run.step % every == 0
                 else None
             )
@@ -592,21 +593,21 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             times["updated"] = time.perf_counter()
             if report and world.is_main:
                 save_trajectories(run.out_dir, run.step, batch, report, run.tokenizer)
-            # 6. log, and evaluate every trainer.eval_every steps
+            # 6. log, and evaluate every run.eval_every steps
             metrics = step_metrics(
                 run, trajs, rollout_m, client, upd, times, engine.stats["generated_tokens"] - gen_before
             )
             if (
-                cfg.trainer.eval_every
-                and run.step % cfg.trainer.eval_every == 0
+                cfg.run.eval_every
+                and run.step % cfg.run.eval_every == 0
                 and run.test_set is not None
-                and run.step < cfg.trainer.max_steps
+                and run.step < cfg.run.max_steps
             ):
                 last_eval = run.evaluate(loop)
                 metrics.update(last_eval)
             run.logger.log(run.step, metrics)
-            if run.step % cfg.trainer.log_every == 0:
-                run.logger.progress(run.step, cfg.trainer.max_steps, metrics)
+            if run.step % cfg.run.log_every == 0:
+                run.logger.progress(run.step, cfg.run.max_steps, metrics)
             # 7. collapse guard
             decision = run.guard.observe(run.step, metrics)
             if decision.action != "none":
@@ -618,7 +619,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
                 run.rollback()
                 continue
             # 8. checkpoint
-            if run.step % cfg.trainer.save_every == 0 or run.step == cfg.trainer.max_steps:
+            if run.step % cfg.run.save_every == 0 or run.step == cfg.run.max_steps:
                 run.checkpoint()
         if run.stop.is_set():
             print(f"[train] signal received: saving step {run.step} and exiting", file=sys.stderr)
@@ -626,7 +627,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
         elif run.test_set is not None:
             last_eval = run.evaluate(loop)
             run.logger.log(run.step, last_eval)
-            run.logger.progress(run.step, cfg.trainer.max_steps, last_eval)
+            run.logger.progress(run.step, cfg.run.max_steps, last_eval)
         client.close()
     run.logger.close()
     world.close()

@@ -2,7 +2,7 @@
 
 Reads trajectory records (JSON lines from `agent-rl rollout --out`, `agent-rl eval
 --trajectories`, or a training run's `OUTPUT_DIR/trajectories/step_N.jsonl`, written with
-`trainer.save_trajectories_every`) and writes a report that opens from disk: no server, no
+`run.save_trajectories_every`) and writes a report that opens from disk: no server, no
 network, nothing loaded from outside the page.
 
 - `index.html`: per step, the mean reward, EM and response length and the end reasons, with an

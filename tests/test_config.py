@@ -1,12 +1,23 @@
 """Config tree: documented fields, clear errors on unknown keys and bad combinations."""
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 
-from agent_rl.config import Config, ConfigError, iter_fields, load_config, parse_overrides
+from agent_rl.config import (
+    Config,
+    ConfigError,
+    RunConfig,
+    iter_fields,
+    load_config,
+    migrate_sections,
+    parse_overrides,
+)
 
-CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*.yaml"))
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
 
 
 def test_every_field_is_documented():
@@ -32,8 +43,8 @@ def test_unknown_key_names_the_key(tmp_path):
 
 def test_wrong_type_is_rejected():
     """A string where an int belongs fails with the key's name."""
-    with pytest.raises(ConfigError, match="trainer.max_steps"):
-        load_config(None, ["trainer.max_steps=ten"])
+    with pytest.raises(ConfigError, match="run.max_steps"):
+        load_config(None, ["run.max_steps=ten"])
 
 
 def test_overrides_parse_yaml_scalars():
@@ -96,3 +107,67 @@ def test_missing_config_file_is_clear(tmp_path):
     """A missing file says where the shipped configs are."""
     with pytest.raises(ConfigError, match="configs/"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_old_trainer_section_in_yaml_is_read_as_run_with_one_warning(tmp_path):
+    """A config written before `trainer` became `run` loads unchanged: every key reaches `run`,
+    with one FutureWarning naming each key's new spelling and the file."""
+    p = tmp_path / "old.yaml"
+    p.write_text("trainer:\n  max_steps: 7\n  seed: 3\n  output_dir: runs/old\n")
+    with pytest.warns(FutureWarning) as caught:
+        cfg = load_config(p)
+    assert (cfg.run.max_steps, cfg.run.seed, cfg.run.output_dir) == (7, 3, "runs/old")
+    assert len(caught) == 1
+    msg = str(caught[0].message)
+    assert "config section `trainer` is now `run`" in msg and str(p) in msg
+    for key in ("max_steps", "seed", "output_dir"):
+        assert f"trainer.{key} as run.{key}" in msg
+
+
+def test_old_trainer_override_is_read_as_run_with_a_warning():
+    """`trainer.max_steps=3` on the command line sets run.max_steps, warns with the new spelling,
+    and merges with new-style overrides from a new-style file."""
+    with pytest.warns(FutureWarning, match=r"read trainer\.max_steps as run\.max_steps \(the overrides\)"):
+        cfg = load_config(CONFIG_DIR / "tiny_cpu_grpo.yaml", ["trainer.max_steps=3"])
+    assert cfg.run.max_steps == 3
+    assert cfg.run.output_dir == "runs/tiny_cpu_grpo"  # the file's other run.* keys are kept
+
+
+def test_old_yaml_section_takes_new_style_overrides(tmp_path, recwarn):
+    """An old-style file and a new-style override are separate sources: the override wins, the
+    file's other keys stay, and only the file is warned about."""
+    p = tmp_path / "old.yaml"
+    p.write_text("trainer:\n  max_steps: 7\n  seed: 3\n")
+    cfg = load_config(p, ["run.max_steps=2"])
+    assert (cfg.run.max_steps, cfg.run.seed) == (2, 3)
+    assert [str(w.message).count("trainer.") for w in recwarn if w.category is FutureWarning] == [2]
+
+
+def test_trainer_and_run_both_given_is_an_error(tmp_path):
+    """One source giving both spellings cannot be read either way: a ConfigError naming both."""
+    p = tmp_path / "both.yaml"
+    p.write_text("trainer:\n  max_steps: 7\nrun:\n  max_steps: 9\n")
+    with pytest.raises(ConfigError, match=r"`trainer` and `run` both given in config file .*both\.yaml.*move the"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="`trainer` and `run` both given in the overrides"):
+        load_config(None, ["trainer.max_steps=3", "run.seed=1"])
+
+
+def test_an_old_checkpoint_config_record_migrates_without_loss():
+    """The config.json saved with a checkpoint before the rename holds a `trainer` section: read
+    through the one migration, every key and value of it lands under `run`, and it then builds a
+    RunConfig equal to what the old run used."""
+    old = Config().to_dict()
+    old["trainer"] = old.pop("run")
+    old["trainer"]["max_steps"] = 11
+    saved = json.loads(json.dumps(old, indent=1, default=str))  # as save_checkpoint writes it
+    with pytest.warns(FutureWarning, match="read trainer.eval_every as run.eval_every"):
+        new = migrate_sections(saved, "checkpoint config.json")
+    assert "trainer" not in new and new["run"] == old["trainer"]
+    assert RunConfig(**new["run"]) == RunConfig(**{**dataclasses.asdict(RunConfig()), "max_steps": 11})
+
+
+def test_wrong_type_under_the_old_section_names_the_new_key():
+    """A bad value under `trainer` fails naming the key as it is now spelt."""
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match=r"'run\.max_steps' expects int"):
+        load_config(None, ["trainer.max_steps=ten"])

@@ -108,7 +108,7 @@ def test_ppo_critic_under_fsdp2_bf16_on_two_gloo_ranks(tmp_path):
         "algo.kl_coef=0.01",
         "algo.kl_type=k1",
         "train.bf16=true",
-        "trainer.preflight=false",
+        "run.preflight=false",
     ]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]

@@ -150,11 +150,11 @@ def _train(tiny_model_dir, tmp_path, monkeypatch, explode, steps, *extra):
     cfg = load_config(
         None,
         [
-            f"trainer.output_dir={tmp_path / 'run'}",
-            f"trainer.max_steps={steps}",
-            "trainer.save_every=1",
-            "trainer.keep_last=10",
-            "trainer.tensorboard=false",
+            f"run.output_dir={tmp_path / 'run'}",
+            f"run.max_steps={steps}",
+            "run.save_every=1",
+            "run.keep_last=10",
+            "run.tensorboard=false",
             f"model.path={tiny_model_dir}",
             f"data.train_files=[{data}]",
             "data.test_files=[]",

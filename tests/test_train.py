@@ -17,12 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _overrides(cache: Path, out: Path, steps: int, extra=()):
     return [
-        f"trainer.output_dir={out}",
-        f"trainer.max_steps={steps}",
-        "trainer.save_every=1",
-        "trainer.keep_last=5",
-        "trainer.eval_max_samples=8",
-        "trainer.tensorboard=false",
+        f"run.output_dir={out}",
+        f"run.max_steps={steps}",
+        "run.save_every=1",
+        "run.keep_last=5",
+        "run.eval_max_samples=8",
+        "run.tensorboard=false",
         f"model.path={cache}/model",
         "model.init_size=tiny",
         "model.warm_start=",
@@ -200,7 +200,7 @@ def test_torchrun_two_ranks_trains_checkpoints_and_resumes(cache, tmp_path):
             "train",
             "configs/tiny_cpu_grpo.yaml",
             *_overrides(cache, out, steps),
-            "trainer.save_every=2",
+            "run.save_every=2",
             *extra,
         ]
         return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
@@ -287,7 +287,7 @@ def test_dead_retriever_stops_with_a_checkpoint_and_resumes(tmp_path, hotpot_ind
         "retriever.max_retries=1",
         "retriever.backoff_s=0.05",
         "retriever.timeout_s=5",
-        "trainer.eval_max_samples=4",
+        "run.eval_max_samples=4",
         f"model.warm_start={cache}/sft",
         "sft.steps=100",
         "train.lr=1e-5",

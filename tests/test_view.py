@@ -278,7 +278,7 @@ def test_report_renders_real_rollouts_in_headless_chromium(rollout_file, tmp_pat
 
 
 def test_training_run_keeps_trajectories_for_the_viewer(tmp_path):
-    """`trainer.save_trajectories_every=1` on a real 2-step tiny run: each step's file holds
+    """`run.save_trajectories_every=1` on a real 2-step tiny run: each step's file holds
     `save_trajectories_per_step` records whose trainer log-probs and advantages align with the
     response ids (trained tokens: the trainer's log-prob equals the engine's; masked: 0), and
     `agent-rl rollout` and `agent-rl eval --trajectories` files join them in one report."""
@@ -290,12 +290,12 @@ def test_training_run_keeps_trajectories_for_the_viewer(tmp_path):
             "train",
             "configs/tiny_cpu_grpo.yaml",
             *_overrides(cache, out, 2),
-            "trainer.save_trajectories_every=1",
-            "trainer.save_trajectories_per_step=4",
-            "trainer.eval_every=0",
+            "run.save_trajectories_every=1",
+            "run.save_trajectories_per_step=4",
+            "run.eval_every=0",
             "data.test_files=[]",
-            "trainer.save_every=2",
-            "trainer.preflight=false",
+            "run.save_every=2",
+            "run.preflight=false",
         ],
         timeout=600,
     )
@@ -313,7 +313,7 @@ def test_training_run_keeps_trajectories_for_the_viewer(tmp_path):
                 assert trainer == 0.0 and adv == 0.0
 
     common = [
-        f"trainer.output_dir={out}",
+        f"run.output_dir={out}",
         f"model.path={cache}/model",
         f"data.toy_world={cache}/world",
         f"data.train_files=[{cache}/world/train.parquet]",
@@ -383,16 +383,16 @@ def test_trajectory_keys_are_checked_at_load():
     """A negative interval or no trajectories per saved step fails at load, naming the key."""
     from agent_rl.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match="trainer.save_trajectories_every = -1"):
-        load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", ["trainer.save_trajectories_every=-1"])
-    with pytest.raises(ConfigError, match="trainer.save_trajectories_per_step = 0"):
+    with pytest.raises(ConfigError, match="run.save_trajectories_every = -1"):
+        load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", ["run.save_trajectories_every=-1"])
+    with pytest.raises(ConfigError, match="run.save_trajectories_per_step = 0"):
         load_config(
             ROOT / "configs" / "tiny_cpu_grpo.yaml",
-            ["trainer.save_trajectories_every=5", "trainer.save_trajectories_per_step=0"],
+            ["run.save_trajectories_every=5", "run.save_trajectories_per_step=0"],
         )
     assert (
         load_config(
-            ROOT / "configs" / "tiny_cpu_grpo.yaml", ["trainer.save_trajectories_per_step=0"]
-        ).trainer.save_trajectories_every
+            ROOT / "configs" / "tiny_cpu_grpo.yaml", ["run.save_trajectories_per_step=0"]
+        ).run.save_trajectories_every
         == 0
     )

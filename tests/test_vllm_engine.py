@@ -326,12 +326,12 @@ def test_real_model_grpo_with_vllm_checkpoints_and_resumes(smollm2_dir, hotpot_i
     out = tmp_path / "run"
     data = tmp_path / "data"
     overrides = [
-        f"trainer.output_dir={out}",
-        "trainer.save_every=1",
-        "trainer.eval_max_samples=2",
-        "trainer.eval_sampled=false",
-        "trainer.tensorboard=false",
-        "trainer.preflight=false",
+        f"run.output_dir={out}",
+        "run.save_every=1",
+        "run.eval_max_samples=2",
+        "run.eval_sampled=false",
+        "run.tensorboard=false",
+        "run.preflight=false",
         f"model.path={smollm2_dir}",
         "model.warm_start=",
         f"data.train_files=[{data}/train.parquet]",
@@ -346,12 +346,10 @@ def test_real_model_grpo_with_vllm_checkpoints_and_resumes(smollm2_dir, hotpot_i
         "budget.max_total_tokens=352",
         "algo.entropy_coef=0.01",  # the base model earns little reward: entropy gives every step a gradient
     ]
-    res = _run(["train", "configs/smollm2_hotpotqa_grpo.yaml", "trainer.max_steps=2", *overrides], timeout=1200)
+    res = _run(["train", "configs/smollm2_hotpotqa_grpo.yaml", "run.max_steps=2", *overrides], timeout=1200)
     assert res.returncode == 0, res.stderr[-4000:]
     assert (out / "checkpoints" / "step_2" / "model" / "adapter_config.json").exists()
-    res = _run(
-        ["train", "configs/smollm2_hotpotqa_grpo.yaml", "trainer.max_steps=3", *overrides, "--resume"], timeout=1200
-    )
+    res = _run(["train", "configs/smollm2_hotpotqa_grpo.yaml", "run.max_steps=3", *overrides, "--resume"], timeout=1200)
     assert res.returncode == 0, res.stderr[-4000:]
     assert "resumed from" in res.stderr and "step_2" in res.stderr
     m = _metrics(out)

@@ -29,7 +29,7 @@ def plot_run(run_dir: Path) -> list[Path]:
 
     path = run_dir / "metrics.jsonl"
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: pass a run's trainer.output_dir")
+        raise FileNotFoundError(f"{path} does not exist: pass a run's output directory (run.output_dir)")
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     out_dir = run_dir / "plots"
     out_dir.mkdir(exist_ok=True)

@@ -47,7 +47,7 @@ def ensure_toy_world(cfg: Config) -> None:
         return
     from data_prep.toy_world import build_toy_world
 
-    _log(f"building the toy world in {out} (seed {cfg.trainer.seed}, {cfg.data.toy_entities} entities)")
+    _log(f"building the toy world in {out} (seed {cfg.run.seed}, {cfg.data.toy_entities} entities)")
     tmp = Path(tempfile.mkdtemp(prefix=".toy_", dir=out.parent if out.parent.exists() else None))
     out.parent.mkdir(parents=True, exist_ok=True)
     build_toy_world(tmp, seed=0, num_entities=cfg.data.toy_entities)
@@ -91,7 +91,7 @@ def ensure_model(cfg: Config) -> None:
     _log(f"initialising a {cfg.model.init_size} model with a locally trained tokenizer in {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".model_", dir=path.parent))
-    init_model(tmp, size=cfg.model.init_size, texts=_training_texts(cfg), seed=cfg.trainer.seed)
+    init_model(tmp, size=cfg.model.init_size, texts=_training_texts(cfg), seed=cfg.run.seed)
     os.replace(tmp, path)
 
 
