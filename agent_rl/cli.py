@@ -102,7 +102,15 @@ def _loop(cfg, model_path: str, url: str):
     else:
         model = _load_model(model_path).to(cfg.rollout.device)
         rcfg = cfg.rollout
-        engine = HFEngine(model, tokenizer, rcfg.device, rcfg.generation_batch_size, cfg.run.seed, rcfg.fast_decode)
+        engine = HFEngine(
+            model,
+            tokenizer,
+            rcfg.device,
+            rcfg.generation_batch_size,
+            cfg.run.seed,
+            rcfg.fast_decode,
+            bf16=cfg.train.bf16,
+        )
     client = RetrieverClient.from_config(cfg.retriever, url)
     budget = TokenBudget.from_config(cfg.budget)
     loop = AgentLoop(engine, tokenizer, client, budget, cfg.retriever.topk, cfg.rollout.mode, cfg.rollout.max_inflight)

