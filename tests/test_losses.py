@@ -327,6 +327,7 @@ def test_observation_tokens_get_zero_gradient_grpo(tiny_model_dir):
         [
             f"model.path={tiny_model_dir}",
             "budget.max_total_tokens=1000",
+            "train.share_prompt_prefix=false",  # one pass in the full layout; sharing equals it (test_selected_logits)
             "algo.kl_coef=0.1",
             "algo.kl_type=low_var_kl",
             "algo.entropy_coef=0.01",
@@ -366,6 +367,7 @@ def test_observation_tokens_get_zero_gradient_ppo_policy_and_critic(tiny_model_d
         [
             f"model.path={tiny_model_dir}",
             "budget.max_total_tokens=1000",
+            "train.share_prompt_prefix=false",
             "algo.name=ppo",
             "algo.group_size=3",
             "algo.gamma=0.99",

@@ -289,11 +289,13 @@ def _full_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with_en
 
 
 def _prefix_plan(mb: MicroBatch):
-    """(group of each row, unique prompts) when sharing prompts saves >= 25% of the tokens, else None."""
+    """(group of each row, unique prompts) when sharing prompts runs at most 90% of the padded token positions,
+    else None. Its second pass and the cache gather cost about 5%: on the 32M model, 0.89 of the positions ran
+    1.05x faster, 0.78 ran 1.21x and 0.70 ran 1.38x (forward+backward, 4 groups of 4)."""
     if not mb.prompt_lengths:
         return None
     prompts, groups = distinct(mb.input_ids[r, :n].tolist() for r, n in enumerate(mb.prompt_lengths))
-    if len(prompts) == len(groups) or _suffix(mb) < 1 or _prefix_cells(mb, prompts) > 0.75 * mb.num_tokens:
+    if len(prompts) == len(groups) or _suffix(mb) < 1 or _prefix_cells(mb, prompts) > 0.9 * mb.num_tokens:
         return None
     return groups, prompts
 
