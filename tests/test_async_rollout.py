@@ -193,3 +193,41 @@ def test_async_runaway_policy_stays_within_budget(tokenizer, server):
         assert sum(t.loss_mask) == sum(x.gen_tokens for x in t.turns)
         assert len(t.loss_mask) == len(t.response_ids) == len(t.logprobs)
     assert loop.counters["budget/turn_truncated"] == sum(len(t.turns) for t in trajs)
+
+
+def test_search_batcher_overlaps_requests_and_batches_waiting_queries(server):
+    """Queries waiting together go as one /retrieve request; a query that arrives while a slow
+    request is out is sent at once (up to `max_requests` in flight), not after that answer."""
+    import asyncio
+
+    from agent_rl.rollout.async_loop import SearchBatcher
+
+    _, url = server
+
+    async def staggered(client, max_requests: int) -> tuple[float, int]:
+        batcher = SearchBatcher(client, topk=2, max_requests=max_requests)
+        done: dict[str, float] = {}
+
+        async def ask(query: str, after_s: float) -> None:
+            await asyncio.sleep(after_s)
+            docs, error, _ = await batcher.search(query)
+            assert error is None and docs
+            done[query] = time.perf_counter()
+
+        await asyncio.gather(ask("Inception", 0.0), ask("Eiffel Tower", 0.15))
+        return done["Eiffel Tower"] - done["Inception"], batcher.requests
+
+    async def together(client) -> int:
+        batcher = SearchBatcher(client, topk=2)
+        results = await asyncio.gather(*(batcher.search(q) for q in ("Inception", "Hamlet", "Peru")))
+        assert all(r[1] is None and r[0] for r in results)
+        return batcher.requests
+
+    with delaying_proxy(url, 0.6) as slow:
+        client = RetrieverClient(slow, timeout_s=10)
+        assert asyncio.run(together(client)) == 1
+        gap_overlapped, requests = asyncio.run(staggered(client, max_requests=4))
+        assert requests == 2
+        gap_serial, _ = asyncio.run(staggered(client, max_requests=1))
+    # overlapped: the second answer comes ~0.15 s after the first; one at a time: a whole 0.6 s hold later
+    assert gap_overlapped < 0.45 < gap_serial, (gap_overlapped, gap_serial)

@@ -15,7 +15,7 @@ trajectory's search overlaps other trajectories' generation, and a straggler hol
   for it to end, and a finished row waits for the call's longest: that wait is this engine's
   cost (turn batching inside the engine, trajectories async around it).
 - Search: `SearchBatcher` sends every query that is waiting as one `/retrieve` request (the
-  client splits over-limit batches), one request in flight at a time, so concurrent trajectories
+  client splits over-limit batches), at most four requests in flight, so concurrent trajectories
   still reach the server as few HTTP requests. Retries, timeouts and the error observation are
   the client's and the loop's, as in the synchronous loop.
 - Budgets, the forced final turn, the loss mask and the corrective message are the same code as
@@ -146,11 +146,19 @@ class StepBatcher:
 
 
 class SearchBatcher:
-    """Turns single queries into `/retrieve` requests over every query that is waiting."""
+    """Turns single queries into `/retrieve` requests over every query that is waiting.
 
-    def __init__(self, client, topk: int):
+    Up to `max_requests` requests are in flight at once (the client's pool holds 8 connections, and
+    the server batches across requests); queries that arrive while all are out wait and go
+    together in the next one. One request at a time would make a query that just missed a request
+    wait for that whole answer before its own is sent: up to twice the retriever's latency.
+    """
+
+    def __init__(self, client, topk: int, max_requests: int = 4):
         self.client, self.topk = client, topk
         self.pending: list[tuple[str, asyncio.Future]] = []
+        self.slots = asyncio.Semaphore(max(1, max_requests))
+        self.sending: set[asyncio.Task] = set()
         self.busy = False
         self.requests = 0
 
@@ -166,24 +174,37 @@ class SearchBatcher:
     async def _drain(self) -> None:
         try:
             while self.pending:
-                await asyncio.sleep(0)
+                await asyncio.sleep(0)  # let every task that is ready queue its query first
+                await self.slots.acquire()
                 batch, self.pending = self.pending, []
-                queries = [q for q, _ in batch]
-                start = time.perf_counter()
-                error, results = None, None
-                try:
-                    if self.client is None:
-                        raise RetrievalError("no retriever configured")
-                    results = await asyncio.to_thread(self.client.retrieve, queries, self.topk)
-                except RetrievalError as err:
-                    error = str(err)
-                self.requests += 1
-                ms = (time.perf_counter() - start) * 1000.0
-                for i, (_, future) in enumerate(batch):
-                    if not future.done():
-                        future.set_result((None if results is None else results[i], error, ms))
+                task = asyncio.get_running_loop().create_task(self._send(batch))
+                self.sending.add(task)
+                task.add_done_callback(self.sending.discard)
         finally:
             self.busy = False
+
+    async def _send(self, batch: list[tuple[str, asyncio.Future]]) -> None:
+        try:
+            start = time.perf_counter()
+            error, results = None, None
+            try:
+                if self.client is None:
+                    raise RetrievalError("no retriever configured")
+                results = await asyncio.to_thread(self.client.retrieve, [q for q, _ in batch], self.topk)
+            except RetrievalError as err:
+                error = str(err)
+            except Exception as err:  # any other fault: every query of the request raises it
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(err)
+                return
+            self.requests += 1
+            ms = (time.perf_counter() - start) * 1000.0
+            for i, (_, future) in enumerate(batch):
+                if not future.done():
+                    future.set_result((None if results is None else results[i], error, ms))
+        finally:
+            self.slots.release()
 
 
 async def _run_one(
