@@ -310,40 +310,61 @@ def _prefix_cells(mb: MicroBatch, prompts: list) -> int:
     return len(prompts) * max(len(p) for p in prompts) + len(mb.input_ids) * _suffix(mb)
 
 
-def _shared_prefix_logits(model: nn.Module, mb: MicroBatch, groups: list[int], prompts: list[tuple]):
-    """Logits scoring every response token, the prompt run once per unique prompt.
+@dataclass
+class _PrefixPass:
+    """The prompt pass of a shared-prefix forward and the layout of the response pass after it."""
 
-    The unique prompts go through the model left-padded, with a KV cache; the cache is gathered to
-    one row per trajectory and the responses (right-padded) attend to it. Gradients flow back
-    through the gathered cache into the prompt pass, so loss and gradient equal those of the full
-    pass up to float rounding. Returns logits (B, S, V) and labels (B, S) over response columns,
-    plus `cols` / `valid` (B, T) that map them back to the full layout.
-    """
+    head: Any  # the prompt pass's model output (logits, past_key_values)
+    groups: torch.Tensor  # (B,) unique prompt of each row
+    prompt_attn: torch.Tensor  # (G, P) left-padded prompts' attention mask
+    starts: torch.Tensor  # (B,) first response column of each row in the full layout
+    ends: torch.Tensor  # (B,) length of each row
+    cols: torch.Tensor  # (B, S) full-layout column of each response slot
+    valid: torch.Tensor  # (B, S) slot holds a real token
+    ids: torch.Tensor  # (B, S) response ids, right-padded
+
+    def tail(self, model: nn.Module):
+        """The response pass: every row's response attends to its prompt's cached keys and values."""
+        return model(
+            input_ids=self.ids,
+            attention_mask=torch.cat([self.prompt_attn[self.groups], self.valid.long()], dim=1),
+            position_ids=self.cols,
+            past_key_values=self.head.past_key_values,
+            use_cache=True,
+        )
+
+
+def _prefix_pass(model: nn.Module, mb: MicroBatch, groups: list[int], prompts: list[tuple], **kw) -> _PrefixPass:
+    """Runs the unique prompts once (left-padded, with a KV cache) and gathers the cache to one row
+    per trajectory; indexing keeps the autograd graph, so gradients flow back into the prompt pass."""
     device = mb.input_ids.device
     pad = 0  # any id: padded positions are masked out of attention and of the result
     p_ids, p_attn, p_pos = left_pad(prompts, pad, device)
-    head = model(input_ids=p_ids, attention_mask=p_attn, position_ids=p_pos, use_cache=True)
+    head = model(input_ids=p_ids, attention_mask=p_attn, position_ids=p_pos, use_cache=True, **kw)
     g = torch.tensor(groups, dtype=torch.long, device=device)
-    cache = head.past_key_values
-    cache.batch_select_indices(g)  # one cache row per trajectory; indexing keeps the autograd graph
+    head.past_key_values.batch_select_indices(g)
     starts = torch.tensor(mb.prompt_lengths, dtype=torch.long, device=device)
     ends = mb.attention_mask.sum(-1)
     suffix = int((ends - starts).max())
-    T = mb.input_ids.shape[1]
-    cols = starts[:, None] + torch.arange(suffix, device=device)[None]  # full-layout column of each response slot
-    s_valid = cols < ends[:, None]
-    s_ids = torch.where(s_valid, mb.input_ids.gather(1, cols.clamp(max=T - 1)), torch.full_like(cols, pad))
-    tail = model(
-        input_ids=s_ids,
-        attention_mask=torch.cat([p_attn[g], s_valid.long()], dim=1),
-        position_ids=cols,
-        past_key_values=cache,
-        use_cache=True,
-    )
-    logits = torch.cat([head.logits[g, -1:], tail.logits[:, :-1]], dim=1)
-    back = torch.arange(T, device=device)[None] - starts[:, None]
-    valid = ((back >= 0) & (back < (ends - starts)[:, None])).float()
-    return logits, s_ids, back.clamp(0, suffix - 1), valid
+    last = mb.input_ids.shape[1] - 1
+    cols = starts[:, None] + torch.arange(suffix, device=device)[None]
+    valid = cols < ends[:, None]
+    ids = torch.where(valid, mb.input_ids.gather(1, cols.clamp(max=last)), torch.full_like(cols, pad))
+    return _PrefixPass(head, g, p_attn, starts, ends, cols, valid, ids)
+
+
+def _shared_prefix_logits(model: nn.Module, mb: MicroBatch, groups: list[int], prompts: list[tuple]):
+    """Logits scoring every response token, the prompt run once per unique prompt.
+
+    The responses (right-padded) attend to the gathered prompt cache (`_prefix_pass`), so loss and
+    gradient equal those of the full pass up to float rounding. Returns logits (B, S, V) and labels
+    (B, S) over response columns, plus `cols` / `valid` (B, T) that map them back to the full layout.
+    """
+    x = _prefix_pass(model, mb, groups, prompts)
+    logits = torch.cat([x.head.logits[x.groups, -1:], x.tail(model).logits[:, :-1]], dim=1)
+    back = torch.arange(mb.input_ids.shape[1], device=x.starts.device)[None] - x.starts[:, None]
+    valid = ((back >= 0) & (back < (x.ends - x.starts)[:, None])).float()
+    return logits, x.ids, back.clamp(0, x.cols.shape[1] - 1), valid
 
 
 def _shared_prefix_selected(
@@ -353,33 +374,14 @@ def _shared_prefix_selected(
     (rows, cols) of the full layout each one scores. The prompt pass keeps one position (its last,
     which predicts the first response token); the response pass, the positions before trained
     tokens."""
-    device = mb.input_ids.device
-    pad = 0
-    p_ids, p_attn, p_pos = left_pad(prompts, pad, device)
-    head = model(input_ids=p_ids, attention_mask=p_attn, position_ids=p_pos, use_cache=True, logits_to_keep=1)
-    g = torch.tensor(groups, dtype=torch.long, device=device)
-    cache = head.past_key_values
-    cache.batch_select_indices(g)
-    starts = torch.tensor(mb.prompt_lengths, dtype=torch.long, device=device)
-    ends = mb.attention_mask.sum(-1)
-    suffix = int((ends - starts).max())
-    T = mb.input_ids.shape[1]
-    cols = starts[:, None] + torch.arange(suffix, device=device)[None]
-    s_valid = cols < ends[:, None]
-    s_ids = torch.where(s_valid, mb.input_ids.gather(1, cols.clamp(max=T - 1)), torch.full_like(cols, pad))
-    s_target = target.gather(1, cols.clamp(max=T - 1)) & s_valid
+    x = _prefix_pass(model, mb, groups, prompts, logits_to_keep=1)
+    s_target = target.gather(1, x.cols.clamp(max=mb.input_ids.shape[1] - 1)) & x.valid
     first = torch.nonzero(s_target[:, 0]).flatten()
     rows, slot = torch.nonzero(s_target[:, 1:], as_tuple=True)
     with _head_at(model, rows, slot):  # slot j of the response pass predicts response token j + 1
-        tail = model(
-            input_ids=s_ids,
-            attention_mask=torch.cat([p_attn[g], s_valid.long()], dim=1),
-            position_ids=cols,
-            past_key_values=cache,
-            use_cache=True,
-        )
-    logits = torch.cat([head.logits[g[first], -1], tail.logits[0]], dim=0)
-    return logits, torch.cat([first, rows]), torch.cat([starts[first], starts[rows] + slot + 1])
+        tail = x.tail(model)
+    logits = torch.cat([x.head.logits[x.groups[first], -1], tail.logits[0]], dim=0)
+    return logits, torch.cat([first, rows]), torch.cat([x.starts[first], x.starts[rows] + slot + 1])
 
 
 def assert_no_data_parallel(*modules: nn.Module | None) -> None:

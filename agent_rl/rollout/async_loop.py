@@ -50,79 +50,91 @@ def turn_seed(base: int, index: int, turn: int) -> int:
     return (base * 1_000_003 + index * 10_007 + turn * 101 + 1) % _SEED_MOD
 
 
-class GenerationBatcher:
-    """Turns single generation requests into engine calls over everything that is waiting."""
+class _Batcher:
+    """Single requests gathered for one worker task: the first request starts `_drain`, which
+    runs while any wait; each request is answered through its own future."""
 
-    def __init__(self, engine, temperature: float, top_p: float, max_batch: int):
-        self.engine, self.temperature, self.top_p, self.max_batch = engine, temperature, top_p, max(1, max_batch)
-        self.pending: list[tuple[list[int], int, int, asyncio.Future]] = []
+    def __init__(self) -> None:
+        self.pending: list[tuple] = []  # (*request, future)
         self.busy = False
-        self.calls = 0
+        self._task: asyncio.Task | None = None
 
-    async def generate(self, prompt: list[int], max_new: int, seed: int) -> Generation:
+    async def _submit(self, *request):
         future = asyncio.get_running_loop().create_future()
-        self.pending.append((prompt, max_new, seed, future))
+        self.pending.append((*request, future))
         if not self.busy:
             self.busy = True
-            asyncio.get_running_loop().create_task(self._drain())
+            self._task = asyncio.get_running_loop().create_task(self._run())
         return await future
 
-    async def _drain(self) -> None:
+    async def _run(self) -> None:
         try:
-            while self.pending:
-                await asyncio.sleep(0)  # let every task that is ready queue its request first
-                batch, self.pending = self.pending[: self.max_batch], self.pending[self.max_batch :]
-                try:
-                    gens = await asyncio.to_thread(
-                        self.engine.generate,
-                        [b[0] for b in batch],
-                        [b[1] for b in batch],
-                        self.temperature,
-                        self.top_p,
-                        [b[2] for b in batch],
-                    )
-                except BaseException as err:  # the engine failed: every waiting trajectory sees it
-                    for *_, future in batch + self.pending:
-                        if not future.done():
-                            future.set_exception(err)
-                    self.pending = []
-                    raise
-                self.calls += 1
-                for (*_, future), g in zip(batch, gens):
-                    future.set_result(g)
+            await self._drain()
         finally:
             self.busy = False
 
+    async def _drain(self) -> None:
+        raise NotImplementedError
 
-class StepBatcher:
+
+class GenerationBatcher(_Batcher):
+    """Turns single generation requests into engine calls over everything that is waiting."""
+
+    def __init__(self, engine, temperature: float, top_p: float, max_batch: int):
+        super().__init__()
+        self.engine, self.temperature, self.top_p, self.max_batch = engine, temperature, top_p, max(1, max_batch)
+        self.calls = 0
+
+    async def generate(self, prompt: list[int], max_new: int, seed: int) -> Generation:
+        return await self._submit(prompt, max_new, seed)
+
+    async def _drain(self) -> None:
+        while self.pending:
+            await asyncio.sleep(0)  # let every task that is ready queue its request first
+            batch, self.pending = self.pending[: self.max_batch], self.pending[self.max_batch :]
+            try:
+                gens = await asyncio.to_thread(
+                    self.engine.generate,
+                    [b[0] for b in batch],
+                    [b[1] for b in batch],
+                    self.temperature,
+                    self.top_p,
+                    [b[2] for b in batch],
+                )
+            except BaseException as err:  # the engine failed: every waiting trajectory sees it
+                for *_, future in batch + self.pending:
+                    if not future.done():
+                        future.set_exception(err)
+                self.pending = []
+                raise
+            self.calls += 1
+            for (*_, future), g in zip(batch, gens):
+                future.set_result(g)
+
+
+class StepBatcher(_Batcher):
     """Continuous batching on an engine with `submit`/`step` (vLLM): a request joins the running
     batch at the next engine step and its trajectory resumes as soon as it finishes, while the
     other requests keep decoding; no turn waits for the slowest row of a call."""
 
     def __init__(self, engine, temperature: float, top_p: float):
+        super().__init__()
         self.engine, self.temperature, self.top_p = engine, temperature, top_p
-        self.waiting: list[tuple[list[int], int, int, asyncio.Future]] = []
         self.running: dict[str, asyncio.Future] = {}
-        self.busy = False
         self.calls = 0  # engine steps
 
     async def generate(self, prompt: list[int], max_new: int, seed: int) -> Generation:
         if max_new <= 0:
             return Generation([], [], "length")
-        future = asyncio.get_running_loop().create_future()
-        self.waiting.append((prompt, max_new, seed, future))
-        if not self.busy:
-            self.busy = True
-            asyncio.get_running_loop().create_task(self._drive())
-        return await future
+        return await self._submit(prompt, max_new, seed)
 
-    async def _drive(self) -> None:
+    async def _drain(self) -> None:
         try:
-            while self.waiting or self.running:
+            while self.pending or self.running:
                 await asyncio.sleep(0)  # let every task that is ready queue its request first
-                for prompt, max_new, seed, future in self.waiting:
+                for prompt, max_new, seed, future in self.pending:
                     self.running[self.engine.submit(prompt, max_new, self.temperature, self.top_p, seed)] = future
-                self.waiting = []
+                self.pending = []
                 step = asyncio.ensure_future(asyncio.to_thread(self.engine.step))
                 try:
                     done = await asyncio.shield(step)
@@ -136,16 +148,14 @@ class StepBatcher:
                         future.set_result(g)
         except BaseException as err:  # the engine failed or the rollout was cancelled
             self.engine.abort(list(self.running))
-            for future in [f for *_, f in self.waiting] + list(self.running.values()):
+            for future in [f for *_, f in self.pending] + list(self.running.values()):
                 if not future.done():
                     future.set_exception(err)
-            self.waiting, self.running = [], {}
+            self.pending, self.running = [], {}
             raise
-        finally:
-            self.busy = False
 
 
-class SearchBatcher:
+class SearchBatcher(_Batcher):
     """Turns single queries into `/retrieve` requests over every query that is waiting.
 
     Up to `max_requests` requests are in flight at once (the client's pool holds 8 connections, and
@@ -155,33 +165,24 @@ class SearchBatcher:
     """
 
     def __init__(self, client, topk: int, max_requests: int = 4):
+        super().__init__()
         self.client, self.topk = client, topk
-        self.pending: list[tuple[str, asyncio.Future]] = []
         self.slots = asyncio.Semaphore(max(1, max_requests))
         self.sending: set[asyncio.Task] = set()
-        self.busy = False
         self.requests = 0
 
     async def search(self, query: str) -> tuple[list[dict] | None, str | None, float]:
         """(documents or None, error or None, milliseconds of the request that carried it)."""
-        future = asyncio.get_running_loop().create_future()
-        self.pending.append((query, future))
-        if not self.busy:
-            self.busy = True
-            asyncio.get_running_loop().create_task(self._drain())
-        return await future
+        return await self._submit(query)
 
     async def _drain(self) -> None:
-        try:
-            while self.pending:
-                await asyncio.sleep(0)  # let every task that is ready queue its query first
-                await self.slots.acquire()
-                batch, self.pending = self.pending, []
-                task = asyncio.get_running_loop().create_task(self._send(batch))
-                self.sending.add(task)
-                task.add_done_callback(self.sending.discard)
-        finally:
-            self.busy = False
+        while self.pending:
+            await asyncio.sleep(0)  # let every task that is ready queue its query first
+            await self.slots.acquire()
+            batch, self.pending = self.pending, []
+            task = asyncio.get_running_loop().create_task(self._send(batch))
+            self.sending.add(task)
+            task.add_done_callback(self.sending.discard)
 
     async def _send(self, batch: list[tuple[str, asyncio.Future]]) -> None:
         try:
