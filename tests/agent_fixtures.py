@@ -1,17 +1,48 @@
 """Session fixtures for the trainer's tests: a tiny model, a small dense index, a tiny toy world;
 and `start_servers`, real `retriever-server` subprocesses for the tests and benches."""
 
+import socket
 import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 from agent_rl.infra.prepare import spawn_retriever, stop_process, wait_ready
+from agent_rl.rollout.engines import Generation
 
 FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (bound and released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_cmd(nproc: int, *target: str) -> list[str]:
+    """`torch.distributed.run` on this machine with `nproc` ranks and a free rendezvous port, then
+    `target` (a script and its arguments, or `-m module ...`)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        *target,
+    ]
 
 
 @pytest.fixture(scope="session")
@@ -129,3 +160,39 @@ def delaying_proxy(upstream: str, delay_s: float) -> Iterator[str]:
         server.shutdown()
         server.server_close()
         client.close()
+
+
+STOP_TAGS = ("</search>", "</answer>")
+
+
+class ScriptedEngine:
+    continuous = False  # whole calls, batched by the asynchronous loop's GenerationBatcher
+    batch_size = 0
+    """Deterministic engine (a scripted policy): the next turn is a function of the decoded context,
+    cut at the first stop tag; it records the size of every call (how the async loop batched ready
+    requests) and can be slow per call."""
+
+    def __init__(self, tokenizer, script, delay_s: float = 0.0):
+        self.tok, self.script, self.delay_s = tokenizer, script, delay_s
+        self.generator = torch.Generator().manual_seed(0)
+        self.stats = {"generated_tokens": 0}
+        self.batch_sizes: list[int] = []
+
+    def generate(self, prompts, max_new_tokens, temperature, top_p=1.0, seeds=None):
+        self.batch_sizes.append(len(prompts))
+        time.sleep(self.delay_s)
+        out = []
+        for p, n in zip(prompts, max_new_tokens):
+            ids = self.tok(self.script(self.tok.decode(p, skip_special_tokens=False)), add_special_tokens=False)[
+                "input_ids"
+            ]
+            finish = "length"
+            for j, tid in enumerate(ids):
+                if self.tok.decode([tid]) in STOP_TAGS:
+                    ids, finish = ids[: j + 1], "stop"
+                    break
+            if len(ids) > n:
+                ids, finish = ids[:n], "length"
+            out.append(Generation(ids, [-0.5] * len(ids), finish))
+            self.stats["generated_tokens"] += len(ids)
+        return out

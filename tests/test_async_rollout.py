@@ -9,48 +9,22 @@ import time
 
 import pytest
 import torch
-from agent_fixtures import delaying_proxy, hotpot_index_dir, start_server, tiny_model_dir  # noqa: F401  (pytest fixtures)
+from agent_fixtures import (  # noqa: F401  (pytest fixtures)
+    ScriptedEngine,
+    delaying_proxy,
+    hotpot_index_dir,
+    start_server,
+    tiny_model_dir,
+)
 
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.engines import Generation, HFEngine
 from agent_rl.rollout.loop import AgentLoop, PromptItem
 from retriever_server.client import RetrieverClient
 
-STOP = ("</search>", "</answer>")
 BUDGET = TokenBudget(
     max_turns=3, max_prompt_tokens=64, max_tokens_per_turn=24, max_obs_tokens=400, max_total_tokens=64 + 3 * 424 + 24
 )
-
-
-class ScriptedEngine:
-    continuous = False  # whole calls, batched by the asynchronous loop's GenerationBatcher
-    batch_size = 0
-    """Deterministic engine: the next turn is a function of the decoded context; it records the
-    size of every call (how the async loop batched ready requests) and can be slow per call."""
-
-    def __init__(self, tokenizer, script, delay_s: float = 0.0):
-        self.tok, self.script, self.delay_s = tokenizer, script, delay_s
-        self.generator = torch.Generator().manual_seed(0)
-        self.stats = {"generated_tokens": 0}
-        self.batch_sizes: list[int] = []
-
-    def generate(self, prompts, max_new_tokens, temperature, top_p=1.0, seeds=None):
-        self.batch_sizes.append(len(prompts))
-        time.sleep(self.delay_s)
-        out = []
-        for p, n in zip(prompts, max_new_tokens):
-            ids = self.tok(self.script(self.tok.decode(p, skip_special_tokens=False)), add_special_tokens=False)[
-                "input_ids"
-            ]
-            finish = "length"
-            for j, tid in enumerate(ids):
-                if self.tok.decode([tid]) in STOP:
-                    ids, finish = ids[: j + 1], "stop"
-                    break
-            if len(ids) > n:
-                ids, finish = ids[:n], "length"
-            out.append(Generation(ids, [-0.5] * len(ids), finish))
-        return out
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from agent_fixtures import torchrun_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS, GROUP_SIZE, PAD = 4, 4, 0
@@ -148,12 +148,6 @@ def _scenarios(caps: dict[str, int]) -> dict[str, list[str]]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """Run the 2-rank torchrun job once; returns its work directory."""
@@ -171,21 +165,7 @@ def job(tmp_path_factory):
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     for _ in range(2):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "1",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(_free_port()),
-            __file__,
-            str(work),
-        ]
+        cmd = torchrun_cmd(2, __file__, str(work))
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
         # A gloo rank once aborted in torch's C++ runtime on a loaded 2-core CI machine ("terminate
         # called without an active exception", exit -6; not reproduced in four reruns, three of them

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from agent_fixtures import tiny_model_dir  # noqa: F401  (pytest fixture)
+from agent_fixtures import tiny_model_dir, torchrun_cmd  # noqa: F401  (pytest fixture)
 
 from agent_rl.config import ConfigError, load_config
 
@@ -82,27 +82,13 @@ def test_bf16_step_at_lr_1e6_moves_parameters_as_fp32_does(tiny_model_dir):
 def test_ppo_critic_under_fsdp2_bf16_on_two_gloo_ranks(tmp_path):
     """torchrun, 2 gloo ranks, PPO with `train.bf16=true`: the critic's value head is all-gathered
     in bf16 and fed bf16 hidden states (it used to raise a dtype error); the run trains 1 step."""
-    from test_train import _free_port, _overrides
+    from test_train import _overrides
 
     cache = tmp_path / "cache"
     out = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(_free_port()),
-        "-m",
-        "agent_rl",
-        "train",
-        "configs/tiny_cpu_grpo.yaml",
+        *torchrun_cmd(2, "-m", "agent_rl", "train", "configs/tiny_cpu_grpo.yaml"),
         *_overrides(cache, out, 1),
         "algo.name=ppo",
         "algo.kl_coef=0.01",

@@ -3,7 +3,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -11,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from agent_fixtures import hotpot_index_dir, start_servers  # noqa: F401  (pytest fixture)
+from agent_fixtures import free_port, hotpot_index_dir, start_servers  # noqa: F401  (pytest fixture)
 
 from agent_rl.infra.prepare import stop_process
 from retriever_server.answers import contains_answer, normalize_answer
@@ -218,17 +217,11 @@ def test_compare_same_server_gives_zero_deltas(server, tmp_path, capsys):
     assert "overall b-a" in capsys.readouterr().out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_compare_with_dead_server_reports_failures(server, tmp_path, capsys):
     """A compare URL where nothing listens: its queries are all counted as failed with the
     reason, the first server's numbers still come out, no traceback, exit code 1."""
     out = tmp_path / "c.json"
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     rc = main(
         [
             "--url",

@@ -5,42 +5,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from agent_fixtures import hotpot_index_dir, start_server, tiny_model_dir  # noqa: F401  (pytest fixtures)
+from agent_fixtures import (  # noqa: F401  (pytest fixtures)
+    ScriptedEngine,
+    hotpot_index_dir,
+    start_server,
+    tiny_model_dir,
+)
 
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.engines import Generation, HFEngine, _sample
 from agent_rl.rollout.loop import AgentLoop, PromptItem
 from agent_rl.rollout.protocol import INVALID_MESSAGE, parse_action
 from retriever_server.client import RetrieverClient
-
-STOP = ("</search>", "</answer>")
-
-
-class ScriptedEngine:
-    """An Engine whose next turn is a function of the decoded context (a scripted policy)."""
-
-    def __init__(self, tokenizer, script):
-        self.tok = tokenizer
-        self.script = script
-        self.calls = 0
-        self.stats = {"generated_tokens": 0}
-
-    def generate(self, prompts, max_new_tokens, temperature, top_p=1.0):
-        out = []
-        for p, n in zip(prompts, max_new_tokens):
-            self.calls += 1
-            text = self.script(self.tok.decode(p, skip_special_tokens=False))
-            ids = self.tok(text, add_special_tokens=False)["input_ids"]
-            finish = "length"
-            for j, tid in enumerate(ids):
-                if self.tok.decode([tid]) in STOP:
-                    ids, finish = ids[: j + 1], "stop"
-                    break
-            if len(ids) > n:
-                ids, finish = ids[:n], "length"
-            out.append(Generation(ids, [-0.5] * len(ids), finish))
-            self.stats["generated_tokens"] += len(ids)
-        return out
 
 
 @pytest.fixture(scope="module")

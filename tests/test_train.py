@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from agent_fixtures import hotpot_index_dir  # noqa: F401  (pytest fixture)
+from agent_fixtures import hotpot_index_dir, torchrun_cmd  # noqa: F401  (pytest fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,14 +40,6 @@ def _overrides(cache: Path, out: Path, steps: int, extra=()):
         "algo.entropy_coef=0.01",
         *extra,
     ]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(args, **kw):
@@ -184,21 +176,7 @@ def test_torchrun_two_ranks_trains_checkpoints_and_resumes(cache, tmp_path):
 
     def torchrun(steps, *extra):
         cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "1",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(_free_port()),
-            "-m",
-            "agent_rl",
-            "train",
-            "configs/tiny_cpu_grpo.yaml",
+            *torchrun_cmd(2, "-m", "agent_rl", "train", "configs/tiny_cpu_grpo.yaml"),
             *_overrides(cache, out, steps),
             "run.save_every=2",
             *extra,

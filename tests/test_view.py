@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from agent_fixtures import FIXTURES, start_server, tiny_model_dir  # noqa: F401  (pytest fixtures)
-from test_async_rollout import ScriptedEngine, _items
+from agent_fixtures import FIXTURES, ScriptedEngine, start_server, tiny_model_dir  # noqa: F401  (pytest fixtures)
+from test_async_rollout import _items
 
 from agent_rl.cli import write_trajectories
 from agent_rl.rollout.budget import TokenBudget

@@ -26,40 +26,24 @@ CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
-# hidden, layers, heads, kv heads, intermediate, vocab. head_dim = 64 everywhere (vLLM needs >= 64).
+# head_dim = 64 everywhere (vLLM needs >= 64). "base" (~32M) is a shape where the matrices dominate the step,
+# as in real models (bench/train_vs_trl.py).
+_SIZE_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab",
+)
 SIZES = {
-    "tiny": dict(
-        hidden_size=192,
-        num_hidden_layers=3,
-        num_attention_heads=3,
-        num_key_value_heads=1,
-        intermediate_size=512,
-        vocab=1536,
-    ),
-    "small": dict(
-        hidden_size=384,
-        num_hidden_layers=6,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        intermediate_size=1024,
-        vocab=4096,
-    ),
-    "base": dict(  # ~32M: matrices dominate the step, as in real models (bench/train_vs_trl.py)
-        hidden_size=512,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        intermediate_size=2048,
-        vocab=1536,
-    ),
-    "medium": dict(
-        hidden_size=768,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        intermediate_size=2048,
-        vocab=8192,
-    ),
+    name: dict(zip(_SIZE_FIELDS, row))
+    for name, row in {
+        "tiny": (192, 3, 3, 1, 512, 1536),
+        "small": (384, 6, 6, 2, 1024, 4096),
+        "base": (512, 8, 8, 4, 2048, 1536),
+        "medium": (768, 12, 12, 4, 2048, 8192),
+    }.items()
 }
 
 

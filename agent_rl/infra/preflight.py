@@ -87,7 +87,7 @@ def run_preflight(model, cfg: Config, device: str) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     try:
         from agent_rl.learn.batch import MicroBatch
-        from agent_rl.learn.policy import compute_autocast, forward_logprobs
+        from agent_rl.learn.policy import compute_autocast, update_logprobs
 
         # The most tokens a trajectory can have trained: every turn at its cap (the LM head runs on these).
         trained = min(length - 1, (cfg.budget.max_turns + 1) * cfg.budget.max_tokens_per_turn)
@@ -95,13 +95,7 @@ def run_preflight(model, cfg: Config, device: str) -> dict:
         mask[:, length - trained :] = 1.0
         mb = MicroBatch(index=list(range(rows)), input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=mask)
         with compute_autocast(cfg, device):
-            lp, _ = forward_logprobs(
-                model,
-                mb,
-                cfg.rollout.temperature,
-                with_entropy=cfg.algo.entropy_coef > 0 or cfg.algo.log_entropy,
-                pack=cfg.train.pack_rows,
-            )
+            lp, _ = update_logprobs(cfg, model, mb)
         lp.sum().backward()
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
         if not _is_oom(err):

@@ -170,6 +170,19 @@ def forward_logprobs(
     return logprobs, entropy
 
 
+def update_logprobs(cfg: Config, model: nn.Module, mb: MicroBatch, share_prefix: bool = False):
+    """The update's forward as the config sets it (temperature, entropy when the loss or the log
+    reads it, packed rows): used by the update and by the preflight that must run the same pass."""
+    return forward_logprobs(
+        model,
+        mb,
+        cfg.rollout.temperature,
+        with_entropy=cfg.algo.entropy_coef > 0 or cfg.algo.log_entropy,
+        share_prefix=share_prefix,
+        pack=cfg.train.pack_rows,
+    )
+
+
 @dataclass
 class PackPlan:
     """Rows of a micro-batch packed into fewer rows of the same width.

@@ -24,7 +24,7 @@ from agent_rl.infra.world import LOCAL, World
 from agent_rl.learn import advantages as adv_lib
 from agent_rl.learn import losses
 from agent_rl.learn.batch import MicroBatch, RolloutBatch, even_microbatches, pack_microbatches
-from agent_rl.learn.policy import compute_autocast, forward_logprobs, reference_mode
+from agent_rl.learn.policy import compute_autocast, forward_logprobs, reference_mode, update_logprobs
 from agent_rl.rollout.trajectory import Trajectory
 
 
@@ -213,14 +213,7 @@ def _microbatch_step(
     advantages, engine_lp = mb.advantages, mb.rollout_logprobs
     assert advantages is not None and engine_lp is not None, "micro-batches of a scored RolloutBatch carry both"
     with _autocast(cfg, world):
-        logprobs, entropy = forward_logprobs(
-            policy,
-            mb,
-            cfg.rollout.temperature,
-            with_entropy=cfg.algo.entropy_coef > 0 or cfg.algo.log_entropy,
-            share_prefix=share,
-            pack=cfg.train.pack_rows,
-        )
+        logprobs, entropy = update_logprobs(cfg, policy, mb, share)
     old = logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs  # None: on-policy, the update's own forward
     if first_epoch:  # old = the weights the engine sampled with
         total, worst, count = losses.logprob_diff(old, engine_lp, mb.loss_mask)
