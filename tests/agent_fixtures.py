@@ -196,3 +196,18 @@ class ScriptedEngine:
             out.append(Generation(ids, [-0.5] * len(ids), finish))
             self.stats["generated_tokens"] += len(ids)
         return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    """The tiny model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def server(hotpot_index_dir):
+    """A real retriever-server subprocess over the HotpotQA fixture index, on an ephemeral 127.0.0.1 port."""
+    with start_server(hotpot_index_dir) as server:
+        yield server

@@ -13,8 +13,10 @@ from agent_fixtures import (  # noqa: F401  (pytest fixtures)
     ScriptedEngine,
     delaying_proxy,
     hotpot_index_dir,
+    server,
     start_server,
     tiny_model_dir,
+    tokenizer,
 )
 
 from agent_rl.rollout.budget import TokenBudget
@@ -25,19 +27,6 @@ from retriever_server.client import RetrieverClient
 BUDGET = TokenBudget(
     max_turns=3, max_prompt_tokens=64, max_tokens_per_turn=24, max_obs_tokens=400, max_total_tokens=64 + 3 * 424 + 24
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def server(hotpot_index_dir):
-    with start_server(hotpot_index_dir) as server:
-        yield server
 
 
 def _items(tokenizer, questions):

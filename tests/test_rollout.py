@@ -8,8 +8,10 @@ import torch
 from agent_fixtures import (  # noqa: F401  (pytest fixtures)
     ScriptedEngine,
     hotpot_index_dir,
+    server,
     start_server,
     tiny_model_dir,
+    tokenizer,
 )
 
 from agent_rl.rollout.budget import TokenBudget
@@ -17,20 +19,6 @@ from agent_rl.rollout.engines import Generation, HFEngine, _sample
 from agent_rl.rollout.loop import AgentLoop, PromptItem
 from agent_rl.rollout.protocol import INVALID_MESSAGE, parse_action
 from retriever_server.client import RetrieverClient
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
-
-
-@pytest.fixture(scope="module")
-def server(hotpot_index_dir):
-    """A real retriever-server subprocess on an ephemeral 127.0.0.1 port."""
-    with start_server(hotpot_index_dir) as server:
-        yield server
 
 
 def _items(tokenizer, n=2):
