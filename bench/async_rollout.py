@@ -67,7 +67,8 @@ def point(args) -> dict:
         loop, tokenizer, budget = _loop(cfg, model_path, url)
         items = load_prompts(cfg.data.train_files, tokenizer, budget, prompts_n).items
         loop.run(items[:2], 2, cfg.rollout.temperature)  # warm-up
-        gen0 = loop.engine.stats["generated_tokens"]
+        gen0, engine0 = loop.engine.stats["generated_tokens"], loop.engine.stats["generate_s"]
+        counters0 = dict(loop.counters)
         start = time.perf_counter()
         trajs = loop.run(items, group, cfg.rollout.temperature)
         wall = time.perf_counter() - start
@@ -83,7 +84,10 @@ def point(args) -> dict:
         "traj_s": len(trajs) / wall,
         "tok_s": (loop.engine.stats["generated_tokens"] - gen0) / wall,
         "turns": sum(len(t.turns) for t in trajs) / len(trajs),
-        "searches": loop.counters["retriever/queries"],
+        "searches": loop.counters["retriever/queries"] - counters0.get("retriever/queries", 0),
+        "search_requests": loop.counters["rollout/search_requests"] - counters0.get("rollout/search_requests", 0),
+        "engine_calls": loop.counters["rollout/engine_calls"] - counters0.get("rollout/engine_calls", 0),
+        "engine_s": loop.engine.stats["generate_s"] - engine0,
         "peak_rss_mib": peak_rss_bytes() / 2**20,
     }
 
