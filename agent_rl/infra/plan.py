@@ -237,21 +237,26 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
     seq = min(cfg.budget.max_total_tokens, cap)
     rows = max(1, cap // seq)
     tokens = rows * seq
-    # One process, no checkpointing: a GRPO group's rows share one prompt pass (models._prefix_plan,
-    # taken when it saves >= 25% of the micro-batch's tokens).
+    # One process, no checkpointing: a GRPO group's rows share one prompt pass (learn.policy._prefix_plan,
+    # taken when it runs at most PREFIX_MAX_SHARE of the micro-batch's token positions).
+    shared_prefix = False
     if cfg.train.share_prompt_prefix and gpus <= 1 and not cfg.model.gradient_checkpointing and cfg.algo.group_size > 1:
+        from agent_rl.learn.policy import PREFIX_MAX_SHARE
+
         prompt = min(cfg.budget.max_prompt_tokens, seq - 1)
         shared = -(-rows // cfg.algo.group_size) * prompt + rows * (seq - prompt)
-        if rows > 1 and shared <= 0.75 * tokens:
-            tokens = shared
+        if rows > 1 and shared <= PREFIX_MAX_SHARE * tokens:
+            tokens, shared_prefix = shared, True
     train_c["activations"] = activation_bytes(arch, tokens, rows, seq, bc, cfg.model.gradient_checkpointing)
     trained = min(tokens, rows * min(seq - 1, (cfg.budget.max_turns + 1) * cfg.budget.max_tokens_per_turn))
     train_c["logits"] = trained * arch.vocab * bc * 2 + min(trained, LOGIT_CHUNK_TOKENS) * arch.vocab * 4 * 3
     step_rows = cfg.algo.mini_batch_size or cfg.rollout.prompts_per_step * cfg.algo.group_size
-    if step_rows <= rows // max(1, shard):
+    if step_rows <= rows // max(1, shard) and not shared_prefix:
         # One micro-batch per optimizer step: gradients start empty (zero_grad(set_to_none)) and
         # grow layer by layer as the backward frees that layer's activations, so they do not sit
         # beside the whole micro-batch's activations; the first to arrive is the output layer's.
+        # Not with a shared prompt pass: the response pass's backward fills every layer's gradient
+        # while the prompt pass's graph still waits for its own.
         head = arch.vocab * arch.hidden * 4 // shard if not lora else 0
         overlap = train_c["activations"] + train_c["logits"]
         train_c["grads"] = max(head, train_c["grads"] - overlap + head)
