@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -122,6 +123,9 @@ class StepBatcher(_Batcher):
         self.engine, self.temperature, self.top_p = engine, temperature, top_p
         self.running: dict[str, asyncio.Future] = {}
         self.calls = 0  # engine steps
+        # Every step in one thread of its own: steps spread over asyncio's default pool each gave
+        # that pool thread its own glibc malloc arena (about +130 MiB peak RSS against sync).
+        self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-rl-engine")
 
     async def generate(self, prompt: list[int], max_new: int, seed: int) -> Generation:
         if max_new <= 0:
@@ -135,7 +139,7 @@ class StepBatcher(_Batcher):
                 for prompt, max_new, seed, future in self.pending:
                     self.running[self.engine.submit(prompt, max_new, self.temperature, self.top_p, seed)] = future
                 self.pending = []
-                step = asyncio.ensure_future(asyncio.to_thread(self.engine.step))
+                step = asyncio.get_running_loop().run_in_executor(self.thread, self.engine.step)
                 try:
                     done = await asyncio.shield(step)
                 except asyncio.CancelledError:
@@ -252,6 +256,8 @@ async def _run_all(
     finally:
         for task in tasks:
             task.cancel()
+        if isinstance(gen, StepBatcher):
+            gen.thread.shutdown(wait=False)
     return gen.calls, search.requests
 
 
