@@ -5,8 +5,8 @@ Usage: .venv/bin/python bench/async_rollout.py [--model tiny|tiny-vllm|smollm2] 
 
 - tiny: the tiny model (its SFT warm start when built) with the HF engine on the toy world,
   `configs/tiny_cpu_grpo.yaml`, 64 prompts x 4 samples.
-- tiny-vllm: the same with vLLM-CPU (one engine step over 256 rows takes ~60 ms here; 200 ms of
-  search delay measured ~8% of a synchronous rollout).
+- tiny-vllm: the same with vLLM-CPU (a decode step over 256 rows takes ~22 ms here, a 2k-token prefill
+  step ~45 ms; with 200 ms of delay, 47% of a synchronous rollout is spent outside the engine).
 - smollm2: SmolLM2-135M (its SFT warm start when built, else the converted base model) with
   vLLM-CPU on the HotpotQA fixture, `configs/smollm2_hotpotqa_grpo.yaml`, 8 prompts x 4.
 `--prompts` / `--group` replace the model's batch. Each row also prints the engine's own seconds
