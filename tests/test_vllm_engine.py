@@ -223,8 +223,9 @@ def test_vllm_async_rollout_batches_continuously_and_is_seeded_per_trajectory(ti
 
     async def cancelled():
         import asyncio
+        from concurrent.futures import ThreadPoolExecutor
 
-        batcher = StepBatcher(engine, 1.0, 1.0)
+        batcher = StepBatcher(engine, 1.0, 1.0, ThreadPoolExecutor(max_workers=1))
         task = asyncio.ensure_future(batcher.generate(items[0].prompt_ids, 24, 3))
         await asyncio.sleep(0)
         await asyncio.sleep(0)
@@ -233,6 +234,7 @@ def test_vllm_async_rollout_batches_continuously_and_is_seeded_per_trajectory(ti
             await task
         while batcher.busy:
             await asyncio.sleep(0.01)
+        batcher.thread.shutdown()
 
     import asyncio
 
