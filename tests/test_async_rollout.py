@@ -5,7 +5,6 @@ seeded draws do not depend on completion order; a slow server (a delaying proxy)
 killed mid-rollout keep the loop's contract; budgets hold under a runaway policy.
 """
 
-import threading
 import time
 
 import pytest
@@ -137,32 +136,6 @@ def test_async_overlaps_slow_searches_and_survives_a_dead_server(tokenizer, hotp
         assert loop.counters["retriever/errors"] > 0
         assert any(x.retriever_error for t in trajs for x in t.turns)
         assert all(t.total_tokens <= BUDGET.max_total_tokens for t in trajs)
-
-
-def test_async_engine_calls_stay_on_the_callers_thread_and_failures_reach_it(tokenizer, server):
-    """Every engine call runs on the thread that called `run` (the event loop has a helper thread
-    of its own); an engine failure mid-rollout is raised there as itself, and the helper is gone."""
-    _, url = server
-    engine = ScriptedEngine(tokenizer, _script)
-    threads = []
-    original = engine.generate
-
-    def generate(*args, **kw):
-        threads.append(threading.current_thread())
-        if engine.fail and len(threads) == 2:
-            raise MemoryError("engine out of memory")
-        return original(*args, **kw)
-
-    engine.generate, engine.fail = generate, False
-    loop = AgentLoop(engine, tokenizer, RetrieverClient(url, topk=2), BUDGET, mode="async")
-    assert all(t.done for t in loop.run(_items(tokenizer, QUESTIONS), group_size=2))
-    assert len(threads) > 1 and set(threads) == {threading.current_thread()}
-
-    threads.clear()
-    engine.fail = True
-    with pytest.raises(MemoryError, match="out of memory"):
-        loop.run(_items(tokenizer, QUESTIONS), group_size=2)
-    assert not [t for t in threading.enumerate() if t.name == "agent-rl-rollout-loop"]
 
 
 def test_async_runaway_policy_stays_within_budget(tokenizer, server):

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -209,9 +208,6 @@ def test_vllm_async_rollout_batches_continuously_and_is_seeded_per_trajectory(ti
         }
         assert greedy["async"] == greedy["sync"]
         sampled = []
-        threads = set()
-        step = engine.step
-        engine.step = lambda: threads.add(threading.current_thread()) or step()  # type: ignore[method-assign]
         for inflight in (0, 2):
             engine.generator.manual_seed(11)
             loop = AgentLoop(engine, tok, client, budget, mode="async", max_inflight=inflight)
@@ -224,8 +220,6 @@ def test_vllm_async_rollout_batches_continuously_and_is_seeded_per_trajectory(ti
                     lp for lp, m in zip(t.logprobs, t.loss_mask) if not m
                 )
         assert sampled[0] == sampled[1]
-        del engine.step
-        assert threads == {threading.main_thread()}  # steps stay on the caller's thread (its OpenMP team)
 
     async def cancelled():
         import asyncio
