@@ -150,6 +150,7 @@ def run_ours(args) -> dict:
         start = time.perf_counter()
         clock.start("generate")
         trajs = loop.run(prompts.items, args.group, cfg.rollout.temperature)
+        engine.sleep()  # as the trainer does before the update: frees the fast decoder's reordered weights
         clock.stop("generate")
         clock.start("score")
         for t in trajs:

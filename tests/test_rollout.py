@@ -292,6 +292,32 @@ def test_fast_decode_matches_transformers_forward(tokenizer, tiny_model_dir):
         assert got.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
 
 
+def test_decode_linear_follows_weight_updates_and_frees_its_copies():
+    """The fast decoder's oneDNN linears equal `F.linear` to float rounding at any row count, with
+    and without bias; an in-place weight change (an optimizer step, a weight sync) is picked up at
+    the next call, never a stale reordered copy; `sleep` frees the copies; bf16 falls back."""
+    from agent_rl.rollout.engines import _DecodeLinear
+
+    torch.manual_seed(0)
+    linear = _DecodeLinear()
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    for rows in (16, 12, 5, 1):
+        h = torch.randn(rows, 64)
+        for b in (None, bias):
+            assert torch.allclose(linear(h, weight, b), torch.nn.functional.linear(h, weight, b), atol=1e-4)
+    assert len(linear.packed) == (1 if linear.available else 0)
+    with torch.no_grad():
+        weight.mul_(-2.0)  # in place, as AdamW and load_weights change weights
+    h = torch.randn(16, 64)
+    assert torch.allclose(linear(h, weight), torch.nn.functional.linear(h, weight), atol=1e-4)
+    engine = HFEngine.__new__(HFEngine)
+    engine.linear = linear
+    engine.sleep()
+    assert not linear.packed
+    h16 = h.bfloat16()
+    assert linear(h16, weight.bfloat16()).dtype == torch.bfloat16 and not linear.packed
+
+
 @pytest.mark.parametrize("turns,per_turn,total", [(8, 64, 256), (32, 64, 2048)])
 def test_total_budget_binds_with_a_forced_answer_turn(tokenizer, server, turns, per_turn, total):
     """max_total_tokens below prompt + max_turns x (turn + obs) binds: a policy that searches every

@@ -292,6 +292,10 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
     seqs = min(cfg.rollout.generation_batch_size, cfg.rollout.prompts_per_step * cfg.algo.group_size)
     if cfg.rollout.engine == "hf":
         rollout_c["kv_cache"] = seqs * cfg.budget.max_total_tokens * kv + seqs * arch.vocab * 4 * 2
+        fp32_weights = cfg.rollout.device == cfg.train.device or b == 4  # the policy itself, or an fp32 copy
+        if cfg.rollout.fast_decode and cfg.rollout.device == "cpu" and fp32_weights and not cfg.train.bf16 and not lora:
+            # the fast decoder's oneDNN copies of the linear weights (engines._DecodeLinear), freed before the update
+            rollout_c["decode_weights"] = (P - (0 if arch.tied else arch.vocab * arch.hidden)) * 4
     if cfg.memory.retriever_on_gpu_gib and on_gpu:
         engine_c["retriever_index"] = int(cfg.memory.retriever_on_gpu_gib * GIB)
     resident = {k: v for k, v in train_c.items() if k in ("params", "grads", "optimizer", "reference", "critic")}

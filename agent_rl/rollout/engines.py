@@ -111,6 +111,42 @@ def _sample(
     return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
 
 
+class _DecodeLinear:
+    """The fast decoder's linears through oneDNN, over weights reordered once per weight version.
+
+    A decode step multiplies a few rows by every weight, streamed from memory. MKL's plain product
+    (`F.linear`) reads them slowly at that shape: on the 2-core AVX-512 machine here a 16-row
+    product with a 2048 x 512 weight not in cache took ~530 us, while oneDNN's inner product over
+    the same weight reordered into its blocked layout took ~310 us (12 rows: 395 -> 275 us; 4 rows:
+    282 -> 218 us). The reordered copies (as large as the weights) are made on first use, remade
+    when a weight changes (an optimizer step or a weight sync bumps its version), and freed by
+    `clear` (the engine's `sleep`, before the update). Other dtypes, autocast, and builds without
+    oneDNN use `F.linear`; the two agree to float rounding, not bit for bit.
+    """
+
+    def __init__(self) -> None:
+        self.available = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        self.packed: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id -> (weight, version, reordered)
+
+    def __call__(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if (
+            not self.available
+            or h.dtype != torch.float32
+            or weight.dtype != torch.float32
+            or h.device.type != "cpu"
+            or torch.is_autocast_enabled("cpu")
+        ):
+            return torch.nn.functional.linear(h, weight, bias)
+        entry = self.packed.get(id(weight))
+        if entry is None or entry[0] is not weight or entry[1] != weight._version:
+            entry = (weight, weight._version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), h.shape[0]))
+            self.packed[id(weight)] = entry
+        return torch.ops.mkldnn._linear_pointwise(h.contiguous(), entry[2], bias, "none", [], "")
+
+    def clear(self) -> None:
+        self.packed.clear()
+
+
 class _LlamaDecoder:
     """One-token decode steps for Qwen2 / Llama models on CPU, without transformers' forward.
 
@@ -139,8 +175,9 @@ class _LlamaDecoder:
             and all(getattr(layer.self_attn, "sliding_window", None) is None for layer in inner.layers)
         )
 
-    def __init__(self, model, past, capacity: int):
+    def __init__(self, model, past, capacity: int, linear: _DecodeLinear | None = None):
         self.model, self.inner = model, model.model
+        self.linear = linear or _DecodeLinear()
         attn = self.inner.layers[0].self_attn
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
         self.heads, self.kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
@@ -169,7 +206,7 @@ class _LlamaDecoder:
 
     def step(self, ids: torch.Tensor, positions: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         """ids, positions: (B,); attention: (B, length + 1) with the new token's column -> logits (B, V)."""
-        F = torch.nn.functional
+        F, linear = torch.nn.functional, self.linear
         B, t, d, kvh = ids.shape[0], self.length, self.head_dim, self.kv_heads
         x = self.inner.embed_tokens(ids)
         freqs = positions[:, None].float() * self.inner.rotary_emb.inv_freq[None].float()
@@ -181,19 +218,20 @@ class _LlamaDecoder:
         for i, layer in enumerate(self.inner.layers):
             a, mlp = layer.self_attn, layer.mlp
             h = self._norm(x, layer.input_layernorm)
-            q = self._rope(F.linear(h, a.q_proj.weight, a.q_proj.bias).view(B, self.heads, d), cos, sin)
-            self.keys[i][:, :, t] = self._rope(F.linear(h, a.k_proj.weight, a.k_proj.bias).view(B, kvh, d), cos, sin)
-            self.values[i][:, :, t] = F.linear(h, a.v_proj.weight, a.v_proj.bias).view(B, kvh, d)
+            q = self._rope(linear(h, a.q_proj.weight, a.q_proj.bias).view(B, self.heads, d), cos, sin)
+            self.keys[i][:, :, t] = self._rope(linear(h, a.k_proj.weight, a.k_proj.bias).view(B, kvh, d), cos, sin)
+            self.values[i][:, :, t] = linear(h, a.v_proj.weight, a.v_proj.bias).view(B, kvh, d)
             k, v = self.keys[i][:, :, : t + 1], self.values[i][:, :, : t + 1]
             scores = torch.matmul(q.view(B, kvh, self.heads // kvh, d), k.transpose(-1, -2)) * self.scaling + bias
             o = torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v).reshape(B, self.heads * d)
-            x = x + F.linear(o, a.o_proj.weight, a.o_proj.bias)
+            x = x + linear(o, a.o_proj.weight, a.o_proj.bias)
             h = self._norm(x, layer.post_attention_layernorm)
-            x = x + F.linear(
-                F.silu(F.linear(h, mlp.gate_proj.weight)) * F.linear(h, mlp.up_proj.weight), mlp.down_proj.weight
+            x = x + linear(
+                F.silu(linear(h, mlp.gate_proj.weight)) * linear(h, mlp.up_proj.weight), mlp.down_proj.weight
             )
         self.length = t + 1
-        return self.model.lm_head(self._norm(x, self.inner.norm))
+        head = self.model.lm_head
+        return linear(self._norm(x, self.inner.norm), head.weight, head.bias)
 
 
 class HFEngine:
@@ -226,9 +264,11 @@ class HFEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.stats = {"generated_tokens": 0, "generate_s": 0.0}
+        self.linear = _DecodeLinear()  # the fast decoder's reordered weights, kept across a rollout's turns
 
     def sleep(self) -> None:
-        """Nothing to free: the HF engine shares the policy or holds a plain copy."""
+        """Free the fast decoder's reordered weights (the model itself is the policy or a plain copy)."""
+        self.linear.clear()
 
     def wake(self) -> None:
         pass
@@ -300,7 +340,7 @@ class HFEngine:
             logits, attention, positions = logits[expand], attention[expand], positions[expand]
         last_pos = positions[:, -1]
         fast = (
-            _LlamaDecoder(self.model, past, width + int(limits.max()))
+            _LlamaDecoder(self.model, past, width + int(limits.max()), self.linear)
             if self.fast_decode and _LlamaDecoder.supports(self.model, self.device)
             else None
         )
