@@ -40,7 +40,7 @@ from agent_rl.infra.prepare import local_retriever, prepare
 from agent_rl.infra.world import World
 from agent_rl.learn.batch import RolloutBatch
 from agent_rl.learn.policy import _DTYPES, ValueModel, assert_no_data_parallel, frozen_copy, load_policy, load_tokenizer
-from agent_rl.learn.update import prepare_batch, update
+from agent_rl.learn.update import adamw, prepare_batch, update
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.buffer import TrajectoryBuffer
 from agent_rl.rollout.engines import Engine, HFEngine, VLLMEngine, hf_named_weights
@@ -418,9 +418,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
             if module is not None:
                 dist_lib.shard_model(module, world, cfg)
     trainable = [p for p in policy.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        trainable, lr=cfg.train.lr, betas=tuple(cfg.train.betas), weight_decay=cfg.train.weight_decay
-    )
+    optimizer = adamw(trainable, cfg.train.lr, cfg.train.betas, cfg.train.weight_decay)
     if cfg.train.offload_optimizer and not cfg.train.device.startswith("cuda"):
         print(
             "[train] train.offload_optimizer: the optimizer state already lives in host RAM on a CPU run; nothing to "
@@ -439,7 +437,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
         ref=ref,
         critic=critic,
         optimizer=optimizer,
-        critic_opt=torch.optim.AdamW(critic.parameters(), lr=cfg.algo.critic_lr) if critic is not None else None,
+        critic_opt=adamw(critic.parameters(), cfg.algo.critic_lr) if critic is not None else None,
         scheduler=make_scheduler(cfg, optimizer),
         budget=budget,
         train_set=train_set,

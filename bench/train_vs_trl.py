@@ -124,7 +124,7 @@ def run_ours(args) -> dict:
     import torch
 
     from agent_rl.learn.policy import load_policy, load_tokenizer
-    from agent_rl.learn.update import prepare_batch, update
+    from agent_rl.learn.update import adamw, prepare_batch, update
     from agent_rl.rollout.budget import TokenBudget
     from agent_rl.rollout.engines import HFEngine
     from agent_rl.rollout.loop import AgentLoop
@@ -134,7 +134,7 @@ def run_ours(args) -> dict:
     torch.manual_seed(0)
     tok = load_tokenizer(cfg.model.path)
     policy = load_policy(cfg, cfg.model.path, "cpu")
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
+    opt = adamw(policy.parameters(), cfg.train.lr)  # the trainer's optimizer
     budget = TokenBudget.from_config(cfg.budget)
     prompts = load_prompts(cfg.data.train_files, tok, budget, args.prompts)
     engine = HFEngine(

@@ -130,3 +130,35 @@ def _initial(model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
+
+
+def test_trainer_adamw_is_fused_on_plain_params_and_steps_like_the_default(tiny_model_dir):
+    """The trainer's AdamW runs fused on plain CPU parameters; three steps with weight decay move
+    every parameter as torch's default per-tensor AdamW does (float tolerance), and the state dict
+    loads into either (checkpoints resume across both)."""
+    from agent_rl.learn.update import adamw
+
+    runs = {}
+    for fused in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+        opt = (
+            adamw(model.parameters(), 1e-2, (0.9, 0.95), 0.1)
+            if fused
+            else torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        )
+        assert bool(opt.defaults["fused"]) is fused
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            loss = model(torch.randn(8, 16, generator=g)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        runs[fused] = (model.state_dict(), opt.state_dict())
+    for k, v in runs[False][0].items():
+        assert torch.allclose(runs[True][0][k], v, atol=1e-6, rtol=1e-5), k
+    other = adamw(
+        torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).parameters(), 1e-2
+    )
+    other.load_state_dict(runs[False][1])  # a default-AdamW checkpoint into the fused one
+    assert len(other.state) == 4
