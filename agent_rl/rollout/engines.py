@@ -126,22 +126,40 @@ class _DecodeLinear:
 
     def __init__(self) -> None:
         self.available = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        self.packed: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id -> (weight, version, reordered)
+        # ids of the weights -> (weights, biases, their versions, reordered weight, joined bias)
+        self.packed: dict[tuple[int, ...], tuple] = {}
 
     def __call__(self, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.joined(h, (weight,), (bias,))
+
+    def joined(self, h: torch.Tensor, weights: tuple, biases: tuple) -> torch.Tensor:
+        """`h` times the weights stacked along the output (q, k and v; gate and up): one product
+        over one reordered copy of the stack, the outputs side by side."""
         if (
             not self.available
             or h.dtype != torch.float32
-            or weight.dtype != torch.float32
+            or any(w.dtype != torch.float32 for w in weights)
             or h.device.type != "cpu"
             or torch.is_autocast_enabled("cpu")
         ):
-            return torch.nn.functional.linear(h, weight, bias)
-        entry = self.packed.get(id(weight))
-        if entry is None or entry[0] is not weight or entry[1] != weight._version:
-            entry = (weight, weight._version, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), h.shape[0]))
-            self.packed[id(weight)] = entry
-        return torch.ops.mkldnn._linear_pointwise(h.contiguous(), entry[2], bias, "none", [], "")
+            outs = [torch.nn.functional.linear(h, w, b) for w, b in zip(weights, biases)]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        versions = tuple(x._version for x in (*weights, *biases) if x is not None)
+        entry = self.packed.get(tuple(id(w) for w in weights))
+        if (
+            entry is None
+            or entry[2] != versions
+            or any(x is not y for x, y in zip((*entry[0], *entry[1]), (*weights, *biases)))
+        ):
+            with torch.no_grad():
+                stack = weights[0] if len(weights) == 1 else torch.cat(weights)
+                bias = None
+                if any(b is not None for b in biases):
+                    bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases)])
+                reordered = torch.ops.mkldnn._reorder_linear_weight(stack.detach(), h.shape[0])
+            entry = (weights, biases, versions, reordered, None if bias is None else bias.detach())
+            self.packed[tuple(id(w) for w in weights)] = entry
+        return torch.ops.mkldnn._linear_pointwise(h.contiguous(), entry[3], entry[4], "none", [], "")
 
     def clear(self) -> None:
         self.packed.clear()
@@ -215,20 +233,24 @@ class _LlamaDecoder:
         bias = torch.zeros(attention.shape, dtype=x.dtype, device=x.device).masked_fill(attention == 0, float("-inf"))[
             :, None, None
         ]
+        heads, q_width, kv_width = self.heads, self.heads * d, kvh * d
         for i, layer in enumerate(self.inner.layers):
             a, mlp = layer.self_attn, layer.mlp
             h = self._norm(x, layer.input_layernorm)
-            q = self._rope(linear(h, a.q_proj.weight, a.q_proj.bias).view(B, self.heads, d), cos, sin)
-            self.keys[i][:, :, t] = self._rope(linear(h, a.k_proj.weight, a.k_proj.bias).view(B, kvh, d), cos, sin)
-            self.values[i][:, :, t] = linear(h, a.v_proj.weight, a.v_proj.bias).view(B, kvh, d)
+            qkv = linear.joined(
+                h, (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), (a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)
+            )
+            qk = self._rope(qkv[:, : q_width + kv_width].reshape(B, heads + kvh, d), cos, sin)  # q and k heads
+            q = qk[:, :heads]
+            self.keys[i][:, :, t] = qk[:, heads:]
+            self.values[i][:, :, t] = qkv[:, q_width + kv_width :].view(B, kvh, d)
             k, v = self.keys[i][:, :, : t + 1], self.values[i][:, :, : t + 1]
-            scores = torch.matmul(q.view(B, kvh, self.heads // kvh, d), k.transpose(-1, -2)) * self.scaling + bias
-            o = torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v).reshape(B, self.heads * d)
+            scores = torch.matmul(q.reshape(B, kvh, heads // kvh, d), k.transpose(-1, -2)) * self.scaling + bias
+            o = torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v).reshape(B, heads * d)
             x = x + linear(o, a.o_proj.weight, a.o_proj.bias)
             h = self._norm(x, layer.post_attention_layernorm)
-            x = x + linear(
-                F.silu(linear(h, mlp.gate_proj.weight)) * linear(h, mlp.up_proj.weight), mlp.down_proj.weight
-            )
+            gate, up = linear.joined(h, (mlp.gate_proj.weight, mlp.up_proj.weight), (None, None)).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, mlp.down_proj.weight)
         self.length = t + 1
         head = self.model.lm_head
         return linear(self._norm(x, self.inner.norm), head.weight, head.bias)
