@@ -15,7 +15,7 @@ from test_losses import _trajs
 
 from agent_rl.config import load_config
 from agent_rl.learn.batch import collate
-from agent_rl.learn.policy import forward_logprobs, load_policy, pack_plan
+from agent_rl.learn.policy import forward_logprobs, load_policy, pack_plan, tail_buckets
 from agent_rl.learn.update import prepare_batch, update
 
 
@@ -104,6 +104,39 @@ def test_shared_prefix_or_packing_whichever_runs_fewer_tokens(tiny_model_dir):
         t.prompt_ids = [10 + i] + t.prompt_ids[1:]  # no two prompts alike: nothing to share
     _, rows = _compare(policy, collate(distinct, list(range(6)), 0), share=True)
     assert rows == [5]
+
+
+def test_tail_buckets_split_rows_only_where_a_pass_pays():
+    assert tail_buckets([5, 5, 6, 4], 64) == [[2, 0, 1, 3]]  # similar lengths: one pass
+    assert tail_buckets([3, 200, 2, 190, 4], 64) == [[1, 3], [4, 0, 2]]
+    assert tail_buckets([3, 200, 2, 190, 4], 4096) == [[1, 3, 4, 0, 2]]  # costly passes: one
+
+
+def test_shared_prefix_responses_of_varied_length_run_in_passes_of_their_own(tiny_model_dir):
+    """GRPO groups whose responses range from 2 to 120 tokens: the prompts run once, the responses
+    in passes of similar length (far fewer positions than one pass padded to 120), with the same
+    log-probs, entropy and gradients as the full-vocabulary single-pass reference."""
+    from test_selected_logits import _compare as compare_full
+
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "budget.max_total_tokens=1000"])
+    torch.manual_seed(0)
+    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    trajs = _trajs(policy.config.vocab_size, groups=2, n=4, prompt_len=60)
+    g = torch.Generator().manual_seed(3)
+    for i, t in enumerate(trajs):
+        extra = [120, 2, 90, 6][i % 4]  # a long and a short answer in every group
+        t.append(torch.randint(10, policy.config.vocab_size, (extra,), generator=g).tolist(), sampled=True)
+    mb = collate(trajs, list(range(len(trajs))), 0)
+    seen = []
+    hook = policy.get_decoder().register_forward_pre_hook(
+        lambda m, a, kw: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    compare_full(policy, mb, share=True, chunk=64)
+    hook.remove()
+    reference, selected = seen[:2], seen[2:]  # the full reference ran first: prompts, then one padded pass
+    assert len(reference) == 2 and len(selected) > 2
+    assert selected[0] == reference[0]  # the same prompt pass
+    assert sum(r * c for r, c in selected[1:]) < 0.75 * reference[1][0] * reference[1][1]
 
 
 def test_update_with_packed_rows_equals_padded_update(tiny_model_dir):

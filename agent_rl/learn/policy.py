@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -323,8 +323,42 @@ def _suffix(mb: MicroBatch) -> int:
 
 
 def _prefix_cells(mb: MicroBatch, prompts: list) -> int:
-    """Token positions the shared-prefix forward runs: each unique prompt once, then every row's suffix."""
-    return len(prompts) * max(len(p) for p in prompts) + len(mb.input_ids) * _suffix(mb)
+    """Token positions the shared-prefix forward runs: each unique prompt once, then the rows'
+    suffixes in their response passes (`tail_buckets`)."""
+    lengths = _suffix_lengths(mb)
+    passes = tail_buckets(lengths, _pass_cells(mb.input_ids.device))
+    return len(prompts) * max(len(p) for p in prompts) + sum(len(b) * lengths[b[0]] for b in passes)
+
+
+def _suffix_lengths(mb: MicroBatch) -> list[int]:
+    return [int(n) - p for n, p in zip(mb.attention_mask.sum(-1).tolist(), mb.prompt_lengths)]
+
+
+def _pass_cells(device: torch.device) -> int:
+    """What one more response pass costs, in token positions: a few on CPU (a pass's fixed work
+    is small next to a token's matrices), many on a GPU (kernel launches, smaller kernels)."""
+    return 64 if device.type == "cpu" else 4096
+
+
+def tail_buckets(lengths: list[int], pass_cells: int) -> list[list[int]]:
+    """Rows split into response passes of similar length, each padded only to its own longest:
+    the split (of the rows sorted by length, longest first) that minimises the positions run plus
+    `pass_cells` per pass. A GRPO group's responses often range from a few tokens to the turn's
+    limit: one pass pads every row to the longest."""
+    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
+    n = len(order)
+    best = [0] + [1 << 62] * n  # best[i]: cost of order[:i]
+    cut = [0] * (n + 1)
+    for i in range(1, n + 1):
+        for j in range(i):
+            cost = best[j] + (i - j) * lengths[order[j]] + pass_cells
+            if cost < best[i]:
+                best[i], cut[i] = cost, j
+    passes, i = [], n
+    while i > 0:
+        passes.append(order[cut[i] : i])
+        i = cut[i]
+    return passes[::-1]
 
 
 @dataclass
@@ -389,16 +423,50 @@ def _shared_prefix_selected(
 ):
     """`_shared_prefix_logits` with the head only at trained positions: logits (N, V) and the
     (rows, cols) of the full layout each one scores. The prompt pass keeps one position (its last,
-    which predicts the first response token); the response pass, the positions before trained
-    tokens."""
-    x = _prefix_pass(model, mb, groups, prompts, logits_to_keep=1)
-    s_target = target.gather(1, x.cols.clamp(max=mb.input_ids.shape[1] - 1)) & x.valid
-    first = torch.nonzero(s_target[:, 0]).flatten()
-    rows, slot = torch.nonzero(s_target[:, 1:], as_tuple=True)
-    with _head_at(model, rows, slot):  # slot j of the response pass predicts response token j + 1
-        tail = x.tail(model)
-    logits = torch.cat([x.head.logits[x.groups[first], -1], tail.logits[0]], dim=0)
-    return logits, torch.cat([first, rows]), torch.cat([x.starts[first], x.starts[rows] + slot + 1])
+    which predicts the first response token); the responses run in passes of rows of similar
+    length (`tail_buckets`), each over its rows' gathered prompt cache, the head at the positions
+    before trained tokens."""
+    from transformers import DynamicCache
+
+    device = mb.input_ids.device
+    pad = 0
+    p_ids, p_attn, p_pos = left_pad(prompts, pad, device)
+    head = model(input_ids=p_ids, attention_mask=p_attn, position_ids=p_pos, use_cache=True, logits_to_keep=1)
+    g = torch.tensor(groups, dtype=torch.long, device=device)
+    starts = torch.tensor(mb.prompt_lengths, dtype=torch.long, device=device)
+    ends = mb.attention_mask.sum(-1)
+    last = mb.input_ids.shape[1] - 1
+    first = torch.nonzero(target.gather(1, starts[:, None].clamp(max=last))[:, 0] & (ends > starts)).flatten()
+    logits, rows_all, cols_all = [head.logits[g[first], -1]], [first], [starts[first]]
+    lengths = (ends - starts).tolist()
+    for bucket in tail_buckets(lengths, _pass_cells(device)):
+        rows = torch.tensor(bucket, dtype=torch.long, device=device)
+        if max(lengths[r] for r in bucket) < 2:
+            continue  # nothing after the first response token: the prompt pass scored it
+        gb, sb = g[rows], starts[rows]
+        cols = sb[:, None] + torch.arange(max(lengths[r] for r in bucket), device=device)[None]
+        valid = cols < ends[rows][:, None]
+        ids = torch.where(valid, mb.input_ids[rows].gather(1, cols.clamp(max=last)), torch.full_like(cols, pad))
+        s_target = target[rows].gather(1, cols.clamp(max=last)) & valid
+        r_local, slot = torch.nonzero(s_target[:, 1:], as_tuple=True)
+        if len(r_local) == 0:
+            continue
+        cache = DynamicCache(
+            [(layer.keys[gb], layer.values[gb]) for layer in head.past_key_values.layers],
+            config=cast(Any, model).config,
+        )
+        with _head_at(model, r_local, slot):  # slot j of a response pass predicts response token j + 1
+            tail = model(
+                input_ids=ids,
+                attention_mask=torch.cat([p_attn[gb], valid.long()], dim=1),
+                position_ids=cols,
+                past_key_values=cache,
+                use_cache=True,
+            )
+        logits.append(tail.logits[0])
+        rows_all.append(rows[r_local])
+        cols_all.append(sb[r_local] + slot + 1)
+    return torch.cat(logits, dim=0), torch.cat(rows_all), torch.cat(cols_all)
 
 
 def assert_no_data_parallel(*modules: nn.Module | None) -> None:
