@@ -318,8 +318,7 @@ def _prefix_plan(mb: MicroBatch):
 
 
 def _suffix(mb: MicroBatch) -> int:
-    lengths = mb.attention_mask.sum(-1).tolist()
-    return max(int(n) - p for n, p in zip(lengths, mb.prompt_lengths))
+    return max(_suffix_lengths(mb))
 
 
 def _prefix_cells(mb: MicroBatch, prompts: list) -> int:
@@ -363,59 +362,69 @@ def tail_buckets(lengths: list[int], pass_cells: int) -> list[list[int]]:
 
 @dataclass
 class _PrefixPass:
-    """The prompt pass of a shared-prefix forward and the layout of the response pass after it."""
+    """The prompt pass of a shared-prefix forward, and what the response passes after it need."""
 
     head: Any  # the prompt pass's model output (logits, past_key_values)
     groups: torch.Tensor  # (B,) unique prompt of each row
     prompt_attn: torch.Tensor  # (G, P) left-padded prompts' attention mask
     starts: torch.Tensor  # (B,) first response column of each row in the full layout
     ends: torch.Tensor  # (B,) length of each row
-    cols: torch.Tensor  # (B, S) full-layout column of each response slot
-    valid: torch.Tensor  # (B, S) slot holds a real token
-    ids: torch.Tensor  # (B, S) response ids, right-padded
+    input_ids: torch.Tensor  # (B, T) the micro-batch's rows
 
-    def tail(self, model: nn.Module):
-        """The response pass: every row's response attends to its prompt's cached keys and values."""
+    def layout(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A response pass over `rows`, right-padded to their longest response: the full-layout
+        column of each slot (n, S), whether it holds a real token, and the ids (pads 0)."""
+        last = self.input_ids.shape[1] - 1
+        starts = self.starts[rows]
+        cols = starts[:, None] + torch.arange(int((self.ends[rows] - starts).max()), device=starts.device)[None]
+        valid = cols < self.ends[rows][:, None]
+        ids = torch.where(valid, self.input_ids[rows].gather(1, cols.clamp(max=last)), torch.zeros_like(cols))
+        return cols, valid, ids
+
+    def tail(self, model: nn.Module, rows: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor, ids: torch.Tensor):
+        """The response pass over `rows`: each response attends to its prompt's cached keys and
+        values, gathered for these rows (indexing keeps the graph: gradients reach the prompt pass)."""
+        from transformers import DynamicCache
+
+        g = self.groups[rows]
+        cache = DynamicCache(
+            [(layer.keys[g], layer.values[g]) for layer in self.head.past_key_values.layers],
+            config=cast(Any, model).config,
+        )
         return model(
-            input_ids=self.ids,
-            attention_mask=torch.cat([self.prompt_attn[self.groups], self.valid.long()], dim=1),
-            position_ids=self.cols,
-            past_key_values=self.head.past_key_values,
+            input_ids=ids,
+            attention_mask=torch.cat([self.prompt_attn[g], valid.long()], dim=1),
+            position_ids=cols,
+            past_key_values=cache,
             use_cache=True,
         )
 
 
 def _prefix_pass(model: nn.Module, mb: MicroBatch, groups: list[int], prompts: list[tuple], **kw) -> _PrefixPass:
-    """Runs the unique prompts once (left-padded, with a KV cache) and gathers the cache to one row
-    per trajectory; indexing keeps the autograd graph, so gradients flow back into the prompt pass."""
+    """Runs the unique prompts once (left-padded, with a KV cache); the response passes gather it."""
     device = mb.input_ids.device
-    pad = 0  # any id: padded positions are masked out of attention and of the result
-    p_ids, p_attn, p_pos = left_pad(prompts, pad, device)
+    p_ids, p_attn, p_pos = left_pad(prompts, 0, device)  # any pad id: padded positions are masked out
     head = model(input_ids=p_ids, attention_mask=p_attn, position_ids=p_pos, use_cache=True, **kw)
     g = torch.tensor(groups, dtype=torch.long, device=device)
-    head.past_key_values.batch_select_indices(g)
     starts = torch.tensor(mb.prompt_lengths, dtype=torch.long, device=device)
-    ends = mb.attention_mask.sum(-1)
-    suffix = int((ends - starts).max())
-    last = mb.input_ids.shape[1] - 1
-    cols = starts[:, None] + torch.arange(suffix, device=device)[None]
-    valid = cols < ends[:, None]
-    ids = torch.where(valid, mb.input_ids.gather(1, cols.clamp(max=last)), torch.full_like(cols, pad))
-    return _PrefixPass(head, g, p_attn, starts, ends, cols, valid, ids)
+    return _PrefixPass(head, g, p_attn, starts, mb.attention_mask.sum(-1), mb.input_ids)
 
 
 def _shared_prefix_logits(model: nn.Module, mb: MicroBatch, groups: list[int], prompts: list[tuple]):
     """Logits scoring every response token, the prompt run once per unique prompt.
 
-    The responses (right-padded) attend to the gathered prompt cache (`_prefix_pass`), so loss and
-    gradient equal those of the full pass up to float rounding. Returns logits (B, S, V) and labels
-    (B, S) over response columns, plus `cols` / `valid` (B, T) that map them back to the full layout.
+    The responses (right-padded, one pass) attend to the gathered prompt cache (`_PrefixPass.tail`),
+    so loss and gradient equal those of the full pass up to float rounding. Returns logits (B, S, V)
+    and labels (B, S) over response columns, plus `cols` / `valid` (B, T) that map them back to the
+    full layout.
     """
     x = _prefix_pass(model, mb, groups, prompts)
-    logits = torch.cat([x.head.logits[x.groups, -1:], x.tail(model).logits[:, :-1]], dim=1)
+    rows = torch.arange(len(mb.input_ids), device=x.starts.device)
+    cols, valid, ids = x.layout(rows)
+    logits = torch.cat([x.head.logits[x.groups, -1:], x.tail(model, rows, cols, valid, ids).logits[:, :-1]], dim=1)
     back = torch.arange(mb.input_ids.shape[1], device=x.starts.device)[None] - x.starts[:, None]
-    valid = ((back >= 0) & (back < (x.ends - x.starts)[:, None])).float()
-    return logits, x.ids, back.clamp(0, x.cols.shape[1] - 1), valid
+    valid_full = ((back >= 0) & (back < (x.ends - x.starts)[:, None])).float()
+    return logits, ids, back.clamp(0, cols.shape[1] - 1), valid_full
 
 
 def _shared_prefix_selected(
@@ -424,48 +433,24 @@ def _shared_prefix_selected(
     """`_shared_prefix_logits` with the head only at trained positions: logits (N, V) and the
     (rows, cols) of the full layout each one scores. The prompt pass keeps one position (its last,
     which predicts the first response token); the responses run in passes of rows of similar
-    length (`tail_buckets`), each over its rows' gathered prompt cache, the head at the positions
-    before trained tokens."""
-    from transformers import DynamicCache
-
-    device = mb.input_ids.device
-    pad = 0
-    p_ids, p_attn, p_pos = left_pad(prompts, pad, device)
-    head = model(input_ids=p_ids, attention_mask=p_attn, position_ids=p_pos, use_cache=True, logits_to_keep=1)
-    g = torch.tensor(groups, dtype=torch.long, device=device)
-    starts = torch.tensor(mb.prompt_lengths, dtype=torch.long, device=device)
-    ends = mb.attention_mask.sum(-1)
+    length (`tail_buckets`), the head at the positions before trained tokens."""
+    x = _prefix_pass(model, mb, groups, prompts, logits_to_keep=1)
     last = mb.input_ids.shape[1] - 1
-    first = torch.nonzero(target.gather(1, starts[:, None].clamp(max=last))[:, 0] & (ends > starts)).flatten()
-    logits, rows_all, cols_all = [head.logits[g[first], -1]], [first], [starts[first]]
-    lengths = (ends - starts).tolist()
-    for bucket in tail_buckets(lengths, _pass_cells(device)):
-        rows = torch.tensor(bucket, dtype=torch.long, device=device)
-        if max(lengths[r] for r in bucket) < 2:
-            continue  # nothing after the first response token: the prompt pass scored it
-        gb, sb = g[rows], starts[rows]
-        cols = sb[:, None] + torch.arange(max(lengths[r] for r in bucket), device=device)[None]
-        valid = cols < ends[rows][:, None]
-        ids = torch.where(valid, mb.input_ids[rows].gather(1, cols.clamp(max=last)), torch.full_like(cols, pad))
-        s_target = target[rows].gather(1, cols.clamp(max=last)) & valid
-        r_local, slot = torch.nonzero(s_target[:, 1:], as_tuple=True)
+    first = torch.nonzero(target.gather(1, x.starts[:, None].clamp(max=last))[:, 0] & (x.ends > x.starts)).flatten()
+    logits, rows_all, cols_all = [x.head.logits[x.groups[first], -1]], [first], [x.starts[first]]
+    lengths = (x.ends - x.starts).tolist()
+    for bucket in tail_buckets(lengths, _pass_cells(x.starts.device)):
+        if lengths[bucket[0]] < 2:  # the longest of the pass: nothing after the first response token
+            continue
+        rows = torch.tensor(bucket, dtype=torch.long, device=x.starts.device)
+        cols, valid, ids = x.layout(rows)
+        r_local, slot = torch.nonzero((target[rows].gather(1, cols.clamp(max=last)) & valid)[:, 1:], as_tuple=True)
         if len(r_local) == 0:
             continue
-        cache = DynamicCache(
-            [(layer.keys[gb], layer.values[gb]) for layer in head.past_key_values.layers],
-            config=cast(Any, model).config,
-        )
         with _head_at(model, r_local, slot):  # slot j of a response pass predicts response token j + 1
-            tail = model(
-                input_ids=ids,
-                attention_mask=torch.cat([p_attn[gb], valid.long()], dim=1),
-                position_ids=cols,
-                past_key_values=cache,
-                use_cache=True,
-            )
-        logits.append(tail.logits[0])
+            logits.append(x.tail(model, rows, cols, valid, ids).logits[0])
         rows_all.append(rows[r_local])
-        cols_all.append(sb[r_local] + slot + 1)
+        cols_all.append(x.starts[rows][r_local] + slot + 1)
     return torch.cat(logits, dim=0), torch.cat(rows_all), torch.cat(cols_all)
 
 
