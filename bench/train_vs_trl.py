@@ -19,8 +19,15 @@ Same work on both sides:
 - the reward: `hash` (default) is 0 or 1 from a hash of the completion text, so groups have a
   spread of rewards as in real training (a random model scores 0 EM everywhere, and then every
   group has equal rewards and our update skips every row); `em` is the real exact match;
-- tokens counted the same way: prompt + completion tokens up to and including EOS, from each
-  side's own masks.
+- the same stopping rule: a completion ends at EOS or at a stop tag that is one token in the
+  tokenizer (`</search>`, `</answer>`: our engine's `stop_token_ids`), given to TRL as the model's
+  `generation_config.eos_token_id` list, which its generation stops at and its completion mask
+  ends at;
+- our process sets glibc's mmap threshold as the trainer does (`train.host_mmap_threshold_mib`,
+  1 MiB: RSS follows what is held, at a page fault per fresh page of each large tensor); TRL's
+  keeps glibc's default;
+- tokens counted the same way: prompt + completion tokens up to and including the stop token, from
+  each side's own masks.
 
 Each side runs in its own fresh subprocess so peak RSS is its own; the first step is a warm-up
 left out of every number. Pairs alternate (ours, TRL, ours, TRL, ...) and the medians of the
@@ -123,6 +130,7 @@ def run_ours(args) -> dict:
 
     import torch
 
+    from agent_rl.infra.preflight import fix_mmap_threshold
     from agent_rl.learn.policy import load_policy, load_tokenizer
     from agent_rl.learn.update import adamw, prepare_batch, update
     from agent_rl.rollout.budget import TokenBudget
@@ -131,6 +139,7 @@ def run_ours(args) -> dict:
     from agent_rl.rollout.prompts import load_prompts
 
     cfg = _cfg(args)
+    fix_mmap_threshold(cfg.train.host_mmap_threshold_mib)  # as `train` does
     torch.manual_seed(0)
     tok = load_tokenizer(cfg.model.path)
     policy = load_policy(cfg, cfg.model.path, "cpu")
@@ -190,6 +199,7 @@ def run_trl(args) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from agent_rl.learn.policy import load_tokenizer
+    from agent_rl.rollout.engines import stop_token_ids
 
     cfg = _cfg(args)
     torch.manual_seed(0)
@@ -278,6 +288,7 @@ def run_trl(args) -> dict:
         seed=0,
     )
     model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=torch.float32)
+    model.generation_config.eos_token_id = stop_token_ids(tok)  # our engine's stopping rule
     trainer = Timed(
         model=model, reward_funcs=reward, args=conf, train_dataset=data, processing_class=tok, callbacks=[Stamp()]
     )
