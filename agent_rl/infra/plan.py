@@ -79,6 +79,8 @@ class Arch:
     intermediate: int
     vocab: int
     tied: bool
+    # A Llama-style family (RMSNorm, SiLU-gated MLP) whose norms and MLPs `train.fused_ops` fuses
+    gated_silu: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -114,6 +116,8 @@ def read_arch(model_path: str) -> Arch:
     """From `config.json` in a local dir, else from the built-in table by hub id or basename."""
     cfg_path = Path(model_path) / "config.json"
     if cfg_path.exists():
+        from agent_rl.learn.fused import FAMILIES
+
         c = json.loads(cfg_path.read_text())
         heads = c["num_attention_heads"]
         return Arch(
@@ -124,6 +128,7 @@ def read_arch(model_path: str) -> Arch:
             c["intermediate_size"],
             c["vocab_size"],
             bool(c.get("tie_word_embeddings", False)),
+            c.get("model_type") in FAMILIES and c.get("hidden_act") == "silu",
         )
     key = (
         model_path.rstrip("/").split("/")[-1].lower().replace("meta-", "").replace("-instruct", "").replace("-base", "")
@@ -160,10 +165,25 @@ def config_arch(cfg: Config) -> Arch:
     return read_arch(cfg.model.path)
 
 
-def activation_bytes(arch: Arch, tokens: int, rows: int, seq: int, dtype_bytes: int, checkpointing: bool) -> int:
-    """Activations kept for backward of one micro-batch (tokens = rows x seq)."""
+def activation_bytes(
+    arch: Arch,
+    tokens: int,
+    rows: int,
+    seq: int,
+    dtype_bytes: int,
+    checkpointing: bool,
+    fused: bool = False,
+    norm_weights_trained: bool = True,
+) -> int:
+    """Activations kept for backward of one micro-batch (tokens = rows x seq). `fused`: the
+    fused SwiGLU keeps `gate` and `up` but not `silu(gate)` (f less), and the fused RMSNorm does
+    not keep the normalised input (h less a norm), which transformers' norm keeps only to
+    compute its weight's gradient (so a LoRA base saves nothing there)."""
     h, f, g, d = arch.hidden, arch.intermediate, arch.kv_heads, arch.head_dim
-    per_tok_layer = dtype_bytes * (10 * h + 4 * f + 2 * g * d)
+    saved = 10 * h + 4 * f + 2 * g * d
+    if fused:
+        saved -= f + (2 * h if norm_weights_trained else 0)
+    per_tok_layer = dtype_bytes * saved
     mask = rows * seq * seq * 10  # SDPA: the expanded padding mask, once per forward
     full_layer = tokens * per_tok_layer
     if checkpointing:
@@ -247,7 +267,11 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
         shared = -(-rows // cfg.algo.group_size) * prompt + rows * (seq - prompt)
         if rows > 1 and shared <= PREFIX_MAX_SHARE * tokens:
             tokens, shared_prefix = shared, True
-    train_c["activations"] = activation_bytes(arch, tokens, rows, seq, bc, cfg.model.gradient_checkpointing)
+    # learn.fused applies to float32 compute (not train.bf16, not a bf16 LoRA base)
+    fused = cfg.train.fused_ops and arch.gated_silu and bc == 4 and (not lora or b == 4)
+    train_c["activations"] = activation_bytes(
+        arch, tokens, rows, seq, bc, cfg.model.gradient_checkpointing, fused, norm_weights_trained=not lora
+    )
     trained = min(tokens, rows * min(seq - 1, (cfg.budget.max_turns + 1) * cfg.budget.max_tokens_per_turn))
     train_c["logits"] = trained * arch.vocab * bc * 2 + min(trained, LOGIT_CHUNK_TOKENS) * arch.vocab * 4 * 3
     step_rows = cfg.algo.mini_batch_size or cfg.rollout.prompts_per_step * cfg.algo.group_size

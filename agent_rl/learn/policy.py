@@ -17,6 +17,7 @@ from torch import nn
 
 from agent_rl.config import Config
 from agent_rl.learn.batch import MicroBatch
+from agent_rl.learn.fused import fuse_modules
 from agent_rl.learn.losses import entropy_from_logits, token_logprobs
 from agent_rl.rollout.padding import distinct, left_pad
 
@@ -43,6 +44,8 @@ def load_policy(cfg: Config, path: str, device: str) -> Any:  # a transformers c
     dtype = _DTYPES[cfg.model.dtype] if cfg.model.lora.enabled else torch.float32
     model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model = model.to(device)
+    if cfg.train.fused_ops:
+        fuse_modules(model)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
