@@ -1,7 +1,8 @@
 """agent-rl vs TRL's GRPOTrainer: tokens/s per step, peak RSS and where each step's time goes.
 
 Usage: .venv/bin/python bench/train_vs_trl.py [--model tiny|base|smollm2] [--ckpt off,on] [--dtype fp32|bf16]
-       [--entropy off|on] [--reward hash|em] [--steps 6] [--prompts 4] [--group 4] [--max-new 64] [--repeats 3]
+       [--entropy off|on] [--reward hash|em] [--fused on|off] [--steps 6] [--prompts 4] [--group 4] [--max-new 64]
+       [--repeats 3]
 (needs the `bench` extra: pip install 'agent-rl[bench]').
 
 Same work on both sides:
@@ -93,6 +94,7 @@ def _cfg(args):
             "train.lr=1e-5",
             "train.max_grad_norm=1.0",
             f"train.bf16={str(args.dtype == 'bf16').lower()}",
+            f"train.fused_ops={str(args.fused == 'on').lower()}",
         ],
     )
     prepare(cfg, need_index=False)
@@ -299,7 +301,7 @@ def run_trl(args) -> dict:
 
 def _run_side(side: str, args, ckpt: str) -> dict:
     cmd = [sys.executable, __file__, "--side", side, "--ckpt", ckpt]
-    for name in ("model", "dtype", "entropy", "reward", "steps", "prompts", "group", "max_new"):
+    for name in ("model", "dtype", "entropy", "reward", "fused", "steps", "prompts", "group", "max_new"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode:
@@ -315,6 +317,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype of both sides")
     parser.add_argument("--entropy", choices=["off", "on"], default="off")
     parser.add_argument("--reward", choices=["hash", "em"], default="hash")
+    parser.add_argument("--fused", choices=["on", "off"], default="on", help="our side's train.fused_ops")
     parser.add_argument("--steps", type=int, default=6, help="steps per run; the first is a warm-up")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--group", type=int, default=4)
