@@ -104,14 +104,20 @@ def test_fused_model_updates_like_the_plain_one_and_saves_fewer_activations(tiny
     assert planned_drop == layers * per_layer  # the planner's model is per layer
 
 
-@pytest.mark.parametrize("model_type", ["gemma", "gpt2"])
-def test_unknown_families_are_left_as_loaded(model_type):
-    """Families whose norm or MLP is written differently (Gemma's 1 + weight, GPT-2's LayerNorm)
-    are not touched."""
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma", "gpt2"])
+def test_only_known_families_are_fused(model_type):
+    """A model whose config names a known family gets its RMSNorm and MLP fused; families whose
+    norm or MLP is written differently (Gemma's 1 + weight, GPT-2's LayerNorm) are left as loaded,
+    whatever their modules are called."""
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2MLP, Qwen2RMSNorm
 
     class Fake(torch.nn.Module):
         def __init__(self):
             super().__init__()
             self.config = type("C", (), {"model_type": model_type, "hidden_act": "silu"})()
+            self.norm, self.mlp = Qwen2RMSNorm(64), Qwen2MLP(_qwen2_config())
 
-    assert fuse_modules(Fake()) == 0
+    model = Fake()
+    expected = 2 if model_type == "qwen2" else 0
+    assert fuse_modules(model) == expected
+    assert ("forward" in vars(model.norm)) == (expected > 0) and ("forward" in vars(model.mlp)) == (expected > 0)
