@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 
-def _saved_bytes(policy, cfg, mb) -> int:
+def _saved_bytes(policy, cfg, mb, share: bool) -> int:
     import torch
 
     from agent_rl.learn.policy import update_logprobs
@@ -40,7 +40,7 @@ def _saved_bytes(policy, cfg, mb) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        update_logprobs(cfg, policy, mb, share_prefix=True)
+        update_logprobs(cfg, policy, mb, share)
     return sum(seen.values())
 
 
@@ -109,7 +109,7 @@ def main() -> None:
     for _ in range(args.repeats):
         runs["transformers"].append(step(plain))
         runs["fused"].append(step(fused))
-    saved = {"transformers": _saved_bytes(plain, cfg, mb), "fused": _saved_bytes(fused, cfg, mb)}
+    saved = {"transformers": _saved_bytes(plain, cfg, mb, share), "fused": _saved_bytes(fused, cfg, mb, share)}
     print(
         f"{args.model}: {len(batch)} rows, {int(mb.attention_mask.sum())} tokens, {int(mb.loss_mask.sum())} trained; "
         f"{modules} modules fused; shared prompt pass: {share}"
