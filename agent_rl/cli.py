@@ -357,6 +357,12 @@ def main(argv: list[str] | None = None) -> int:
     from agent_rl.config import ConfigError
 
     try:
+        if argv is None and args.command in ("train", "sft", "demo"):
+            # The jobs that train start over under mimalloc (train.host_allocator) before torch is
+            # imported; a bad config is reported by the job itself below.
+            from agent_rl.infra import allocator
+
+            allocator.exec_under(_config(args).train.host_allocator)
         return int(args.func(args) or 0)
     except (ConfigError, FileNotFoundError) as err:
         print(f"agent-rl {args.command}: error: {err}", file=sys.stderr)

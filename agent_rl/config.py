@@ -307,9 +307,17 @@ class TrainConfig:
         "saved activations per token and layer (22% on a 32M Qwen2), fewer elementwise passes. Float32 compute only; "
         "bf16 takes transformers' forward.",
     )
+    host_allocator: str = _f(
+        "auto",
+        "Host memory allocator of `agent-rl train` / `sft` (agent_rl/infra/allocator.py): auto | mimalloc | glibc. "
+        "auto = mimalloc where installed (the cmeel-mimalloc wheel, a Linux dependency), loaded by re-executing the "
+        "command under LD_PRELOAD: freed activations are reused instead of faulted in afresh (32M Qwen2 update "
+        "~0.7 s faster of ~2.8 s) while RSS still follows what is held. A run started from Python keeps glibc.",
+    )
     host_mmap_threshold_mib: float = _f(
         1.0,
-        "CPU training on glibc: host allocations of at least this size get their own mapping, returned to the system "
+        "CPU training on glibc (train.host_allocator=glibc, or mimalloc not loaded): host allocations of at least "
+        "this size get their own mapping, returned to the system "
         "when freed (mallopt M_MMAP_THRESHOLD). glibc's default moves the threshold up as tensors are freed, so "
         "freed activations stay in the heap as holes: on SmolLM2 with LoRA that held 2x the saved activations (8.7 "
         "GB peak vs 6.6 GB fixed, for ~11% update speed). 0 = glibc's default.",
@@ -403,6 +411,7 @@ class Config:
             ("guard", "action"): ("off", "warn", "stop", "rollback"),
             ("train", "lr_schedule"): ("constant", "cosine"),
             ("model", "dtype"): ("float32", "bfloat16", "float16"),
+            ("train", "host_allocator"): ("auto", "mimalloc", "glibc"),
         }
         for (section, key), allowed in choices.items():
             value = getattr(getattr(self, section), key)

@@ -92,10 +92,11 @@ class Demonstrations:
 
 def sft(cfg: Config) -> Path:
     """Train on scripted demonstrations; save to `model.warm_start` (or OUTPUT_DIR/sft)."""
-    from agent_rl.infra.preflight import fix_mmap_threshold
+    from agent_rl.infra import allocator
     from agent_rl.infra.prepare import local_retriever, prepare
 
-    fix_mmap_threshold(cfg.train.host_mmap_threshold_mib)
+    host_allocator = allocator.setup(cfg.train.host_allocator, cfg.train.host_mmap_threshold_mib)
+    print(f"[sft] host allocator: {host_allocator}", file=sys.stderr)
     prepare(cfg)
     out = Path(cfg.model.warm_start or Path(cfg.run.output_dir) / "sft")
     torch.manual_seed(cfg.run.seed)

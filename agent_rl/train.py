@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from agent_rl.config import Config
+from agent_rl.infra import allocator
 from agent_rl.infra import distributed as dist_lib
 from agent_rl.infra.checkpoint import (
     StopFlag,
@@ -35,7 +36,7 @@ from agent_rl.infra.checkpoint import (
 )
 from agent_rl.infra.guard import CollapseGuard
 from agent_rl.infra.logger import MetricsLogger
-from agent_rl.infra.preflight import fix_mmap_threshold, peak_rss_bytes, run_preflight
+from agent_rl.infra.preflight import peak_rss_bytes, run_preflight
 from agent_rl.infra.prepare import local_retriever, prepare
 from agent_rl.infra.world import World
 from agent_rl.learn.batch import RolloutBatch
@@ -374,9 +375,10 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     world = dist_lib.init_distributed(cfg)
     # Same seed everywhere for data order and model init; each rank samples its own rollouts.
     seed_everything(cfg.run.seed)
-    fix_mmap_threshold(cfg.train.host_mmap_threshold_mib)
+    host_allocator = allocator.setup(cfg.train.host_allocator, cfg.train.host_mmap_threshold_mib)
     out_dir = Path(cfg.run.output_dir)
     if world.is_main:
+        print(f"[train] host allocator: {host_allocator}", file=sys.stderr)
         out_dir.mkdir(parents=True, exist_ok=True)
         prepare(cfg)
         if cfg.model.warm_start and not Path(cfg.model.warm_start).exists():

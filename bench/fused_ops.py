@@ -56,7 +56,7 @@ def main() -> None:
     import torch
     import train_vs_trl
 
-    from agent_rl.infra.preflight import fix_mmap_threshold
+    from agent_rl.infra import allocator
     from agent_rl.infra.world import LOCAL
     from agent_rl.learn.fused import fuse_modules
     from agent_rl.learn.policy import load_policy, load_tokenizer, update_logprobs
@@ -77,7 +77,7 @@ def main() -> None:
         max_new=args.max_new,
     )
     cfg = train_vs_trl._cfg(bench_args)
-    fix_mmap_threshold(cfg.train.host_mmap_threshold_mib)  # as `train` does
+    allocator.setup(cfg.train.host_allocator, cfg.train.host_mmap_threshold_mib)  # as `train` does
     torch.manual_seed(0)
     tok = load_tokenizer(cfg.model.path)
     plain = load_policy(cfg, cfg.model.path, "cpu")

@@ -44,13 +44,14 @@ def measure(config: str, overrides: list[str]) -> dict:
     import torch
 
     from agent_rl.config import load_config
-    from agent_rl.infra.preflight import fix_mmap_threshold, peak_rss_bytes
+    from agent_rl.infra import allocator
+    from agent_rl.infra.preflight import peak_rss_bytes
     from agent_rl.learn.policy import load_policy, load_tokenizer
     from agent_rl.rollout.engines import VLLMEngine, hf_named_weights
     from agent_rl.rollout.trajectory import Trajectory
 
     cfg = load_config(config, overrides)
-    fix_mmap_threshold(cfg.train.host_mmap_threshold_mib)  # as `train` does
+    allocator.setup(cfg.train.host_allocator, cfg.train.host_mmap_threshold_mib)  # as `train` does
     path = cfg.model.path
     tok = load_tokenizer(path)
     peaks = {}
@@ -127,8 +128,16 @@ def main() -> None:
         check=True,
     )
     baseline = json.loads(base.stdout.strip().splitlines()[-1])["peak_rss"]
+    from agent_rl.infra import allocator
+
+    # The point runs under the allocator `agent-rl train` would start with; the import baseline
+    # above under glibc, as the planner's constant was measured (mimalloc has its own term).
     res = subprocess.run(
-        [sys.executable, __file__, "--point", config, *overrides], cwd=ROOT, env=env, capture_output=True, text=True
+        [sys.executable, __file__, "--point", config, *overrides],
+        cwd=ROOT,
+        env=allocator.exec_env(cfg.train.host_allocator, env),
+        capture_output=True,
+        text=True,
     )
     if res.returncode != 0:
         raise SystemExit(res.stderr[-4000:])

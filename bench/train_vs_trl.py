@@ -1,7 +1,8 @@
 """agent-rl vs TRL's GRPOTrainer: tokens/s per step, peak RSS and where each step's time goes.
 
 Usage: .venv/bin/python bench/train_vs_trl.py [--model tiny|base|smollm2] [--ckpt off,on] [--dtype fp32|bf16]
-       [--entropy off|on] [--reward hash|em] [--fused on|off] [--steps 6] [--prompts 4] [--group 4] [--max-new 64]
+       [--entropy off|on] [--reward hash|em] [--fused on|off] [--allocator auto|glibc]
+       [--steps 6] [--prompts 4] [--group 4] [--max-new 64]
        [--repeats 3]
 (needs the `bench` extra: pip install 'agent-rl[bench]').
 
@@ -24,9 +25,10 @@ Same work on both sides:
   tokenizer (`</search>`, `</answer>`: our engine's `stop_token_ids`), given to TRL as the model's
   `generation_config.eos_token_id` list, which its generation stops at and its completion mask
   ends at;
-- our process sets glibc's mmap threshold as the trainer does (`train.host_mmap_threshold_mib`,
-  1 MiB: RSS follows what is held, at a page fault per fresh page of each large tensor); TRL's
-  keeps glibc's default;
+- each side runs under the host allocator its own command starts with: ours as `agent-rl train`
+  does (`--allocator auto`: mimalloc preloaded where installed; `glibc`: glibc with the trainer's
+  fixed 1 MiB mmap threshold, RSS following what is held at a page fault per fresh page of each
+  large tensor), TRL's under glibc's defaults;
 - tokens counted the same way: prompt + completion tokens up to and including the stop token, from
   each side's own masks.
 
@@ -95,6 +97,7 @@ def _cfg(args):
             "train.max_grad_norm=1.0",
             f"train.bf16={str(args.dtype == 'bf16').lower()}",
             f"train.fused_ops={str(args.fused == 'on').lower()}",
+            f"train.host_allocator={args.allocator}",
         ],
     )
     prepare(cfg, need_index=False)
@@ -132,7 +135,7 @@ def run_ours(args) -> dict:
 
     import torch
 
-    from agent_rl.infra.preflight import fix_mmap_threshold
+    from agent_rl.infra import allocator
     from agent_rl.learn.policy import load_policy, load_tokenizer
     from agent_rl.learn.update import adamw, prepare_batch, update
     from agent_rl.rollout.budget import TokenBudget
@@ -141,7 +144,7 @@ def run_ours(args) -> dict:
     from agent_rl.rollout.prompts import load_prompts
 
     cfg = _cfg(args)
-    fix_mmap_threshold(cfg.train.host_mmap_threshold_mib)  # as `train` does
+    host_allocator = allocator.setup(cfg.train.host_allocator, cfg.train.host_mmap_threshold_mib)  # as `train`
     torch.manual_seed(0)
     tok = load_tokenizer(cfg.model.path)
     policy = load_policy(cfg, cfg.model.path, "cpu")
@@ -177,7 +180,15 @@ def run_ours(args) -> dict:
             steps.append(time.perf_counter() - start)
             tokens.append(sum(t.total_tokens for t in trajs))
             completion.append(sum(t.response_tokens for t in trajs))
-    return _result("agent-rl", steps, tokens, completion, clock, skipped=stats.get("train/skipped_zero_advantage_rows"))
+    return _result(
+        "agent-rl",
+        steps,
+        tokens,
+        completion,
+        clock,
+        skipped=stats.get("train/skipped_zero_advantage_rows"),
+        allocator=host_allocator.split(",")[0],
+    )
 
 
 def _result(side: str, steps: list, tokens: list, completion: list, clock: Clock, **extra) -> dict:
@@ -301,9 +312,14 @@ def run_trl(args) -> dict:
 
 def _run_side(side: str, args, ckpt: str) -> dict:
     cmd = [sys.executable, __file__, "--side", side, "--ckpt", ckpt]
-    for name in ("model", "dtype", "entropy", "reward", "fused", "steps", "prompts", "group", "max_new"):
+    for name in ("model", "dtype", "entropy", "reward", "fused", "allocator", "steps", "prompts", "group", "max_new"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    env = None
+    if side == "ours":  # started as `agent-rl train` starts: under mimalloc where it resolves to it
+        from agent_rl.infra import allocator
+
+        env = allocator.exec_env(args.allocator)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode:
         print(res.stderr[-3000:])
         raise SystemExit(f"{side} failed")
@@ -318,6 +334,9 @@ def main() -> None:
     parser.add_argument("--entropy", choices=["off", "on"], default="off")
     parser.add_argument("--reward", choices=["hash", "em"], default="hash")
     parser.add_argument("--fused", choices=["on", "off"], default="on", help="our side's train.fused_ops")
+    parser.add_argument(
+        "--allocator", choices=["auto", "glibc"], default="auto", help="our side's train.host_allocator"
+    )
     parser.add_argument("--steps", type=int, default=6, help="steps per run; the first is a warm-up")
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--group", type=int, default=4)
@@ -341,6 +360,7 @@ def main() -> None:
                     f"{r['step_s']:>7.2f}{r['completion_tokens_mean']:>6.0f}"
                     + "".join(f"{r['phases_s'][p]:>9.2f}" for p in PHASES)
                     + f"{r['peak_rss_mib']:>9.0f}"
+                    + (f"  {r['allocator']}" if r.get("allocator") else "")
                     + (f"  skipped rows {r['skipped']:.0f}" if r.get("skipped") else "")
                 )
                 peaks[side].append(r["peak_rss_mib"])

@@ -14,6 +14,7 @@ import pytest
 from agent_fixtures import FIXTURES, smollm2_dir, tiny_model_dir  # noqa: F401  (pytest fixtures)
 
 from agent_rl.config import GuardConfig, load_config
+from agent_rl.infra import allocator
 from agent_rl.infra.guard import CollapseGuard
 from agent_rl.infra.plan import plan
 
@@ -263,11 +264,12 @@ import json, random, resource, sys
 import torch
 from agent_rl.config import load_config
 from agent_rl.learn.policy import load_tokenizer
-from agent_rl.infra.preflight import fix_mmap_threshold, peak_rss_bytes
+from agent_rl.infra import allocator
+from agent_rl.infra.preflight import peak_rss_bytes
 from agent_rl.rollout.trajectory import Trajectory
 
 cfg = load_config(None, json.loads(sys.argv[1]))
-fix_mmap_threshold(cfg.train.host_mmap_threshold_mib)  # as `train` does
+allocator.setup(cfg.train.host_allocator, cfg.train.host_mmap_threshold_mib)  # as `train` does
 tok = load_tokenizer(cfg.model.path)
 engine = None
 rows = cfg.rollout.prompts_per_step * cfg.algo.group_size
@@ -303,7 +305,7 @@ for step in range(2):  # step 2 runs forward/backward with the AdamW states alre
     batch = prepare_batch(cfg, policy, None, None, trajs, tok.pad_token_id, need_old=False)
     update(cfg, policy, None, opt, None, batch, random.Random(step))
 print(json.dumps({"peak_rss": peak_rss_bytes(),  # VmHWM: ru_maxrss would carry pytest's own peak across exec
-                  "params": sum(p.numel() for p in policy.parameters())}))
+                  "params": sum(p.numel() for p in policy.parameters()), "allocator": allocator.in_use()}))
 """
 
 
@@ -345,7 +347,11 @@ def _planned(overrides: list[str], model_path) -> int:
 
 
 def _measure(overrides: list[str]) -> dict:
+    """Peak RSS of MEASURE in a fresh process started as `agent-rl train` starts (mimalloc preloaded
+    where `train.host_allocator` resolves to it; the import baseline stays glibc's, as the planner's
+    constant was measured, and the planner adds mimalloc's own bytes)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = allocator.exec_env(load_config(None, overrides).train.host_allocator, env)
     res = subprocess.run(
         [sys.executable, "-c", MEASURE, json.dumps(overrides)],
         cwd=ROOT,
@@ -441,6 +447,7 @@ def test_plan_predicts_measured_peak_rss_within_10_percent(request, model, budge
     overrides = [f"model.path={model_dir}", *budget, *extra]
     predicted = _planned(overrides, model_dir)
     measured = _measure_once(tuple(overrides))
+    assert measured["allocator"] == allocator.resolve("auto")  # the process ran under what `train` runs under
     if model == "medium":
         assert 50e6 <= measured["params"] <= 150e6
     ratio = predicted / measured["peak_rss"]

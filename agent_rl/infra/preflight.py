@@ -15,31 +15,6 @@ import torch
 from agent_rl.config import Config
 
 
-def fix_mmap_threshold(mib: float) -> bool:
-    """glibc: allocations of at least `mib` MiB get their own mapping, unmapped when freed.
-
-    glibc raises its mmap threshold each time a mapped block is freed (up to 32 MiB), after which
-    tensors of that size come from the heap; freed activations then leave holes the next
-    micro-batch cannot always reuse, and the process keeps them (measured: 2x the saved
-    activations with LoRA on SmolLM2). A fixed threshold disables that adjustment, so RSS follows
-    what is held; the price is a page fault per fresh page of a large tensor. True if applied."""
-    if mib <= 0:
-        return False
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to set
-        return False
-    if mallopt is None:
-        return False
-    M_MMAP_THRESHOLD = -3
-    return bool(mallopt(M_MMAP_THRESHOLD, int(mib * 2**20)))
-
-
 class PreflightError(RuntimeError):
     pass
 
