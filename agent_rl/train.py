@@ -556,6 +556,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             # 4. old / reference log-probs, values, advantages (the engine sleeps where it can: weights offloaded, KV
             # freed)
             engine.sleep()
+            allocator.release()  # the rollout's freed memory back to the system before the update's
             single_pass = cfg.algo.ppo_epochs == 1 and (
                 cfg.algo.mini_batch_size == 0 or cfg.algo.mini_batch_size // world.world_size >= len(trajs)
             )
@@ -590,6 +591,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             )
             run.scheduler.step()
             times["sync_s"] = run.push_weights()
+            allocator.release()  # the update's activations, kept for reuse within it, back to the system
             times["updated"] = time.perf_counter()
             if report and world.is_main:
                 save_trajectories(run.out_dir, run.step, batch, report, run.tokenizer)

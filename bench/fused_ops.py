@@ -72,6 +72,7 @@ def main() -> None:
         dtype="fp32",
         entropy="off",
         fused="off",
+        allocator="auto",
         prompts=args.prompts,
         group=args.group,
         max_new=args.max_new,

@@ -99,6 +99,7 @@ def measure(config: str, overrides: list[str]) -> dict:
     for step in range(2):
         batch = prepare_batch(cfg, policy, None, None, trajs, tok.pad_token_id, need_old=False)
         update(cfg, policy, None, opt, None, batch, random.Random(step))
+        allocator.release()  # as `train` does after each update
         if engine is not None:
             engine.load_weights(hf_named_weights(policy))
     peaks["update"] = peak_rss_bytes()

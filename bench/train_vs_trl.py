@@ -165,6 +165,7 @@ def run_ours(args) -> dict:
         clock.start("generate")
         trajs = loop.run(prompts.items, args.group, cfg.rollout.temperature)
         engine.sleep()  # as the trainer does before the update: frees the fast decoder's reordered weights
+        allocator.release()
         clock.stop("generate")
         clock.start("score")
         for t in trajs:
@@ -174,6 +175,7 @@ def run_ours(args) -> dict:
         clock.start("fwd_bwd")
         optim_before = clock.total["optim"]
         stats = update(cfg, policy, None, opt, None, batch, random.Random(step))
+        allocator.release()
         clock.stop("fwd_bwd")
         if step:
             clock.total["fwd_bwd"] -= clock.total["optim"] - optim_before

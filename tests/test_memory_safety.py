@@ -304,6 +304,7 @@ for step in range(2):  # step 2 runs forward/backward with the AdamW states alre
         engine.load_weights(hf_named_weights(policy))  # LoRA merged, as after every update
     batch = prepare_batch(cfg, policy, None, None, trajs, tok.pad_token_id, need_old=False)
     update(cfg, policy, None, opt, None, batch, random.Random(step))
+    allocator.release()  # as `train` does after each update
 print(json.dumps({"peak_rss": peak_rss_bytes(),  # VmHWM: ru_maxrss would carry pytest's own peak across exec
                   "params": sum(p.numel() for p in policy.parameters()), "allocator": allocator.in_use()}))
 """

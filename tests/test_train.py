@@ -78,6 +78,9 @@ def test_train_two_steps_changes_parameters(cache, tmp_path, algo):
     extra = ["algo.name=ppo", "algo.kl_coef=0.01", "algo.kl_type=k1"] if algo == "ppo" else ["algo.kl_coef=0.01"]
     res = _run(["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, 2, extra)], timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
+    from agent_rl.infra import allocator
+
+    assert f"host allocator: {allocator.resolve('auto')}" in res.stderr  # the command restarted under mimalloc
     ckpt = out / "checkpoints" / "step_2"
     assert ckpt.is_dir()
     before, after = _weights(cache / "model"), _weights(ckpt)

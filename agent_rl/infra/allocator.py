@@ -17,6 +17,7 @@ the same with jemalloc or tcmalloc; mimalloc is the one that comes as a wheel (`
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 
@@ -59,6 +60,7 @@ def resolve(choice: str) -> str:
     return "glibc"
 
 
+@functools.lru_cache(maxsize=1)  # fixed at exec time
 def in_use() -> str:
     """The allocator of this process: mimalloc when its library is mapped, else glibc."""
     try:
@@ -107,6 +109,19 @@ def setup(choice: str, mmap_threshold_mib: float) -> str:
     if resolve(choice) == "mimalloc":
         line += "; mimalloc is installed but needs the process to start with it: run `agent-rl train`"
     return line
+
+
+def release() -> None:
+    """Give the memory freed since the last phase back to the system (between rollout and update).
+
+    mimalloc keeps freed pages for reuse until told (`mi_collect`); within a phase that reuse is the
+    point, across phases it would hold one phase's peak while the other runs. A no-op under glibc,
+    where the fixed threshold already unmaps every large block as it is freed."""
+    if in_use() != "mimalloc":
+        return
+    import ctypes
+
+    ctypes.CDLL(None).mi_collect(ctypes.c_bool(True))
 
 
 def fix_mmap_threshold(mib: float) -> bool:
