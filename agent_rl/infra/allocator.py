@@ -22,6 +22,7 @@ import os
 import sys
 
 MARKER = "AGENT_RL_ALLOCATOR_EXEC"  # set across the re-exec, so a failed preload cannot loop
+PRELOADED = ("mimalloc", "tcmalloc", "jemalloc")  # allocators that replace glibc's malloc when preloaded
 
 
 def mimalloc_library() -> str | None:
@@ -62,14 +63,14 @@ def resolve(choice: str) -> str:
 
 @functools.lru_cache(maxsize=1)  # fixed at exec time
 def in_use() -> str:
-    """The allocator of this process: mimalloc when its library is mapped, else glibc."""
+    """The allocator of this process: mimalloc (or a tcmalloc / jemalloc the user preloaded) when its
+    library is mapped, else glibc."""
     try:
         with open("/proc/self/maps") as f:
-            if "libmimalloc" in f.read():
-                return "mimalloc"
+            maps = f.read()
     except OSError:
-        pass
-    return "glibc"
+        return "glibc"
+    return next((name for name in PRELOADED if f"lib{name}" in maps), "glibc")
 
 
 def exec_env(choice: str, env: dict[str, str] | None = None) -> dict[str, str]:
@@ -89,8 +90,8 @@ def exec_under(choice: str) -> None:
     Called by the CLI before the job imports torch, with the process's own argv (`sys.orig_argv`):
     the PID, the environment and the arguments stay, so torchrun and job schedulers see the same
     process."""
-    if resolve(choice) != "mimalloc" or in_use() == "mimalloc" or os.environ.get(MARKER):
-        return
+    if resolve(choice) != "mimalloc" or in_use() != "glibc" or os.environ.get(MARKER):
+        return  # not wanted, already under mimalloc or an allocator the user preloaded, or tried once
     env = exec_env(choice)
     env[MARKER] = "1"
     sys.stdout.flush()
@@ -102,8 +103,8 @@ def setup(choice: str, mmap_threshold_mib: float) -> str:
     """Configure this process's allocator for training; returns a line saying which one it is.
 
     Under glibc the mmap threshold is fixed (`fix_mmap_threshold`), so RSS follows what is held."""
-    if in_use() == "mimalloc":
-        return "mimalloc"
+    if in_use() != "glibc":
+        return in_use()
     fixed = fix_mmap_threshold(mmap_threshold_mib)
     line = f"glibc, mmap threshold fixed at {mmap_threshold_mib:g} MiB" if fixed else "glibc, default mmap threshold"
     if resolve(choice) == "mimalloc":
