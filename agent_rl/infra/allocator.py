@@ -25,6 +25,7 @@ MARKER = "AGENT_RL_ALLOCATOR_EXEC"  # set across the re-exec, so a failed preloa
 PRELOADED = ("mimalloc", "tcmalloc", "jemalloc")  # allocators that replace glibc's malloc when preloaded
 
 
+@functools.cache  # resolve() asks on every call; the installed files do not change in a process
 def mimalloc_library() -> str | None:
     """Path of the installed libmimalloc shared library (the `cmeel-mimalloc` wheel), or None."""
     if not sys.platform.startswith("linux"):
@@ -76,11 +77,9 @@ def in_use() -> str:
 def exec_env(choice: str, env: dict[str, str] | None = None) -> dict[str, str]:
     """`env` (default: this process's) with what a process needs to start under the resolved allocator."""
     env = dict(os.environ if env is None else env)
-    if resolve(choice) == "mimalloc":
-        lib = mimalloc_library()
-        preload = env.get("LD_PRELOAD", "")
-        if lib and "libmimalloc" not in preload:
-            env["LD_PRELOAD"] = f"{lib} {preload}".strip()
+    preload = env.get("LD_PRELOAD", "")
+    if resolve(choice) == "mimalloc" and "libmimalloc" not in preload:
+        env["LD_PRELOAD"] = f"{mimalloc_library()} {preload}".strip()
     return env
 
 
