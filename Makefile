@@ -44,7 +44,7 @@ test: setup lint
 	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
 	  { apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }; }; } || \
 	  echo "chromium could not be installed: tests/test_view.py's browser test will skip"
-	$(PY) -m pytest -q --durations=15 tests
+	$(PY) -m pytest -q --durations=25 tests
 
 clean:
 	rm -rf runs .cache
