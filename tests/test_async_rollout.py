@@ -9,15 +9,7 @@ import time
 
 import pytest
 import torch
-from agent_fixtures import (  # noqa: F401  (pytest fixtures)
-    ScriptedEngine,
-    delaying_proxy,
-    hotpot_index_dir,
-    server,
-    start_server,
-    tiny_model_dir,
-    tokenizer,
-)
+from agent_fixtures import ScriptedEngine, delaying_proxy, start_server
 
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.engines import Generation, HFEngine

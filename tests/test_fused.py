@@ -5,7 +5,6 @@ import random
 
 import pytest
 import torch
-from agent_fixtures import tiny_model_dir  # noqa: F401
 from test_levers import _batch, _cfg
 
 from agent_rl.infra.plan import Arch, activation_bytes

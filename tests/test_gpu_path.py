@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from agent_fixtures import tiny_model_dir, torchrun_cmd  # noqa: F401  (pytest fixture)
+from agent_fixtures import torchrun_cmd
 
 from agent_rl.config import ConfigError, load_config
 

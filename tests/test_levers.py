@@ -4,7 +4,6 @@ import random
 
 import pytest
 import torch
-from agent_fixtures import tiny_model_dir  # noqa: F401
 
 from agent_rl.config import load_config
 from agent_rl.learn.batch import collate

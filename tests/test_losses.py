@@ -6,7 +6,6 @@ import random
 
 import pytest
 import torch
-from agent_fixtures import tiny_model_dir  # noqa: F401  (pytest fixture)
 
 from agent_rl.config import load_config
 from agent_rl.learn import advantages as adv_lib

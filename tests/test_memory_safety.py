@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from agent_fixtures import FIXTURES, smollm2_dir, tiny_model_dir  # noqa: F401  (pytest fixtures)
+from agent_fixtures import FIXTURES
 
 from agent_rl.config import GuardConfig, load_config
 from agent_rl.infra import allocator

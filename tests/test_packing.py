@@ -10,7 +10,6 @@ import random
 
 import pytest
 import torch
-from agent_fixtures import smollm2_dir, tiny_model_dir  # noqa: F401  (pytest fixtures)
 from test_losses import _trajs
 
 from agent_rl.config import load_config

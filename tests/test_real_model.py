@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from agent_fixtures import hotpot_index_dir, smollm2_dir, start_server  # noqa: F401  (pytest fixtures)
+from agent_fixtures import start_server
 
 from agent_rl.infra.model_init import PRESETS, MissingPackageError, preset_gguf
 from agent_rl.learn.policy import load_tokenizer

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from agent_fixtures import FIXTURES, hotpot_index_dir, start_server  # noqa: F401  (pytest fixtures)
+from agent_fixtures import FIXTURES, start_server
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from agent_fixtures import free_port, hotpot_index_dir, start_servers  # noqa: F401  (pytest fixture)
+from agent_fixtures import free_port, start_servers
 
 from agent_rl.infra.prepare import stop_process
 from retriever_server.answers import contains_answer, normalize_answer

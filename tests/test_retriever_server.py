@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-from agent_fixtures import hotpot_index_dir, start_servers  # noqa: F401  (pytest fixture)
+from agent_fixtures import start_servers
 
 from agent_rl.infra.prepare import stop_process
 

@@ -5,14 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from agent_fixtures import (  # noqa: F401  (pytest fixtures)
-    ScriptedEngine,
-    hotpot_index_dir,
-    server,
-    start_server,
-    tiny_model_dir,
-    tokenizer,
-)
+from agent_fixtures import ScriptedEngine, start_server
 
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.engines import Generation, HFEngine, _sample

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from agent_fixtures import hotpot_index_dir, torchrun_cmd  # noqa: F401  (pytest fixture)
+from agent_fixtures import torchrun_cmd
 
 ROOT = Path(__file__).resolve().parents[1]
 

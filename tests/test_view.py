@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from agent_fixtures import FIXTURES, ScriptedEngine, start_server, tiny_model_dir  # noqa: F401  (pytest fixtures)
+from agent_fixtures import FIXTURES, ScriptedEngine, start_server
 from test_async_rollout import _items
 
 from agent_rl.cli import write_trajectories

