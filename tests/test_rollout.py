@@ -288,7 +288,9 @@ def test_fast_decode_matches_transformers_forward(tokenizer, tiny_model_dir):
 def test_decode_linear_follows_weight_updates_and_frees_its_copies():
     """The fast decoder's oneDNN linears equal `F.linear` to float rounding at any row count, with
     and without bias; an in-place weight change (an optimizer step, a weight sync) is picked up at
-    the next call, never a stale reordered copy; `sleep` frees the copies; bf16 falls back."""
+    the next call, never a stale reordered copy; `sleep` frees the copies; under bf16 autocast the
+    product runs over a bf16 copy where oneDNN has bf16 kernels and equals autocast's `F.linear` to
+    bf16 rounding; bf16 weights outside autocast fall back."""
     from agent_rl.rollout.engines import _DecodeLinear
 
     torch.manual_seed(0)
@@ -309,6 +311,19 @@ def test_decode_linear_follows_weight_updates_and_frees_its_copies():
     assert not linear.packed
     h16 = h.bfloat16()
     assert linear(h16, weight.bfloat16()).dtype == torch.bfloat16 and not linear.packed
+    for rows in (16, 1):
+        h = torch.randn(rows, 64)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, ref = linear(h, weight, bias), torch.nn.functional.linear(h, weight, bias)
+        assert got.dtype == ref.dtype == torch.bfloat16
+        assert torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+    copies = [entry[3] for entry in linear.packed.values()]
+    assert [c.dtype for c in copies] == ([torch.bfloat16] if linear.bf16_available else [])
+    with torch.no_grad():
+        weight.add_(1.0)  # the bf16 copy follows the float32 master weight too
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, ref = linear(h, weight), torch.nn.functional.linear(h, weight)
+    assert torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
 
 
 @pytest.mark.parametrize("turns,per_turn,total", [(8, 64, 256), (32, 64, 2048)])

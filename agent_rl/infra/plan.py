@@ -325,9 +325,12 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
     if cfg.rollout.engine == "hf":
         rollout_c["kv_cache"] = seqs * cfg.budget.max_total_tokens * kv + seqs * arch.vocab * 4 * 2
         fp32_weights = cfg.rollout.device == cfg.train.device or b == 4  # the policy itself, or an fp32 copy
-        if cfg.rollout.fast_decode and cfg.rollout.device == "cpu" and fp32_weights and not cfg.train.bf16 and not lora:
-            # the fast decoder's oneDNN copies of the linear weights (engines._DecodeLinear), freed before the update
-            rollout_c["decode_weights"] = (P - (0 if arch.tied else arch.vocab * arch.hidden)) * 4
+        if cfg.rollout.fast_decode and cfg.rollout.device == "cpu" and fp32_weights and not lora:
+            # the fast decoder's oneDNN copies of the linear weights (engines._DecodeLinear), freed before the
+            # update; bf16 copies under train.bf16 (where the CPU has no bf16 kernels there are none: an upper bound)
+            rollout_c["decode_weights"] = (P - (0 if arch.tied else arch.vocab * arch.hidden)) * (
+                2 if cfg.train.bf16 else 4
+            )
     if cfg.memory.retriever_on_gpu_gib and on_gpu:
         engine_c["retriever_index"] = int(cfg.memory.retriever_on_gpu_gib * GIB)
     resident = {k: v for k, v in train_c.items() if k in ("params", "grads", "optimizer", "reference", "critic")}
