@@ -130,7 +130,11 @@ class _DecodeLinear:
 
     def __init__(self) -> None:
         self.available = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        self.bf16_available = self.available and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        self.bf16_available = (
+            self.available
+            and hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        )
         # (ids of the weights, compute dtype) -> (weights, biases, their versions, reordered weight, joined bias)
         self.packed: dict[tuple, tuple] = {}
 
