@@ -320,9 +320,9 @@ def test_decode_linear_follows_weight_updates_and_frees_its_copies():
     copies = [entry[3] for entry in linear.packed.values()]
     assert [c.dtype for c in copies] == ([torch.bfloat16] if linear.bf16_available else [])
     with torch.no_grad():
-        weight.add_(1.0)  # the bf16 copy follows the float32 master weight too
+        weight.add_(1.0)  # the bf16 copy follows the float32 master weight too (same bias: only the version moved)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got, ref = linear(h, weight), torch.nn.functional.linear(h, weight)
+        got, ref = linear(h, weight, bias), torch.nn.functional.linear(h, weight, bias)
     assert torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
 
 
