@@ -185,11 +185,14 @@ def cmd_eval(args) -> int:
             f"wrote {len(trajs)} trajectories to {args.trajectories} (see them with: agent-rl view "
             f"{args.trajectories} --out DIR)"
         )
-    sources = sorted({k.split("/")[1] for k in metrics if k.count("/") == 2})
-    print(f"{'data_source':<20} {'EM':>7} {'F1':>7}")
-    for s in sources:
-        print(f"{s:<20} {metrics[f'eval/{s}/em']:>7.3f} {metrics[f'eval/{s}/f1']:>7.3f}")
-    print(f"{'all':<20} {metrics['eval/em']:>7.3f} {metrics['eval/f1']:>7.3f}   (n={int(metrics['eval/n'])})")
+    groups = sorted(k[len("eval/") : -len("/em")] for k in metrics if k.endswith("/em") and k.count("/") >= 2)
+    print(f"{'data_source or type':<22} {'EM':>7} {'F1':>7} {'searches':>9}")
+    for g in groups + [""]:
+        key = f"eval/{g}/" if g else "eval/"
+        print(
+            f"{g or 'all':<22} {metrics[key + 'em']:>7.3f} {metrics[key + 'f1']:>7.3f} "
+            f"{metrics[key + 'searches_mean']:>9.2f}" + (f"   (n={int(metrics['eval/n'])})" if not g else "")
+        )
     out = Path(args.out or Path(cfg.run.output_dir) / "eval.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"checkpoint": args.checkpoint, "data": data, **metrics}, indent=1))
@@ -234,6 +237,26 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def _print_stage_table(stages: list[tuple[str, dict[str, float]]], temperature: float) -> None:
+    """Test EM (greedy and sampled) and greedy searches per trajectory at each stage, overall and per
+    question type."""
+    types = sorted({k.split("/")[2] for _, m in stages for k in m if k.startswith("eval/type/")})
+    groups = [("all", "eval", "eval_sampled")] + [(t, f"eval/type/{t}", f"eval_sampled/type/{t}") for t in types]
+    cols = [
+        ("greedy EM", lambda g: f"{g[1]}/em"),
+        (f"EM, one sample at T={temperature:g}", lambda g: f"{g[2]}/em"),
+        ("searches per trajectory (greedy)", lambda g: f"{g[1]}/searches_mean"),
+    ]
+    width = 9 * len(groups)
+    print(f"{'':<16}" + "".join(f"| {title:<{width}}" for title, _ in cols))
+    print(f"{'':<16}" + ("| " + "".join(f"{g[0]:>9}" for g in groups)) * len(cols))
+    for name, m in stages:
+        cells = []
+        for _, key in cols:
+            cells.append("| " + "".join(f"{m[key(g)]:>9.3f}" if key(g) in m else f"{'-':>9}" for g in groups))
+        print(f"{name:<16}" + "".join(cells))
+
+
 def cmd_demo(args) -> int:
     """The embedded default end to end: prepare, evaluate the base model, SFT warm start, GRPO,
     evaluate, plot, and print test EM at each stage."""
@@ -258,14 +281,16 @@ def cmd_demo(args) -> int:
     rewards = [m["reward/mean"] for m in metrics if "reward/mean" in m]
     plots = plot_run(out)
     print("\n=== agent-rl demo finished ===")
+    stages = [("base model", base), ("SFT warm start", evals[0] if evals else {}), ("after GRPO", final)]
+    _print_stage_table(stages, cfg.rollout.temperature)
     for key, what in (("eval/em", "greedy"), ("eval_sampled/em", f"one sample at T={cfg.rollout.temperature:g}")):
         if evals and key in evals[0]:
-            stages = [f"base model {base[key]:.3f}"] if key in base else []
-            stages += [
+            line = [f"base model {base[key]:.3f}"] if key in base else []
+            line += [
                 f"after the SFT warm start {evals[0][key]:.3f}",
                 f"after GRPO {final.get(key, evals[-1][key]):.3f}",
             ]
-            print(f"test EM ({what}): " + " -> ".join(stages))
+            print(f"test EM ({what}): " + " -> ".join(line))
     if len(rewards) >= 10:
         k = max(1, len(rewards) // 4)
         print(

@@ -350,6 +350,11 @@ class SftConfig:
     wrong_fraction: float = _f(
         0.5, "Chance that a drawn demonstration ends with a wrong answer, redrawn on every draw (keeps RL headroom)."
     )
+    second_hop_fraction: float = _f(
+        1.0,
+        "Share of draws in which a two-hop demonstration makes its second search; the others stop after the first "
+        "search and answer with its finding (a weaker demonstrator, as real warm starts are; 1 = always both hops).",
+    )
 
 
 @dataclass
@@ -451,6 +456,9 @@ class Config:
                 "run.save_trajectories_every set: "
                 "keep at least 1 trajectory per saved step, or set run.save_trajectories_every=0"
             )
+        for key in ("wrong_fraction", "second_hop_fraction"):
+            if not 0.0 <= getattr(self.sft, key) <= 1.0:
+                raise ConfigError(f"sft.{key} must be within [0, 1], got {getattr(self.sft, key)}")
         for key in ("topk", "max_queries_per_request"):
             if getattr(self.retriever, key) < 1:
                 raise ConfigError(f"retriever.{key} must be >= 1, got {getattr(self.retriever, key)}")

@@ -8,6 +8,12 @@ answer pool, so SFT teaches the format and the search habit without saturating E
 headroom. The wrong answer is redrawn on every draw, never fixed per demonstration: a fixed
 wrong answer can only be learnt by memorising the entity, which pulls the policy away from
 reading the passage.
+
+The demonstrator can be made weaker the way real warm starts are: with `sft.second_hop_fraction`
+below 1, a two-hop demonstration (one whose `metadata.hop_answers` names the first hop's finding)
+makes its second search only that share of the draws; otherwise it stops after the first search
+and answers with what that search found (the founder, not the founder's city). The warm start then
+knows the second search but rarely takes it, which is the skill RL has to find and reinforce.
 """
 
 from __future__ import annotations
@@ -48,43 +54,61 @@ def build_demonstrations(cfg: Config, tokenizer, client: RetrieverClient) -> Dem
         chunk = unique[lo : lo + 64]
         for q, docs in zip(chunk, client.retrieve(chunk, cfg.retriever.topk)):
             cache[q] = docs
-    demos = []
+    demos, stops = [], []
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     for it, meta in rows:
         t = Trajectory(it.prompt_id, it.data_source, list(it.prompt_ids), list(it.golden_answers))
-        for q in meta["queries"][: cfg.budget.max_turns]:
+        queries = meta["queries"][: cfg.budget.max_turns]
+        hop_answers = meta.get("hop_answers") or []
+        stop = None  # a two-hop row: (response length after the first observation, the first hop's answer)
+        for i, q in enumerate(queries):
             t.append(enc(search_action(q)), sampled=True)
             ids, _ = obs.build(format_documents(cache[q]), budget.obs_allowance(t.total_tokens))
             t.append(ids, sampled=False)
+            if i == 0 and len(queries) > 1 and len(hop_answers) > 1:
+                stop = (len(t.response_ids), hop_answers[0])
         demos.append(t)  # the prefix: prompt, searches and observations; the answer is added per draw
-    answer_ids = {a: enc(answer_action(a)) for a in answers_pool + [it.golden_answers[0] for it, _ in rows]}
+        stops.append(stop)
+    finals = answers_pool + [it.golden_answers[0] for it, _ in rows] + [s[1] for s in stops if s]
+    answer_ids = {a: enc(answer_action(a)) for a in finals}
     longest = max(len(v) for v in answer_ids.values())
-    return Demonstrations(
-        [t for t in demos if t.total_tokens + longest <= budget.max_total_tokens], answers_pool, answer_ids
-    )
+    keep = [i for i, t in enumerate(demos) if t.total_tokens + longest <= budget.max_total_tokens]
+    return Demonstrations([demos[i] for i in keep], answers_pool, answer_ids, [stops[i] for i in keep])
 
 
 class Demonstrations:
     """Scripted prefixes plus the answer pool; `draw` appends the golden answer or, with probability
-    wrong_fraction, a wrong one drawn afresh."""
+    wrong_fraction, a wrong one drawn afresh; a two-hop prefix is cut after its first search, answered
+    with the first hop's finding, unless a draw below second_hop_fraction keeps the second search."""
 
-    def __init__(self, prefixes: list[Trajectory], pool: list[str], answer_ids: dict[str, list[int]]):
-        self.prefixes, self.pool, self.answer_ids = prefixes, pool, answer_ids
+    def __init__(
+        self,
+        prefixes: list[Trajectory],
+        pool: list[str],
+        answer_ids: dict[str, list[int]],
+        stops: list[tuple[int, str] | None],
+    ):
+        self.prefixes, self.pool, self.answer_ids, self.stops = prefixes, pool, answer_ids, stops
 
     def __len__(self) -> int:
         return len(self.prefixes)
 
-    def draw(self, index: int, wrong_fraction: float, rng: random.Random) -> Trajectory:
-        prefix = self.prefixes[index]
+    def draw(
+        self, index: int, wrong_fraction: float, rng: random.Random, second_hop_fraction: float = 1.0
+    ) -> Trajectory:
+        prefix, stop = self.prefixes[index], self.stops[index]
+        end = len(prefix.response_ids)
         answer = prefix.golden_answers[0]
-        if rng.random() < wrong_fraction:
+        if stop is not None and rng.random() >= second_hop_fraction:
+            end, answer = stop  # the weaker demonstrator: one search, then what it found
+        elif rng.random() < wrong_fraction:
             wrong = [a for a in self.pool if a not in prefix.golden_answers]
             answer = rng.choice(wrong) if wrong else answer
         t = Trajectory(prefix.prompt_id, prefix.data_source, prefix.prompt_ids, prefix.golden_answers)
         t.response_ids, t.loss_mask, t.logprobs = (
-            list(prefix.response_ids),
-            list(prefix.loss_mask),
-            list(prefix.logprobs),
+            prefix.response_ids[:end],
+            prefix.loss_mask[:end],
+            prefix.logprobs[:end],
         )
         t.append(self.answer_ids[answer], sampled=True)
         return t
@@ -118,7 +142,10 @@ def sft(cfg: Config) -> Path:
     model.train()
     start = time.perf_counter()
     for step in range(1, cfg.sft.steps + 1):
-        batch = [demos.draw(rng.randrange(len(demos)), cfg.sft.wrong_fraction, rng) for _ in range(cfg.sft.batch_size)]
+        batch = [
+            demos.draw(rng.randrange(len(demos)), cfg.sft.wrong_fraction, rng, cfg.sft.second_hop_fraction)
+            for _ in range(cfg.sft.batch_size)
+        ]
         mask_tokens = sum(sum(t.loss_mask) for t in batch)
         optimizer.zero_grad(set_to_none=True)
         total = 0.0

@@ -145,25 +145,28 @@ def evaluate(
     prefix: str = "eval",
     keep: list[Trajectory] | None = None,
 ) -> dict[str, float]:
-    """Rollouts over the test prompts (greedy by default: rollout.eval_temperature): EM and F1
-    overall and per data_source, under `prefix/`. The trajectories are appended to `keep` if given."""
+    """Rollouts over the test prompts (greedy by default: rollout.eval_temperature): EM, F1 and
+    searches run per trajectory overall and per data_source (`prefix/<source>/em`), and per question type
+    where the rows' `metadata.type` names one (`prefix/type/<type>/em`: the toy world's single-hop and
+    two-hop). The trajectories are appended to `keep` if given."""
     temperature = cfg.rollout.eval_temperature if temperature is None else temperature
     trajs = loop.run(prompts.items, group_size=1, temperature=temperature)
     if keep is not None:
         keep.extend(trajs)
-    by_source: dict[str, list[tuple[float, float]]] = {}
-    for t in trajs:
+    groups: dict[str, list[tuple[float, float, int]]] = {prefix: []}
+    for t, meta in zip(trajs, prompts.metadata):
         em = compute_reward("em", t.response_text, t.golden_answers)
         f1 = compute_reward("f1", t.response_text, t.golden_answers)
-        by_source.setdefault(t.data_source, []).append((em, f1))
+        v = (em, f1, sum(1 for x in t.turns if x.action == "search" and x.obs_tokens))  # searches run
+        groups[prefix].append(v)
+        groups.setdefault(f"{prefix}/{t.data_source}", []).append(v)
+        if meta.get("type"):
+            groups.setdefault(f"{prefix}/type/{meta['type']}", []).append(v)
     out: dict[str, float] = {}
-    allv = [v for vs in by_source.values() for v in vs]
-    out[f"{prefix}/em"] = sum(v[0] for v in allv) / len(allv)
-    out[f"{prefix}/f1"] = sum(v[1] for v in allv) / len(allv)
-    for src, vs in by_source.items():
-        out[f"{prefix}/{src}/em"] = sum(v[0] for v in vs) / len(vs)
-        out[f"{prefix}/{src}/f1"] = sum(v[1] for v in vs) / len(vs)
-    out[f"{prefix}/searches_mean"] = sum(sum(1 for x in t.turns if x.action == "search") for t in trajs) / len(trajs)
+    for key, vs in groups.items():
+        out[f"{key}/em"] = sum(v[0] for v in vs) / len(vs)
+        out[f"{key}/f1"] = sum(v[1] for v in vs) / len(vs)
+        out[f"{key}/searches_mean"] = sum(v[2] for v in vs) / len(vs)
     out[f"{prefix}/n"] = float(len(trajs))
     return out
 

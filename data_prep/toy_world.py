@@ -6,11 +6,13 @@ a person, its head office a city). Each passage states one fact, so a query nami
 and the attribute ("Doran Velk born") finds it at rank 1; similar names (shared parts) act as
 distractors. Questions are single-hop ("Where was Doran Velk born?": one search) or two-hop ("In
 which city was the founder of Velk Works born?": search "Velk Works founder", read the founder's
-name, search "<founder> born"). `metadata.queries` holds the natural query per hop. Entities are
-split between train and test, so test questions are about entities never asked about in
-training: the policy must search, not memorise. Same seed -> byte-identical files. Prompts use
-the compact template by default (the same protocol as Search-R1's base template in a quarter of
-the tokens; `template="base"` for theirs).
+name, search "<founder> born"); about a third are two-hop, so the second search is a skill that
+moves test EM. `metadata.type` names the kind and `metadata.queries` holds the natural query per
+hop. Entities are split between train and test, and an organisation's founder comes from its own
+split, so test questions are about entities never asked about in training: the policy must
+search, not memorise. Same seed -> byte-identical files. Prompts use the compact template by
+default (the same protocol as Search-R1's base template in a quarter of the tokens;
+`template="base"` for theirs).
 """
 
 from __future__ import annotations
@@ -108,6 +110,21 @@ JOBS = [
 INSTRUMENTS = ["violin", "flute", "drums", "cello", "harp", "guitar", "piano", "trumpet", "banjo", "oboe"]
 
 
+# (question, the attribute's query word, attribute) per person, and per organisation's founder.
+PERSON_QUESTIONS = [
+    ("Where was {} born", "born", "city"),
+    ("What is the occupation of {}", "occupation", "job"),
+    ("Which instrument does {} play", "instrument", "instrument"),
+]
+FOUNDER_QUESTIONS = [
+    ("In which city was the founder of {} born", "born", "city"),
+    ("What is the occupation of the founder of {}", "occupation", "job"),
+    ("Which instrument does the founder of {} play", "instrument", "instrument"),
+]
+ORG_SHARE = 0.4  # organisations among the entities: three two-hop questions each, so ~35% of questions are two-hop
+VERSION = 2  # bumped whenever the same seed would write a different world
+
+
 def _person_passages(name: str, a: dict, rng: random.Random) -> list[str]:
     """One fact per passage: a search for "NAME born" finds the birth passage at rank 1 (~93%)."""
     born = rng.choice([f"{name} was born in {a['city']}.", f"{name} was born in the city of {a['city']}."])
@@ -123,8 +140,8 @@ def build_toy_world(
     rng = random.Random(seed)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    n_people = max(4, int(num_entities * 0.8))
-    n_orgs = max(2, num_entities - n_people)
+    n_orgs = max(2, int(num_entities * ORG_SHARE))
+    n_people = max(4, num_entities - n_orgs)
     names = [f"{f} {last}" for f in FIRST for last in LAST]
     rng.shuffle(names)
     if n_people > len(names):
@@ -138,7 +155,16 @@ def build_toy_world(
         | {f"{f} {last} {s}" for f in FIRST[:10] for last in LAST for s in ORG_SUFFIX}
     )
     rng.shuffle(org_names)
-    orgs = {o: {"founder": rng.choice(people), "city": rng.choice(CITIES)} for o in org_names[:n_orgs]}
+    org_list = org_names[:n_orgs]
+
+    # Split people and organisations separately, then draw each founder from the organisation's own
+    # split: a test question's every hop is about a test entity.
+    n_test_people = max(1, int(n_people * test_fraction))
+    n_test_orgs = max(1, int(n_orgs * test_fraction))
+    split_of = {p: ("test" if i < n_test_people else "train") for i, p in enumerate(people)}
+    split_of.update({o: ("test" if i < n_test_orgs else "train") for i, o in enumerate(org_list)})
+    people_in = {s: [p for p in people if split_of[p] == s] for s in ("train", "test")}
+    orgs = {o: {"founder": rng.choice(people_in[split_of[o]]), "city": rng.choice(CITIES)} for o in org_list}
 
     passages: list[dict] = []
     for p in people:
@@ -150,48 +176,24 @@ def build_toy_world(
     rng.shuffle(passages)
     corpus_lines = [json.dumps({"id": str(i), "contents": p["contents"]}) for i, p in enumerate(passages)]
 
-    entities = [("person", p) for p in people] + [("org", o) for o in orgs]
+    entities = [("person", p) for p in people] + [("org", o) for o in org_list]
     rng.shuffle(entities)
-    n_test = max(1, int(len(entities) * test_fraction))
-    split_of = {e: ("test" if i < n_test else "train") for i, (_, e) in enumerate(entities)}
     rows: dict[str, list[tuple]] = {"train": [], "test": []}
     for kind, e in entities:
         split = split_of[e]
         if kind == "person":
             a = attrs[e]
-            qs = [
-                (f"Where was {e} born", f"{e} born", a["city"]),
-                (f"What is the occupation of {e}", f"{e} occupation", a["job"]),
-                (f"Which instrument does {e} play", f"{e} instrument", a["instrument"]),
-            ]
-            for q, query, ans in qs:
-                rows[split].append(("single", q, ans, [query], [ans], [e]))
+            for q, word, key in PERSON_QUESTIONS:
+                rows[split].append(("single", q.format(e), a[key], [f"{e} {word}"], [a[key]], [e]))
         else:
             a = orgs[e]
             f = a["founder"]
             rows[split].append(
                 ("single", f"Where is the head office of {e}", a["city"], [f"{e} head office"], [a["city"]], [e])
             )
-            rows[split].append(
-                (
-                    "two_hop",
-                    f"In which city was the founder of {e} born",
-                    attrs[f]["city"],
-                    [f"{e} founder", f"{f} born"],
-                    [f, attrs[f]["city"]],
-                    [e, f],
-                )
-            )
-            rows[split].append(
-                (
-                    "two_hop",
-                    f"What is the occupation of the founder of {e}",
-                    attrs[f]["job"],
-                    [f"{e} founder", f"{f} occupation"],
-                    [f, attrs[f]["job"]],
-                    [e, f],
-                )
-            )
+            for q, word, key in FOUNDER_QUESTIONS:
+                ans = attrs[f][key]
+                rows[split].append(("two_hop", q.format(e), ans, [f"{e} founder", f"{f} {word}"], [f, ans], [e, f]))
     written = {}
     for split in ("train", "test"):
         items = rows[split]
@@ -219,6 +221,8 @@ def build_toy_world(
         pq.write_table(pa.table(table), path, compression="zstd")
         written[split] = len(items)
     (out_dir / "corpus.jsonl").write_text("\n".join(corpus_lines) + "\n")
+    manifest = {"version": VERSION, "seed": seed, "num_entities": num_entities, "template": template}
+    (out_dir / "world.json").write_text(json.dumps(manifest, sort_keys=True) + "\n")
     return {
         "corpus": str(out_dir / "corpus.jsonl"),
         "train": str(out_dir / "train.parquet"),

@@ -362,3 +362,12 @@ def test_toy_world_deterministic_and_answers_reachable(tmp_path):
         for query, title, answer in zip(meta["queries"], meta["supporting_titles"], meta["hop_answers"]):
             assert query.startswith(title)
             assert any(answer in text for text in by_title.get(title, [])), (row["question"], title, answer)
+    # About a third of the questions are two-hop, and every entity a test question touches is a test entity.
+    train_rows = pq.read_table(tmp_path / "a" / "train.parquet").to_pylist()
+    metas = [json.loads(r["metadata"]) for r in rows + train_rows]
+    assert 0.25 < sum(m["type"] == "two_hop" for m in metas) / len(metas) < 0.45
+    assert {m["type"] for m in metas} == {"single", "two_hop"}
+    train_entities = {t for r in train_rows for t in json.loads(r["metadata"])["supporting_titles"]}
+    test_entities = {t for r in rows for t in json.loads(r["metadata"])["supporting_titles"]}
+    assert test_entities and not test_entities & train_entities
+    assert json.loads((tmp_path / "a" / "world.json").read_text())["seed"] == 0

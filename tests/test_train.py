@@ -91,6 +91,10 @@ def test_train_two_steps_changes_parameters(cache, tmp_path, algo):
     assert m[2]["train/microbatch_tokens_max"] <= 8192
     evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "eval/em" in line]
     assert evals and "eval/toy/em" in evals[-1]
+    # Per question type (the toy world's metadata.type), with searches per trajectory.
+    types = {k.split("/")[2] for k in evals[-1] if k.startswith("eval/type/") and k.endswith("/em")}
+    assert types and types <= {"single", "two_hop"}
+    assert all(0 <= evals[-1][f"eval/type/{t}/searches_mean"] <= 2 for t in types)
 
 
 def test_kill_and_resume_matches_uninterrupted_run(cache, tmp_path):
@@ -244,7 +248,7 @@ def test_sft_warm_start_masks_observations_and_redraws_wrong_answers(cache, tmp_
     prefix.append([4, 5], sampled=True)  # <search> q </search>
     prefix.append([6, 7, 8], sampled=False)  # <information> ... </information>
     pool = ["Oslo", "Lima", "Cairo", "Quito"]
-    demos = Demonstrations([prefix], pool, {a: [100 + i, 200] for i, a in enumerate(pool)})
+    demos = Demonstrations([prefix], pool, {a: [100 + i, 200] for i, a in enumerate(pool)}, [None])
     rng = random.Random(0)
     drawn = [demos.draw(0, 0.5, rng) for _ in range(400)]
     answers = [tuple(t.response_ids[5:]) for t in drawn]
@@ -253,6 +257,35 @@ def test_sft_warm_start_masks_observations_and_redraws_wrong_answers(cache, tmp_
     assert {a[0] for a in answers} == {100, 101, 102, 103}  # wrong answers vary between draws
     assert prefix.response_ids == [4, 5, 6, 7, 8]  # the stored prefix is never modified
     assert all(demos.draw(0, 0.0, rng).response_ids[5:] == [100, 200] for _ in range(20))
+    # A single-hop prefix ignores second_hop_fraction.
+    assert all(demos.draw(0, 0.0, rng, second_hop_fraction=0.0).response_ids[5:] == [100, 200] for _ in range(20))
+
+
+def test_weaker_demonstrator_stops_two_hop_demonstrations_after_the_first_search():
+    """sft.second_hop_fraction: a two-hop demonstration keeps its second search in that share of
+    draws; the others end after the first observation and answer with the first hop's finding."""
+    import random
+
+    from agent_rl.rollout.trajectory import Trajectory
+    from agent_rl.sft import Demonstrations
+
+    prefix = Trajectory("toy-2", "toy", [1, 2, 3], ["Oslo"])
+    prefix.append([4, 5], sampled=True)  # <search> Velk Works founder </search>
+    prefix.append([6, 7], sampled=False)  # <information> ... founded by Doran Velk </information>
+    prefix.append([8, 9], sampled=True)  # <search> Doran Velk born </search>
+    prefix.append([10, 11], sampled=False)  # <information> ... born in Oslo </information>
+    ids = {"Oslo": [100, 200], "Lima": [101, 200], "Doran Velk": [300, 200]}
+    demos = Demonstrations([prefix], ["Oslo", "Lima"], ids, [(4, "Doran Velk")])
+    rng = random.Random(0)
+    drawn = [demos.draw(0, 0.0, rng, second_hop_fraction=0.25) for _ in range(800)]
+    short = [t for t in drawn if len(t.response_ids) == 6]
+    assert all(t.response_ids == [4, 5, 6, 7, 300, 200] and t.loss_mask == [1, 1, 0, 0, 1, 1] for t in short)
+    full = [t for t in drawn if len(t.response_ids) == 10]
+    assert len(short) + len(full) == len(drawn)
+    assert all(t.response_ids[8:] == [100, 200] and t.loss_mask == [1, 1, 0, 0, 1, 1, 0, 0, 1, 1] for t in full)
+    assert 0.2 < len(full) / len(drawn) < 0.3
+    assert all(len(demos.draw(0, 0.0, rng).response_ids) == 10 for _ in range(50))  # default: both hops
+    assert prefix.response_ids == [4, 5, 6, 7, 8, 9, 10, 11]
 
 
 def test_dead_retriever_stops_with_a_checkpoint_and_resumes(tmp_path, hotpot_index_dir):

@@ -42,10 +42,19 @@ def _die_with_parent() -> None:
 def ensure_toy_world(cfg: Config) -> None:
     if not cfg.data.toy_world:
         return
+    from data_prep.toy_world import VERSION, build_toy_world
+
     out = Path(cfg.data.toy_world)
     if (out / "corpus.jsonl").exists() and (out / "train.parquet").exists():
+        manifest = out / "world.json"
+        version = json.loads(manifest.read_text()).get("version") if manifest.exists() else 1
+        if version != VERSION:
+            raise SystemExit(
+                f"data.toy_world {out} was written by toy world version {version}, this code writes version {VERSION}: "
+                "the model, index and warm start built from it are stale too; delete them (`make clean` removes .cache "
+                "and runs) and run again"
+            )
         return
-    from data_prep.toy_world import build_toy_world
 
     _log(f"building the toy world in {out} (seed {cfg.run.seed}, {cfg.data.toy_entities} entities)")
     tmp = Path(tempfile.mkdtemp(prefix=".toy_", dir=out.parent if out.parent.exists() else None))
