@@ -6,9 +6,10 @@ each accumulated over token-capped micro-batches sliced from that batch.
 
 Under torchrun (`world.sharded`) every rank holds whole GRPO groups and runs as many forward
 passes as the rank with the most micro-batches (FSDP all-gathers in each one); the padding passes
-have loss weight 0 and report no metrics. The loss is normalised by the mini-batch's global token
-(or row) count, times the world size because FSDP averages gradients over ranks, so N ranks take
-the step one process would take.
+have loss weight 0 and report no metrics. The loss is normalised by the mini-batch's global count of
+trained tokens (token-mean) or of rows with a trained token (seq-mean-token-mean, as `losses.aggregate`
+counts them), times the world size because FSDP averages gradients over ranks, so N ranks and k
+micro-batches take the step one process would take in one pass.
 """
 
 from __future__ import annotations
@@ -153,8 +154,11 @@ def update(
         rng.shuffle(order)
         for lo in range(0, n, mini):
             members = order[lo : lo + mini]
+            # The normalisers of the whole mini-batch, as `losses.aggregate` counts them over one micro-batch:
+            # masked tokens (token-mean), or rows with at least one masked token (seq-mean-token-mean; an
+            # excluded row, mask all 0, is in neither), so k micro-batches add up to the one-pass loss.
             mask_tokens = world.all_reduce_sum(float(batch.loss_mask[members].sum())) / world.world_size
-            rows = world.all_reduce_sum(float(len(members))) / world.world_size
+            rows = world.all_reduce_sum(float(_rows_with_tokens(batch.loss_mask[members]))) / world.world_size
             optimizer.zero_grad(set_to_none=True)
             if critic_opt is not None:
                 critic_opt.zero_grad(set_to_none=True)
@@ -169,7 +173,7 @@ def update(
                 if cfg.algo.loss_agg == "token-mean":
                     weight = float(mb.loss_mask.sum()) / max(1.0, mask_tokens)
                 else:
-                    weight = len(index) / rows
+                    weight = _rows_with_tokens(mb.loss_mask) / max(1.0, rows)
                 # an FSDP padding pass: the same collectives, a zero gradient, no metrics
                 mb_stats = _microbatch_step(
                     cfg,
@@ -204,6 +208,12 @@ def update(
     out["train/microbatch_tokens_max"] = max(stats.get("train/microbatch_tokens", [0]))
     out["train/microbatches"] = float(len(stats.get("train/microbatch_tokens", [])))
     return out
+
+
+def _rows_with_tokens(loss_mask: torch.Tensor) -> int:
+    """loss_mask: (B, T) -> rows with at least one masked token: the rows `losses.aggregate` averages
+    over in seq-mean-token-mean."""
+    return int((loss_mask.sum(-1) > 0).sum())
 
 
 def _microbatch_step(
