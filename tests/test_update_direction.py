@@ -210,3 +210,199 @@ def test_k_microbatches_give_the_one_pass_gradient(tiny_model_dir, loss_agg, ter
         counts.add(stats["train/microbatches"])
         _assert_same_gradient(got, one)
     assert len(counts) == 3 and min(counts) >= 2  # three different splits
+
+
+def _sub_batch(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
+    """Rows of a scored batch as a batch of their own, with the full batch's advantages and old log-probs."""
+    sub = RolloutBatch(trajs=[batch.trajs[i] for i in rows], rows=collate(batch.trajs, rows, 0))
+    index = torch.tensor(rows)
+    for name in ("old_logprobs", "advantages", "returns"):
+        setattr(sub, name, getattr(batch, name)[index])
+    return sub
+
+
+def test_mini_batch_size_takes_one_optimizer_step_per_mini_batch(tiny_model_dir):
+    """algo.mini_batch_size=4 on 8 trajectories with algo.ppo_epochs=2 ("trajectories per optimizer
+    step"): 4 optimizer steps, each over 4 distinct trajectories, each epoch over all 8; every step's
+    gradient is the one-pass gradient of those 4 rows alone (their own token count as normaliser) at
+    the parameters that step started from, against the old log-probs scored before the update."""
+    extra = ["algo.mini_batch_size=4", "algo.ppo_epochs=2", "train.share_prompt_prefix=false", "train.pack_rows=false"]
+    cfg = _cfg(tiny_model_dir, *extra)
+    torch.manual_seed(0)
+    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    trajs = _trajs(policy.config.vocab_size, [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+    batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=True)
+    by_ids = {tuple(t.prompt_ids + t.response_ids): i for i, t in enumerate(trajs)}
+    seen: list[int] = []
+    steps: list[tuple[list[int], list[torch.Tensor], dict]] = []
+
+    def on_forward(_module, args, kwargs):  # unpacked, unshared: each input row is one trajectory
+        ids = kwargs["input_ids"]
+        for r in range(ids.shape[0]):
+            seen.append(next(i for key, i in by_ids.items() if ids[r, : len(key)].tolist() == list(key)))
+
+    def on_step(optimizer, _args, _kwargs):
+        params = list(policy.parameters())
+        steps.append((sorted(seen), [p.grad.clone() for p in params], copy.deepcopy(policy.state_dict())))
+        seen.clear()
+
+    opt = torch.optim.SGD(policy.parameters(), lr=0.5)
+    hooks = [policy.register_forward_pre_hook(on_forward, with_kwargs=True), opt.register_step_pre_hook(on_step)]
+    try:
+        update(cfg, policy, None, opt, None, batch, random.Random(0))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(steps) == 4
+    for epoch in (steps[:2], steps[2:]):
+        assert [len(rows) for rows, _, _ in epoch] == [4, 4] and len(set(epoch[0][0]) | set(epoch[1][0])) == 8
+    one_pass = _cfg(tiny_model_dir, "train.share_prompt_prefix=false", "train.pack_rows=false")
+    for k, (rows, grads, state) in enumerate(steps):
+        model = load_policy(one_pass, str(tiny_model_dir), "cpu")
+        model.load_state_dict(state)
+        update(
+            one_pass,
+            model,
+            None,
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            None,
+            _sub_batch(batch, rows),
+            random.Random(0),
+        )
+        _assert_same_gradient(grads, [p.grad for p in model.parameters()])
+        if k:
+            assert not torch.equal(grads[0], steps[k - 1][1][0])
+    assert any(not torch.equal(a, b) for a, b in zip(steps[0][2].values(), steps[1][2].values()))  # it stepped
+
+
+# ---------------------------------------------------------------- truncated importance sampling
+
+
+def test_tis_weights_hand_computed():
+    """min(pi_old / pi_engine, cap) per token: above 1 where the trainer's old policy gives the token
+    more probability than the engine did, capped at `cap`, below 1 the other way, 1 on mask-0 tokens
+    whatever the log-probs there."""
+    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0, -1.0, -0.2]])
+    engine = torch.tensor([[-1.5, -1.0, -0.5, -0.1, -9.0, -2.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 1.0, 0.0, 1.0]])
+    w = losses.tis_weights(old, engine, mask, cap=2.0)
+    expected = torch.tensor([[math.exp(0.5), math.exp(-1.0), 1.0, math.exp(-2.9), 1.0, 2.0]])  # e^1.8 capped
+    torch.testing.assert_close(w, expected)
+    assert not w.requires_grad
+    torch.testing.assert_close(losses.tis_weights(old, engine, mask, cap=1.5)[0, 0], torch.tensor(1.5))
+
+
+def test_tis_cap_reweights_each_token_of_the_update(tiny_model_dir):
+    """algo.tis_cap=2 in a real update: engine log-probs set to the trainer's minus 1 (weight e, capped
+    to 2), plus 0.5 (weight e^-0.5) or equal (1) on alternating sampled tokens. The logged mean weight
+    is the hand-computed one, and the gradient is the uncorrected update's with each token's advantage
+    multiplied by its hand-computed weight."""
+    cfg = _cfg(tiny_model_dir, "algo.tis_cap=2.0")
+    plain = _cfg(tiny_model_dir)
+    torch.manual_seed(0)
+    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    trajs = _trajs(policy.config.vocab_size, [1.0, 0.0, 1.0, 0.0] * 2)
+    mb = collate(trajs, list(range(len(trajs))), 0)
+    with torch.no_grad():
+        trainer_lp, _ = forward_logprobs(policy, mb, 1.0)
+    shifts = torch.tensor([-1.0, 0.5, 0.0])
+    weights = torch.ones_like(mb.loss_mask)
+    for r, t in enumerate(trajs):
+        k = 0
+        for pos, m in enumerate(t.loss_mask):
+            col = t.prompt_tokens + pos
+            if m:
+                s = shifts[k % 3]
+                t.logprobs[pos] = float(trainer_lp[r, col] + s)
+                weights[r, col] = min(2.0, math.exp(-float(s)))
+                k += 1
+    want_mean = float((weights * mb.loss_mask).sum() / mb.loss_mask.sum())
+    assert 1.0 < want_mean < 2.0
+
+    def run(c, scale):
+        model = copy.deepcopy(policy)
+        batch = prepare_batch(c, model, None, None, trajs, 0, need_old=False)
+        batch.advantages = batch.advantages * scale
+        stats = update(c, model, None, torch.optim.SGD(model.parameters(), lr=0.0), None, batch, random.Random(0))
+        return [p.grad.clone() for p in model.parameters()], stats
+
+    got, stats = run(cfg, 1.0)
+    assert stats["actor/tis_weight_mean"] == pytest.approx(want_mean, rel=1e-5)
+    want, _ = run(plain, weights)
+    _assert_same_gradient(got, want)
+    unweighted, _ = run(plain, 1.0)
+    a, b = torch.cat([g.flatten() for g in got]), torch.cat([g.flatten() for g in unweighted])
+    assert float((a - b).norm()) > 0.05 * float(b.norm())  # the weights changed the step
+
+
+# ---------------------------------------------------------------- gradient checkpointing, schedule
+
+
+def test_gradient_checkpointing_gives_the_plain_update_gradient(tiny_model_dir):
+    """model.gradient_checkpointing=true recomputes every decoder layer in backward (each layer runs
+    twice per micro-batch) and gives the plain update's gradients to float rounding, with the KL and
+    entropy terms on."""
+    results = {}
+    for ckpt in (False, True):
+        cfg = _cfg(
+            tiny_model_dir,
+            f"model.gradient_checkpointing={str(ckpt).lower()}",
+            "algo.kl_coef=0.1",
+            "algo.entropy_coef=0.01",
+            "train.share_prompt_prefix=false",
+        )
+        torch.manual_seed(0)
+        policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+        ref = frozen_copy(policy, "cpu")
+        _drift(policy, 0.02)
+        trajs = _trajs(policy.config.vocab_size, [1.0, 0.0, 1.0, 0.0] * 2)
+        batch = prepare_batch(cfg, policy, ref, None, trajs, 0, need_old=False)
+        layer, calls = policy.model.layers[0], []
+        forward = layer.forward
+
+        def counted(*args, _forward=forward, **kwargs):  # the recomputation runs forward, not the module's hooks
+            calls.append(1)
+            return _forward(*args, **kwargs)
+
+        layer.forward = counted
+        try:
+            update(cfg, policy, None, torch.optim.SGD(policy.parameters(), lr=0.0), None, batch, random.Random(0))
+        finally:
+            del layer.forward
+        results[ckpt] = ([p.grad.clone() for p in policy.parameters()], len(calls))
+    (plain, plain_calls), (ckpt_grads, ckpt_calls) = results[False], results[True]
+    assert plain_calls == 1 and ckpt_calls == 2  # one micro-batch; the second pass is the recomputation
+    _assert_same_gradient(ckpt_grads, plain)
+
+
+@pytest.mark.parametrize(
+    "schedule,warmup,factors",
+    [
+        # warmup (s + 1) / 4 for s < 4, then 0.5 (1 + cos(pi (s - 4) / 6)): cos(pi/6) = 0.8660254
+        ("cosine", 4, [0.25, 0.5, 0.75, 1.0, 1.0, 0.9330127, 0.75, 0.5, 0.25, 0.0669873]),
+        (
+            "cosine",
+            0,
+            [1.0, 0.9755283, 0.9045085, 0.7938926, 0.6545085, 0.5, 0.3454915, 0.2061074, 0.0954915, 0.0244717],
+        ),
+        ("constant", 3, [1 / 3, 2 / 3, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]),
+        ("constant", 0, [1.0] * 10),
+    ],
+)
+def test_lr_schedule_at_every_step_hand_computed(schedule, warmup, factors):
+    """make_scheduler over run.max_steps=10 with train.lr=1e-3: the learning rate each of the 10
+    optimizer steps uses (the trainer steps the scheduler after each update) is lr x the
+    hand-computed factor: linear warmup from lr / warmup_steps, then constant or a half cosine
+    over the remaining steps."""
+    cfg = load_config(
+        None, ["run.max_steps=10", "train.lr=1e-3", f"train.warmup_steps={warmup}", f"train.lr_schedule={schedule}"]
+    )
+    param = torch.nn.Parameter(torch.zeros(1))
+    opt = adamw([param], cfg.train.lr)
+    scheduler = make_scheduler(cfg, opt)
+    used = []
+    for _ in range(cfg.run.max_steps):
+        used.append(opt.param_groups[0]["lr"])
+        opt.step()
+        scheduler.step()
+    assert used == pytest.approx([1e-3 * f for f in factors], rel=1e-5)
