@@ -144,11 +144,13 @@ def evaluate(
     temperature: float | None = None,
     prefix: str = "eval",
     keep: list[Trajectory] | None = None,
+    scores: list[dict] | None = None,
 ) -> dict[str, float]:
     """Rollouts over the test prompts (greedy by default: rollout.eval_temperature): EM, F1 and
     searches run per trajectory overall and per data_source (`prefix/<source>/em`), and per question type
     where the rows' `metadata.type` names one (`prefix/type/<type>/em`: the toy world's single-hop and
-    two-hop). The trajectories are appended to `keep` if given."""
+    two-hop). The trajectories are appended to `keep` if given, and one record per question (id, type,
+    EM, F1, searches) to `scores`: what a paired comparison of two evaluations needs."""
     temperature = cfg.rollout.eval_temperature if temperature is None else temperature
     trajs = loop.run(prompts.items, group_size=1, temperature=temperature)
     if keep is not None:
@@ -159,6 +161,11 @@ def evaluate(
         f1 = compute_reward("f1", t.response_text, t.golden_answers)
         v = (em, f1, sum(1 for x in t.turns if x.action == "search" and x.obs_tokens))  # searches run
         groups[prefix].append(v)
+        if scores is not None:
+            scores.append(
+                {"eval": prefix, "prompt_id": t.prompt_id, "type": meta.get("type", ""), "em": em, "f1": f1}
+                | {"searches": v[2], "end_reason": t.end_reason}
+            )
         groups.setdefault(f"{prefix}/{t.data_source}", []).append(v)
         if meta.get("type"):
             groups.setdefault(f"{prefix}/type/{meta['type']}", []).append(v)
@@ -171,17 +178,19 @@ def evaluate(
     return out
 
 
-def evaluate_all(loop: AgentLoop, prompts: PromptSet, cfg: Config) -> dict[str, float]:
+def evaluate_all(
+    loop: AgentLoop, prompts: PromptSet, cfg: Config, scores: list[dict] | None = None
+) -> dict[str, float]:
     """Greedy EM/F1 under eval/, plus, with run.eval_sampled, EM/F1 of one sample at
     rollout.temperature under eval_sampled/ (what GRPO optimises; greedy EM can sit still while
     the sampled policy sharpens)."""
-    out = evaluate(loop, prompts, cfg)
+    out = evaluate(loop, prompts, cfg, scores=scores)
     if cfg.run.eval_sampled:
         gen = loop.engine.generator  # vLLM draws each request's seed from it too
         state = gen.get_state()
         gen.manual_seed(cfg.run.seed)  # the same draws at every evaluation
         try:
-            out.update(evaluate(loop, prompts, cfg, cfg.rollout.temperature, "eval_sampled"))
+            out.update(evaluate(loop, prompts, cfg, cfg.rollout.temperature, "eval_sampled", scores=scores))
         finally:
             gen.set_state(state)  # training rollouts (and --resume) never see the eval's draws
     return out
@@ -316,8 +325,15 @@ class Run:
         print(f"[train] resumed from {path} at step {self.step}", file=sys.stderr)
 
     def evaluate(self, loop: AgentLoop) -> dict[str, float]:
-        """Rank 0 evaluates with its own unsharded rollout model (no collectives); the rest wait."""
-        result = evaluate_all(loop, self.test_set, self.cfg) if self.world.is_main and self.test_set is not None else {}
+        """Rank 0 evaluates with its own unsharded rollout model (no collectives); the rest wait. Each
+        question's scores go to OUTPUT_DIR/eval/step_N.jsonl (for paired comparisons between steps)."""
+        result: dict[str, float] = {}
+        if self.world.is_main and self.test_set is not None:
+            scores: list[dict] = []
+            result = evaluate_all(loop, self.test_set, self.cfg, scores)
+            path = self.out_dir / "eval" / f"step_{self.step}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(json.dumps(r) + "\n" for r in scores))
         self.world.barrier()
         return result
 

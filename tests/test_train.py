@@ -95,6 +95,11 @@ def test_train_two_steps_changes_parameters(cache, tmp_path, algo):
     types = {k.split("/")[2] for k in evals[-1] if k.startswith("eval/type/") and k.endswith("/em")}
     assert types and types <= {"single", "two_hop"}
     assert all(0 <= evals[-1][f"eval/type/{t}/searches_mean"] <= 2 for t in types)
+    # Each question's scores, for paired comparisons between evaluations.
+    rows = [json.loads(line) for line in (out / "eval" / "step_2.jsonl").read_text().splitlines()]
+    greedy = [r for r in rows if r["eval"] == "eval"]
+    assert len(greedy) == evals[-1]["eval/n"] and {r["type"] for r in greedy} == types
+    assert sum(r["em"] for r in greedy) / len(greedy) == pytest.approx(evals[-1]["eval/em"])
 
 
 def test_kill_and_resume_matches_uninterrupted_run(cache, tmp_path):
