@@ -149,8 +149,8 @@ def evaluate(
     """Rollouts over the test prompts (greedy by default: rollout.eval_temperature): EM, F1 and
     searches run per trajectory overall and per data_source (`prefix/<source>/em`), and per question type
     where the rows' `metadata.type` names one (`prefix/type/<type>/em`: the toy world's single-hop and
-    two-hop). The trajectories are appended to `keep` if given, and one record per question (id, type,
-    EM, F1, searches) to `scores`: what a paired comparison of two evaluations needs."""
+    two-hop). The trajectories are appended to `keep` if given, and one record per question (id, data
+    source, type, EM, F1, searches) to `scores`: what a paired comparison of two evaluations needs."""
     temperature = cfg.rollout.eval_temperature if temperature is None else temperature
     trajs = loop.run(prompts.items, group_size=1, temperature=temperature)
     if keep is not None:
@@ -163,7 +163,8 @@ def evaluate(
         groups[prefix].append(v)
         if scores is not None:
             scores.append(
-                {"eval": prefix, "prompt_id": t.prompt_id, "type": meta.get("type", ""), "em": em, "f1": f1}
+                {"eval": prefix, "prompt_id": t.prompt_id, "data_source": t.data_source, "type": meta.get("type", "")}
+                | {"em": em, "f1": f1}
                 | {"searches": v[2], "end_reason": t.end_reason}
             )
         groups.setdefault(f"{prefix}/{t.data_source}", []).append(v)
@@ -179,12 +180,16 @@ def evaluate(
 
 
 def evaluate_all(
-    loop: AgentLoop, prompts: PromptSet, cfg: Config, scores: list[dict] | None = None
+    loop: AgentLoop,
+    prompts: PromptSet,
+    cfg: Config,
+    scores: list[dict] | None = None,
+    keep: list[Trajectory] | None = None,
 ) -> dict[str, float]:
     """Greedy EM/F1 under eval/, plus, with run.eval_sampled, EM/F1 of one sample at
     rollout.temperature under eval_sampled/ (what GRPO optimises; greedy EM can sit still while
-    the sampled policy sharpens)."""
-    out = evaluate(loop, prompts, cfg, scores=scores)
+    the sampled policy sharpens). The greedy trajectories are appended to `keep` if given."""
+    out = evaluate(loop, prompts, cfg, scores=scores, keep=keep)
     if cfg.run.eval_sampled:
         gen = loop.engine.generator  # vLLM draws each request's seed from it too
         state = gen.get_state()
@@ -326,14 +331,25 @@ class Run:
 
     def evaluate(self, loop: AgentLoop) -> dict[str, float]:
         """Rank 0 evaluates with its own unsharded rollout model (no collectives); the rest wait. Each
-        question's scores go to OUTPUT_DIR/eval/step_N.jsonl (for paired comparisons between steps)."""
+        question's scores go to OUTPUT_DIR/eval/step_N.jsonl (for paired comparisons between steps), the
+        greedy trajectories to OUTPUT_DIR/eval_trajectories/step_N.jsonl (for `agent-rl view`), and the
+        evaluation's seconds to `timing/eval_s`."""
         result: dict[str, float] = {}
         if self.world.is_main and self.test_set is not None:
             scores: list[dict] = []
-            result = evaluate_all(loop, self.test_set, self.cfg, scores)
+            trajs: list[Trajectory] = []
+            start = time.perf_counter()
+            result = evaluate_all(loop, self.test_set, self.cfg, scores, keep=trajs)
+            result["timing/eval_s"] = time.perf_counter() - start
             path = self.out_dir / "eval" / f"step_{self.step}.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("".join(json.dumps(r) + "\n" for r in scores))
+            path = self.out_dir / "eval_trajectories" / f"step_{self.step}.jsonl"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("w") as fh:
+                for t in trajs:
+                    rec = t.to_record(self.tokenizer) | answer_scores(t.response_text, t.golden_answers)
+                    fh.write(json.dumps(rec) + "\n")
         self.world.barrier()
         return result
 

@@ -135,39 +135,53 @@ def ensure_index(cfg: Config) -> None:
     os.replace(tmp, index)
 
 
-def ensure_qa(cfg: Config) -> None:
-    """Split `data.qa_source` into the train and test parquet files, prompts rendered through the
-    model's tokenizer (its chat template with `data.template=auto`). Each row's supporting titles
-    (HotpotQA's `metadata.supporting_titles`) become its `metadata.queries`: the searches of the
-    scripted demonstrations `agent-rl sft` trains on."""
-    if not cfg.data.qa_source:
-        return
-    train, test = Path(cfg.data.train_files[0]), Path(cfg.data.test_files[0]) if cfg.data.test_files else None
-    if train.exists() and (test is None or test.exists()):
-        return
-    from datasets import Dataset
-
-    from agent_rl.learn.policy import load_tokenizer
-    from data_prep.qa import build_rows, write_parquet
-
-    source = Path(cfg.data.qa_source)
+def read_qa_rows(source: Path) -> list[dict]:
+    """FlashRAG-layout rows of a questions JSONL, each with `metadata.queries`, the searches of the
+    scripted demonstrations `agent-rl sft` trains on: the row's supporting titles (HotpotQA's
+    `metadata.supporting_titles`) where it names them, else the question itself (NQ, TriviaQA)."""
     if not source.exists():
-        raise FileNotFoundError(f"data.qa_source {source} does not exist")
+        raise FileNotFoundError(f"questions file {source} does not exist")
     rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
     for row in rows:
         meta = dict(row.get("metadata") or {})
         meta.setdefault("queries", list(meta.get("supporting_titles", [])) or [row["question"]])
         row["metadata"] = meta
+    return rows
+
+
+def write_qa_parquet(rows: list[dict], path: Path, dataset: str, split: str, template: str, tokenizer) -> None:
+    """Rows from `read_qa_rows` as a `data-prep qa` parquet file, prompts rendered with `template`."""
+    from datasets import Dataset
+
+    from data_prep.qa import build_rows, write_parquet
+
+    cols, _ = build_rows(Dataset.from_list(rows), dataset, split, template, tokenizer)
+    write_parquet(cols, path)
+
+
+def ensure_qa(cfg: Config) -> None:
+    """Split `data.qa_source` into the train and test parquet files, prompts rendered through the
+    model's tokenizer (its chat template with `data.template=auto`), each row with its
+    `metadata.queries` (`read_qa_rows`)."""
+    if not cfg.data.qa_source:
+        return
+    train, test = Path(cfg.data.train_files[0]), Path(cfg.data.test_files[0]) if cfg.data.test_files else None
+    if train.exists() and (test is None or test.exists()):
+        return
+    from agent_rl.learn.policy import load_tokenizer
+
+    source = Path(cfg.data.qa_source)
+    if not source.exists():
+        raise FileNotFoundError(f"data.qa_source {source} does not exist")
+    rows = read_qa_rows(source)
     tokenizer = load_tokenizer(cfg.model.path)
     _log(
         f"splitting {source} into {train} and {test} ({cfg.data.qa_test_size} test rows, template {cfg.data.template})"
     )
     n_test = cfg.data.qa_test_size if test is not None else 0
     for split, part, path in (("test", rows[:n_test], test), ("train", rows[n_test:], train)):
-        if path is None:
-            continue
-        cols, _ = build_rows(Dataset.from_list(part), cfg.data.qa_dataset, split, cfg.data.template, tokenizer)
-        write_parquet(cols, path)
+        if path is not None:
+            write_qa_parquet(part, path, cfg.data.qa_dataset, split, cfg.data.template, tokenizer)
 
 
 def prepare(cfg: Config, need_index: bool = True) -> None:

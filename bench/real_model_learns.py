@@ -1,0 +1,383 @@
+"""Does a real model learn on real questions? SmolLM2 + GRPO on NQ, held-out NQ and TriviaQA.
+
+Usage: .venv/bin/python bench/real_model_learns.py --data DIR [--out runs/real_nq] [--config CONFIG]
+       [--seed 0] [--nq-test 300] [--triviaqa-test 300] [key=value ...]
+
+DIR is a folder in FlashRAG layout: `corpus.jsonl` (`id`, `contents` = "Title\\ntext"), `nq_1000.jsonl`
+and `triviaqa_1000.jsonl` (`id`, `question`, `golden_answers`), e.g. ../shared/data/wiki18_nq_triviaqa.
+Nothing is copied from it but the derived prompt files. One command runs every phase of
+`configs/smollm2_nq_grpo.yaml` (key=value overrides go to every `agent-rl` command):
+
+1. data: a seeded split of the NQ questions into held-out (--nq-test) and training questions, and a
+   seeded sample of --triviaqa-test TriviaQA questions as an out-of-domain held-out set, written as
+   prompt parquet files under OUT/data (the demonstrations' query is the question itself:
+   `read_qa_rows`);
+2. index: MiniLM flat over the corpus (OUT/index), then how often the top-k passages of each set hold
+   a gold answer (the ceiling of a one-search policy; for the training questions, how often a scripted
+   demonstration's observation holds the answer it is taught to give);
+3. sft: `agent-rl sft`, the warm start, on the training questions only (OUT/sft);
+4. train: `agent-rl train`: greedy evaluation of the warm start on both held-out sets (step 0), GRPO,
+   greedy evaluation after (OUT/grpo, per-question scores in eval/step_N.jsonl);
+5. report: EM per set before and after with a 95% paired bootstrap interval of the difference,
+   searches per trajectory, the reward curve, engine-trainer log-prob difference, wall time per phase,
+   peak RSS per phase against `agent-rl plan`, and `agent-rl view` reports of a few held-out
+   trajectories before and after: OUT/results.json and OUT/results.md.
+
+A phase whose output exists is reused (data with the same split, index, warm start); training always
+starts afresh in OUT/grpo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from demo_seeds import paired_interval  # noqa: E402
+
+SETS = ("nq", "triviaqa")
+
+
+def _log(msg: str) -> None:
+    print(f"[real_model_learns] {time.strftime('%H:%M:%S')} {msg}", flush=True)
+
+
+def split_questions(data: Path, seed: int, nq_test: int, triviaqa_test: int, train_size: int = 0) -> dict:
+    """Seeded split: {"train": NQ rows, "nq": held-out NQ rows, "triviaqa": held-out TriviaQA rows}."""
+    from agent_rl.infra.prepare import read_qa_rows
+
+    nq = read_qa_rows(data / "nq_1000.jsonl")
+    tqa = read_qa_rows(data / "triviaqa_1000.jsonl")
+    random.Random(seed).shuffle(nq)
+    random.Random(seed + 1).shuffle(tqa)
+    if nq_test >= len(nq) or triviaqa_test > len(tqa):
+        raise SystemExit(
+            f"--nq-test {nq_test} / --triviaqa-test {triviaqa_test}: the files hold {len(nq)} / {len(tqa)}"
+        )
+    train = nq[nq_test:]
+    return {"train": train[:train_size] if train_size else train, "nq": nq[:nq_test], "triviaqa": tqa[:triviaqa_test]}
+
+
+def write_data(cfg, out: Path, split: dict, key: dict) -> None:
+    """The split as prompt parquet files (the model's template), and split.json naming its ids."""
+    from agent_rl.infra.prepare import write_qa_parquet
+    from agent_rl.learn.policy import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model.path)
+    files = {"train": ("nq", "train"), "nq": ("nq", "test"), "triviaqa": ("triviaqa", "test")}
+    for name, (dataset, part) in files.items():
+        path = out / f"{name if name == 'train' else name + '_test'}.parquet"
+        write_qa_parquet(split[name], path, dataset, part, cfg.data.template, tokenizer)
+    ids = {name: [r["id"] for r in rows] for name, rows in split.items()}
+    (out / "split.json").write_text(json.dumps({**key, "ids": ids}, indent=1))
+
+
+def answer_recall(cfg, split: dict) -> dict[str, float]:
+    """Share of each set's questions whose top-k passages (searched with the question, as the
+    demonstrations search) hold a gold answer."""
+    from agent_rl.infra.prepare import local_retriever
+    from retriever_server.answers import contains_answer
+    from retriever_server.client import RetrieverClient
+
+    out = {}
+    with local_retriever(cfg) as url:
+        client = RetrieverClient.from_config(cfg.retriever, url)
+        for name, rows in split.items():
+            docs = client.retrieve([r["question"] for r in rows], cfg.retriever.topk)
+            hits = [any(contains_answer(d["contents"], r["golden_answers"]) for d in ds) for r, ds in zip(rows, docs)]
+            out[name] = sum(hits) / max(1, len(hits))
+        client.close()
+    return out
+
+
+def run_phase(name: str, cmd: list[str], log: Path) -> dict:
+    """Run one `agent-rl` command, output to `log`: its wall seconds and its peak RSS (the child's
+    own, from wait4, which counts the processes it waited for)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": "PASSIVE"}
+    _log(f"{name}: {' '.join(cmd[2:])} (log: {log})")
+    start = time.perf_counter()
+    with log.open("w") as fh:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed (exit {proc.returncode}); the end of {log}:\n{log.read_text()[-3000:]}")
+    _log(f"{name}: done in {wall:.0f} s")
+    return {"wall_s": wall, "peak_rss_gib": usage.ru_maxrss / 2**20}  # ru_maxrss is in KiB
+
+
+def compare(before: list[dict], after: list[dict]) -> dict:
+    """Greedy EM, F1 and searches per data source before and after, with the 95% paired bootstrap
+    interval of the EM difference over the same questions."""
+    out = {}
+    for source in sorted({r["data_source"] for r in before}):
+        b = {r["prompt_id"]: r for r in before if r["eval"] == "eval" and r["data_source"] == source}
+        a = {r["prompt_id"]: r for r in after if r["eval"] == "eval" and r["data_source"] == source}
+        ids = sorted(b.keys() & a.keys())
+        row: dict = {"n": len(ids)}
+        for key in ("em", "f1", "searches"):
+            row[f"{key}_before"] = sum(b[i][key] for i in ids) / max(1, len(ids))
+            row[f"{key}_after"] = sum(a[i][key] for i in ids) / max(1, len(ids))
+        row["em_diff"] = row["em_after"] - row["em_before"]
+        row["em_diff_ci95"] = paired_interval([b[i]["em"] for i in ids], [a[i]["em"] for i in ids])
+        row["changed"] = {
+            "right_to_wrong": sum(b[i]["em"] > a[i]["em"] for i in ids),
+            "wrong_to_right": sum(b[i]["em"] < a[i]["em"] for i in ids),
+        }
+        out[source] = row
+    return out
+
+
+def write_views(run_dir: Path, last: int, out: Path, per_set: int) -> dict[str, str]:
+    """`agent-rl view` reports of the same few held-out questions before (step 0) and after: per data
+    source, questions whose EM changed first, then the first others."""
+    from agent_rl.view import write_report
+
+    recs = {}
+    for step in (0, last):
+        path = run_dir / "eval_trajectories" / f"step_{step}.jsonl"
+        recs[step] = {r["prompt_id"]: r for r in map(json.loads, path.read_text().splitlines())}
+    picked = []
+    for source in SETS:
+        ids = [i for i, r in recs[0].items() if r["data_source"] == source and i in recs[last]]
+        ids.sort(key=lambda i: recs[0][i]["em"] == recs[last][i]["em"])  # changed ones first, order kept
+        picked += ids[:per_set]
+    reports = {}
+    out.mkdir(parents=True, exist_ok=True)
+    for name, step in (("warm_start", 0), ("after_grpo", last)):
+        lines = out / f"{name}.jsonl"
+        lines.write_text("".join(json.dumps(recs[step][i]) + "\n" for i in picked))
+        reports[name] = str(write_report([lines], out / name))
+    return reports
+
+
+def plot_curve(steps: list[dict], path: Path) -> None:
+    """Training reward (mean of the step's samples, and a moving average) and searches per trajectory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = [m["step"] for m in steps]
+    reward = [m["reward/mean"] for m in steps]
+    w = max(1, len(reward) // 10)
+    smooth = [sum(reward[max(0, i - w + 1) : i + 1]) / len(reward[max(0, i - w + 1) : i + 1]) for i in range(len(x))]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    ax1.plot(x, reward, alpha=0.4, label="reward/mean (EM of the step's samples)")
+    ax1.plot(x, smooth, label=f"moving average over {w} steps")
+    ax1.set_xlabel("GRPO step")
+    ax1.legend(fontsize=7)
+    ax1.grid(alpha=0.3)
+    ax2.plot(x, [m["rollout/searches_mean"] for m in steps], label="searches per trajectory")
+    ax2.set_xlabel("GRPO step")
+    ax2.legend(fontsize=7)
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / max(1, len(xs))
+
+
+def summarise(out: Path, phases: dict, plan: dict, recall: dict, split_sizes: dict) -> dict:
+    run_dir = out / "grpo"
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "reward/mean" in m]
+    evals = [m for m in metrics if "eval/em" in m]
+    last = max(int(p.stem.split("_")[1]) for p in (run_dir / "eval").glob("step_*.jsonl"))
+    load = lambda s: [json.loads(x) for x in (run_dir / "eval" / f"step_{s}.jsonl").read_text().splitlines()]  # noqa: E731
+    em = compare(load(0), load(last))
+    plot_curve(steps, out / "reward_curve.png")
+    k = max(1, len(steps) // 4)
+    eval_s = [m["timing/eval_s"] for m in evals if "timing/eval_s" in m]
+    n_eval = sum(split_sizes[s] for s in SETS)
+    step_s = [m["timing/step_s"] for m in steps]
+    train_rss = max([m["memory/peak_rss_gib"] for m in steps], default=0.0)
+    return {
+        "held_out": em,
+        "retrieval_answer_recall_at_topk": recall,
+        "split": split_sizes,
+        "training": {
+            "steps": len(steps),
+            "trajectories_per_step": _mean([m["rollout/trajectories"] for m in steps]),
+            "reward_first_quarter": _mean([m["reward/mean"] for m in steps[:k]]),
+            "reward_last_quarter": _mean([m["reward/mean"] for m in steps[-k:]]),
+            "reward_curve": [[m["step"], m["reward/mean"]] for m in steps],
+            "searches_per_trajectory_first_quarter": _mean([m["rollout/searches_mean"] for m in steps[:k]]),
+            "searches_per_trajectory_last_quarter": _mean([m["rollout/searches_mean"] for m in steps[-k:]]),
+            "logprob_diff_mean": _mean([m.get("rollout/logprob_diff_mean", 0.0) for m in steps]),
+            "logprob_diff_max": max([m.get("rollout/logprob_diff_max", 0.0) for m in steps], default=0.0),
+            "step_s_mean": _mean(step_s),
+            "rollout_s_mean": _mean([m["timing/rollout_s"] for m in steps]),
+            "update_s_mean": _mean([m["timing/update_s"] for m in steps]),
+            "weight_sync_s_mean": _mean([m["timing/weight_sync"] for m in steps]),
+        },
+        "time_s": {
+            **{name: p["wall_s"] for name, p in phases.items()},
+            "eval_warm_start": eval_s[0] if eval_s else None,
+            "eval_after": eval_s[-1] if len(eval_s) > 1 else None,
+            "eval_per_question": _mean(eval_s) / max(1, n_eval),
+            "grpo_steps": sum(step_s),
+            "total": sum(p["wall_s"] for p in phases.values()),
+        },
+        "memory_gib": {
+            **{name: p["peak_rss_gib"] for name, p in phases.items()},
+            "train_peak_rss_logged": train_rss,
+            "plan_host_peak": plan.get("host_peak_bytes", 0) / 2**30,
+            "plan_fits": plan.get("fits"),
+        },
+        "views": write_views(run_dir, last, out / "view", per_set=4),
+        "last_step": last,
+    }
+
+
+def render(res: dict, header: str) -> str:
+    t, mem, tr = res["time_s"], res["memory_gib"], res["training"]
+    lines = [header, "", "## Greedy EM on the held-out sets: warm start -> after GRPO", ""]
+    lines += [
+        "| set | n | EM warm start | EM after GRPO | difference [95% paired bootstrap] | right->wrong / wrong->right | "
+        "F1 before -> after | searches per trajectory before -> after | top-k answer recall |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for source, r in res["held_out"].items():
+        lo, hi = r["em_diff_ci95"]
+        lines.append(
+            f"| {source} | {r['n']} | {r['em_before']:.3f} | {r['em_after']:.3f} | {r['em_diff']:+.3f} "
+            f"[{lo:+.3f}, {hi:+.3f}] | {r['changed']['right_to_wrong']} / {r['changed']['wrong_to_right']} | "
+            f"{r['f1_before']:.3f} -> {r['f1_after']:.3f} | {r['searches_before']:.2f} -> {r['searches_after']:.2f} "
+            f"| {res['retrieval_answer_recall_at_topk'].get(source, float('nan')):.3f} |"
+        )
+    recall_train = res["retrieval_answer_recall_at_topk"].get("train", float("nan"))
+    lines += [
+        "",
+        f"Training questions: {res['split']['train']}; a scripted demonstration's observation holds a gold answer "
+        f"for {recall_train:.3f} of them (the rest teach answering from memory).",
+        "",
+        "## GRPO",
+        "",
+        f"- steps: {tr['steps']} of {tr['trajectories_per_step']:.0f} trajectories; reward (EM of the samples) "
+        f"{tr['reward_first_quarter']:.3f} over the first quarter -> {tr['reward_last_quarter']:.3f} over the last "
+        "(curve: reward_curve.png)",
+        f"- searches per trajectory (training samples): {tr['searches_per_trajectory_first_quarter']:.2f} -> "
+        f"{tr['searches_per_trajectory_last_quarter']:.2f}",
+        f"- engine-trainer log-prob difference at sampled tokens (rollout/logprob_diff_mean, _max): mean "
+        f"{tr['logprob_diff_mean']:.2e}, max {tr['logprob_diff_max']:.2e}",
+        f"- seconds per step: {tr['step_s_mean']:.1f} (rollout {tr['rollout_s_mean']:.1f}, update "
+        f"{tr['update_s_mean']:.1f}, weight sync {tr['weight_sync_s_mean']:.2f})",
+        "",
+        "## Wall time and memory",
+        "",
+        "| phase | wall s | peak RSS GiB |",
+        "|---|---|---|",
+    ]
+    for name in ("data", "index", "sft", "train"):
+        if name in t:
+            lines.append(f"| {name} | {t[name]:.0f} | {mem.get(name, float('nan')):.2f} |")
+    lines += [
+        f"| total | {t['total']:.0f} | |",
+        "",
+        f"Inside train: evaluation of the warm start {t['eval_warm_start'] or 0:.0f} s, GRPO steps "
+        f"{t['grpo_steps']:.0f} s, evaluation after {t['eval_after'] or 0:.0f} s "
+        f"({t['eval_per_question']:.3f} s per held-out question); the rest is start-up and checkpoints.",
+        f"Peak RSS of training (memory/peak_rss_gib) {mem['train_peak_rss_logged']:.2f} GiB; `agent-rl plan` "
+        f"predicted {mem['plan_host_peak']:.2f} GiB (fits: {mem['plan_fits']}).",
+        "",
+        "Trajectories (`agent-rl view`): "
+        + ", ".join(f"[{k}]({Path(v).relative_to(Path(v).parents[2])})" for k, v in res["views"].items()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", required=True, help="folder with corpus.jsonl, nq_1000.jsonl, triviaqa_1000.jsonl")
+    parser.add_argument("--out", default="runs/real_nq")
+    parser.add_argument("--config", default="configs/smollm2_nq_grpo.yaml")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the split (the runs use run.seed)")
+    parser.add_argument("--nq-test", type=int, default=300, help="held-out NQ questions")
+    parser.add_argument("--triviaqa-test", type=int, default=300, help="held-out TriviaQA questions")
+    parser.add_argument("--train-size", type=int, default=0, help="training questions (0 = every other NQ one)")
+    parser.add_argument("overrides", nargs="*", help="config overrides for every agent-rl command (key=value)")
+    args = parser.parse_args(argv)
+    from agent_rl.config import load_config
+    from agent_rl.infra.prepare import ensure_index, ensure_model
+
+    data, out = Path(args.data).resolve(), Path(args.out).resolve()
+    config = str((ROOT / args.config) if not Path(args.config).is_absolute() else args.config)
+    (out / "data").mkdir(parents=True, exist_ok=True)
+    (out / "logs").mkdir(exist_ok=True)
+    tests = [out / "data" / f"{s}_test.parquet" for s in SETS]
+    overrides = [
+        f"run.output_dir={out / 'grpo'}",
+        f"model.warm_start={out / 'sft'}",
+        f"data.train_files=[{out / 'data' / 'train.parquet'}]",
+        f"data.test_files=[{', '.join(map(str, tests))}]",
+        f"retriever.corpus={data / 'corpus.jsonl'}",
+        f"retriever.index_dir={out / 'index'}",
+        *args.overrides,
+    ]
+    cfg = load_config(config, overrides)
+    if not Path(cfg.model.path).is_absolute():
+        cfg.model.path = str(ROOT / cfg.model.path)
+    phases: dict[str, dict] = {}
+
+    start = time.perf_counter()
+    ensure_model(cfg)
+    key = {"seed": args.seed, "nq_test": args.nq_test, "triviaqa_test": args.triviaqa_test, "train": args.train_size}
+    split = split_questions(data, args.seed, args.nq_test, args.triviaqa_test, args.train_size)
+    marker = out / "data" / "split.json"
+    if marker.exists() and {k: v for k, v in json.loads(marker.read_text()).items() if k != "ids"} != key:
+        raise SystemExit(f"{out} holds another split ({marker}); use a fresh --out")
+    if not marker.exists():
+        write_data(cfg, out / "data", split, key)
+    phases["data"] = {"wall_s": time.perf_counter() - start, "peak_rss_gib": 0.0}
+    sizes = {name: len(rows) for name, rows in split.items()}
+    _log(f"data: {sizes} (seed {args.seed}) in {out / 'data'}")
+
+    start = time.perf_counter()
+    ensure_index(cfg)
+    recall = answer_recall(cfg, split)
+    phases["index"] = {"wall_s": time.perf_counter() - start, "peak_rss_gib": 0.0}
+    _log(f"index: top-{cfg.retriever.topk} answer recall {json.dumps({k: round(v, 3) for k, v in recall.items()})}")
+
+    agent_rl = [sys.executable, "-m", "agent_rl"]
+    plan = json.loads(
+        subprocess.run(
+            [*agent_rl, "plan", config, *overrides, "--json"], cwd=ROOT, capture_output=True, text=True
+        ).stdout
+        or "{}"
+    )
+    if not (out / "sft" / "config.json").exists():
+        phases["sft"] = run_phase("sft", [*agent_rl, "sft", config, *overrides], out / "logs" / "sft.log")
+    else:
+        _log(f"sft: reusing the warm start in {out / 'sft'}")
+    shutil.rmtree(out / "grpo", ignore_errors=True)
+    phases["train"] = run_phase("train", [*agent_rl, "train", config, *overrides], out / "logs" / "train.log")
+
+    res = summarise(out, phases, plan, recall, sizes)
+    res.update(config=args.config, overrides=args.overrides, split_seed=args.seed, data=str(data))
+    (out / "results.json").write_text(json.dumps(res, indent=1))
+    header = (
+        f"# A real model learns on real questions ({time.strftime('%Y-%m-%d')}, {platform.node()}, "
+        f"{os.cpu_count()} CPUs)\n\n`bench/real_model_learns.py --data {data} {' '.join(args.overrides)}` "
+        f"on {args.config}, split seed {args.seed}."
+    )
+    (out / "results.md").write_text(render(res, header))
+    print((out / "results.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
