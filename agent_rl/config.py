@@ -55,6 +55,15 @@ class RunConfig:
         "algo.group_size; rank 0's share under torchrun). Bounds the files' size.",
     )
     seed: int = _f(0, "Seed for python, numpy and torch; rollouts and updates are reproducible on CPU.")
+    deterministic: bool = _f(
+        False,
+        "Ask torch for deterministic kernels everywhere (torch.use_deterministic_algorithms, oneDNN's deterministic "
+        "mode, and on CUDA a fixed cuBLAS workspace), so that a seeded run and its --resume reach the same weights bit "
+        "for bit wherever torch allows (same machine, build and thread count). The trainer's own CPU path is written "
+        "to be reproducible without it; this extends the guarantee to every op (other models, LoRA, kernels added "
+        "later), and an op torch has no deterministic kernel for warns instead of failing. Off by default: serial "
+        "kernels and filling newly allocated tensors cost speed.",
+    )
     eval_every: int = _f(0, "Evaluate on data.test_files every N steps (0 = only at the start and the end).")
     eval_max_samples: int = _f(200, "At most this many test prompts per evaluation (0 = all).")
     eval_sampled: bool = _f(

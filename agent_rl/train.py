@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -53,10 +54,17 @@ from agent_rl.sft import sft
 from retriever_server.client import RetrieverClient
 
 
-def seed_everything(seed: int) -> None:
+def seed_everything(seed: int, deterministic: bool = False) -> None:
+    """Seed python, numpy and torch; with `deterministic` (run.deterministic) also switch torch to its
+    deterministic kernels for the rest of the process (never switched back off here)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
+    if deterministic:
+        # cuBLAS reads it when its first handle is made, after this; a CPU run never reads it.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.mkldnn.deterministic = True  # type: ignore[assignment]  # a ContextProp setter
 
 
 @dataclass
@@ -409,7 +417,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     )  # the run may rewrite devices (torchrun) and, on rollback, the KL; the caller's config stays as given
     world = dist_lib.init_distributed(cfg)
     # Same seed everywhere for data order and model init; each rank samples its own rollouts.
-    seed_everything(cfg.run.seed)
+    seed_everything(cfg.run.seed, cfg.run.deterministic)
     host_allocator = allocator.setup(cfg.train.host_allocator, cfg.train.host_mmap_threshold_mib)
     out_dir = Path(cfg.run.output_dir)
     if world.is_main:

@@ -406,3 +406,44 @@ def test_lr_schedule_at_every_step_hand_computed(schedule, warmup, factors):
         opt.step()
         scheduler.step()
     assert used == pytest.approx([1e-3 * f for f in factors], rel=1e-5)
+
+
+# ---------------------------------------------------------------- reproducibility
+
+
+def test_shared_prefix_update_is_bitwise_repeatable(tiny_model_dir):
+    """The shared-prompt-prefix update (the CPU default) on the same batch gives the same gradient bit
+    for bit every time, with two threads or more. Each group's prompt KV cache and first-token logits
+    are gathered for its rows with repeated indices, here large enough (>= 32768 elements) for torch's
+    parallel CPU path: gathered as `t[index]`, the backward added the rows' gradients with atomic float
+    adds in thread order, and the repetitions rounded differently (here one group of 32 rows and a long
+    prompt, so both threads add into the same prompt's entries at once)."""
+    cfg = _cfg(tiny_model_dir, "budget.max_prompt_tokens=256", "budget.max_total_tokens=320")
+    torch.manual_seed(0)
+    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    g = torch.Generator().manual_seed(0)
+    trajs = []
+    prompt = torch.randint(10, policy.config.vocab_size, (192,), generator=g).tolist()
+    for j in range(32):
+        t = Trajectory("toy-0", "toy", prompt, ["x"], sample_idx=j)
+        for sampled, n in ((True, 4 + j % 8), (False, 8), (True, 12 - j % 8)):
+            ids = torch.randint(10, policy.config.vocab_size, (n,), generator=g).tolist()
+            t.append(ids, sampled=sampled, logprobs=[-1.0] * n if sampled else None)
+        t.reward = float(j % 2)
+        trajs.append(t)
+    batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    try:
+        runs = []
+        for _ in range(6):
+            stats = update(
+                cfg, policy, None, torch.optim.SGD(policy.parameters(), lr=0.0), None, batch, random.Random(0)
+            )
+            runs.append([p.grad.clone() for p in policy.parameters()])
+    finally:
+        torch.set_num_threads(threads)
+    assert stats["train/microbatches"] == 1
+    for other in runs[1:]:
+        differ = [i for i, (a, b) in enumerate(zip(runs[0], other)) if not torch.equal(a, b)]
+        assert not differ, f"{len(differ)} of {len(other)} gradients differ between two identical updates"

@@ -363,6 +363,17 @@ def tail_buckets(lengths: list[int], pass_cells: int) -> list[list[int]]:
     return passes[::-1]
 
 
+def _gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """t[index] along dim 0, where `index` repeats rows (a group's prompt serves each of its rows).
+
+    On CPU through `index_select`: the backward of `t[index]` is `index_put_(accumulate=True)`, which
+    on CPU adds the repeated rows' gradients with parallel atomic float adds in whatever order the
+    threads reach them, so the same seeded run rounded differently each time; index_select's backward
+    (`index_add_`) adds them in index order, and is faster there too. Other devices keep `t[index]`
+    (CUDA's accumulating index_put sorts the indices; its index_add uses atomics)."""
+    return t.index_select(0, index) if t.device.type == "cpu" else t[index]
+
+
 @dataclass
 class _PrefixPass:
     """The prompt pass of a shared-prefix forward, and what the response passes after it need."""
@@ -386,12 +397,15 @@ class _PrefixPass:
 
     def tail(self, model: nn.Module, rows: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor, ids: torch.Tensor):
         """The response pass over `rows`: each response attends to its prompt's cached keys and
-        values, gathered for these rows (indexing keeps the graph: gradients reach the prompt pass)."""
+        values, gathered for these rows (`_gather_rows` keeps the graph: gradients reach the prompt pass)."""
         from transformers import DynamicCache
 
         g = self.groups[rows]
         cache = DynamicCache(
-            [(layer.keys[g], layer.values[g]) for layer in self.head.past_key_values.layers],
+            [
+                (_gather_rows(layer.keys, g), _gather_rows(layer.values, g))
+                for layer in self.head.past_key_values.layers
+            ],
             config=cast(Any, model).config,
         )
         return model(
@@ -424,7 +438,9 @@ def _shared_prefix_logits(model: nn.Module, mb: MicroBatch, groups: list[int], p
     x = _prefix_pass(model, mb, groups, prompts)
     rows = torch.arange(len(mb.input_ids), device=x.starts.device)
     cols, valid, ids = x.layout(rows)
-    logits = torch.cat([x.head.logits[x.groups, -1:], x.tail(model, rows, cols, valid, ids).logits[:, :-1]], dim=1)
+    logits = torch.cat(
+        [_gather_rows(x.head.logits[:, -1:], x.groups), x.tail(model, rows, cols, valid, ids).logits[:, :-1]], dim=1
+    )
     back = torch.arange(mb.input_ids.shape[1], device=x.starts.device)[None] - x.starts[:, None]
     valid_full = ((back >= 0) & (back < (x.ends - x.starts)[:, None])).float()
     return logits, ids, back.clamp(0, cols.shape[1] - 1), valid_full
@@ -440,7 +456,7 @@ def _shared_prefix_selected(
     x = _prefix_pass(model, mb, groups, prompts, logits_to_keep=1)
     last = mb.input_ids.shape[1] - 1
     first = torch.nonzero(target.gather(1, x.starts[:, None].clamp(max=last))[:, 0] & (x.ends > x.starts)).flatten()
-    logits, rows_all, cols_all = [x.head.logits[x.groups[first], -1]], [first], [x.starts[first]]
+    logits, rows_all, cols_all = [_gather_rows(x.head.logits[:, -1], x.groups[first])], [first], [x.starts[first]]
     lengths = (x.ends - x.starts).tolist()
     for bucket in tail_buckets(lengths, _pass_cells(x.starts.device)):
         if lengths[bucket[0]] < 2:  # the longest of the pass: nothing after the first response token
