@@ -192,8 +192,7 @@ class RolloutConfig:
     fast_decode: bool = _f(
         True,
         "HF engine on CPU: decode Qwen2/Llama models with agent-rl's own one-token step (same math and weights, "
-        "reserved KV buffers, ~30% faster on the tiny model); other models and devices always use transformers' "
-        "forward.",
+        "reserved KV buffers, less Python per step); other models and devices always use transformers' forward.",
     )
     gpu_memory_utilization: float = _f(0.4, "vLLM: fraction of GPU memory it reserves (weights + KV cache).")
     tensor_parallel_size: int = _f(1, "vLLM: tensor-parallel degree.")
@@ -313,23 +312,22 @@ class TrainConfig:
         True,
         "Fused RMSNorm and SwiGLU forward/backward (agent_rl/learn/fused.py) in the trained model, for the Llama-style "
         "families (Qwen2/3, Llama, Mistral): same values and gradients to float rounding, (2 h + f) fewer bytes of "
-        "saved activations per token and layer (22% on a 32M Qwen2), fewer elementwise passes. Float32 compute only; "
-        "bf16 takes transformers' forward.",
+        "saved activations per token and layer, fewer elementwise passes. Float32 compute only; bf16 takes "
+        "transformers' forward.",
     )
     host_allocator: str = _f(
         "auto",
         "Host memory allocator of `agent-rl train` / `sft` (agent_rl/infra/allocator.py): auto | mimalloc | glibc. "
         "auto = mimalloc where installed (the cmeel-mimalloc wheel, a Linux dependency), loaded by re-executing the "
-        "command under LD_PRELOAD: freed activations are reused instead of faulted in afresh (32M Qwen2 update "
-        "~0.7 s faster of ~2.8 s) while RSS still follows what is held. A run started from Python keeps glibc.",
+        "command under LD_PRELOAD: freed activations are reused instead of faulted in afresh while RSS still follows "
+        "what is held. A run started from Python keeps glibc.",
     )
     host_mmap_threshold_mib: float = _f(
         1.0,
         "CPU training on glibc (train.host_allocator=glibc, or mimalloc not loaded): host allocations of at least "
         "this size get their own mapping, returned to the system "
         "when freed (mallopt M_MMAP_THRESHOLD). glibc's default moves the threshold up as tensors are freed, so "
-        "freed activations stay in the heap as holes: on SmolLM2 with LoRA that held 2x the saved activations (8.7 "
-        "GB peak vs 6.6 GB fixed, for ~11% update speed). 0 = glibc's default.",
+        "freed activations stay in the heap as holes, and peak RSS grows past what is held. 0 = glibc's default.",
     )
     bf16: bool = _f(
         False,

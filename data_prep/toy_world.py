@@ -126,7 +126,7 @@ VERSION = 2  # bumped whenever the same seed would write a different world
 
 
 def _person_passages(name: str, a: dict, rng: random.Random) -> list[str]:
-    """One fact per passage: a search for "NAME born" finds the birth passage at rank 1 (~93%)."""
+    """One fact per passage: a search for "NAME born" usually finds the birth passage at rank 1."""
     born = rng.choice([f"{name} was born in {a['city']}.", f"{name} was born in the city of {a['city']}."])
     job = rng.choice([f"{name} works as a {a['job']}.", f"By profession, {name} is a {a['job']}."])
     music = f"{name} plays the {a['instrument']}."

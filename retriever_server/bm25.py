@@ -137,7 +137,7 @@ class BM25Searcher:
     """Anserini's SimpleSearcher (what pyserini's LuceneSearcher wraps) with BM25(k1, b).
 
     It is called through pyjnius directly: importing `pyserini.search.lucene` would also import
-    torch, transformers and scikit-learn for pyserini's dense encoders (~15 s here) to no use.
+    torch, transformers and scikit-learn for pyserini's dense encoders (seconds of start-up) to no use.
     """
 
     def __init__(self, lucene_dir: Path, k1: float = 0.9, b: float = 0.4, threads: int | None = None):

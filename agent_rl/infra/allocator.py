@@ -3,11 +3,11 @@ fixed mmap threshold.
 
 A CPU update allocates and frees its activations every micro-batch, most of them larger than a
 MiB. Under glibc with a fixed 1 MiB mmap threshold each one is a fresh mapping whose pages are
-faulted in and zeroed on first touch (~400k faults, 0.6-0.8 s of a 2.3-3 s update on the 32M
-Qwen2 of `bench/train_vs_trl.py`); glibc's default (a threshold that rises as tensors are freed)
-reuses the memory but leaves freed activations as holes in the heap (SmolLM2 + LoRA: 7.4 GB peak
-against 5.9 GB). mimalloc keeps freed pages for reuse and returns them to the system after a few
-milliseconds unused, so the update runs at the reusing speed with the fixed threshold's peak.
+faulted in and zeroed on first touch, hundreds of thousands of faults an update; glibc's default
+(a threshold that rises as tensors are freed) reuses the memory but leaves freed activations as
+holes in the heap, and peak RSS grows past what is held. mimalloc keeps freed pages for reuse and
+returns them to the system soon after they go unused, so the update runs at the reusing speed
+with the fixed threshold's peak (measurements in bench/RESULTS.md).
 
 mimalloc must be in the process before anything allocates, so it can only come in at exec time
 (LD_PRELOAD): `agent-rl train` / `sft` re-execute themselves under it once (`exec_under`). A run
@@ -129,8 +129,8 @@ def fix_mmap_threshold(mib: float) -> bool:
 
     glibc raises its mmap threshold each time a mapped block is freed (up to 32 MiB), after which
     tensors of that size come from the heap; freed activations then leave holes the next
-    micro-batch cannot always reuse, and the process keeps them (measured: 2x the saved
-    activations with LoRA on SmolLM2). A fixed threshold disables that adjustment, so RSS follows
+    micro-batch cannot always reuse, and the process keeps them (with LoRA on SmolLM2, a multiple
+    of the saved activations). A fixed threshold disables that adjustment, so RSS follows
     what is held; the price is a page fault per fresh page of a large tensor. True if applied."""
     if mib <= 0:
         return False

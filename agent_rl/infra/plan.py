@@ -22,9 +22,8 @@ prompt's activations count once per group. When a whole optimizer step is one mi
 gradients grow as the backward frees activations and are not added on top of them. These
 constants were measured on CPU against VmHWM (tests/test_memory_safety.py, bench/plan_vs_measured.py)
 with the trainer's fixed mmap threshold (`train.host_mmap_threshold_mib`), under which RSS follows
-what is held: tiny 0.99, 82M 0.99, SmolLM2-135M + LoRA + in-process vLLM-CPU 1.04 of measured;
-under mimalloc (`train.host_allocator`, which also returns freed pages) the same plan plus
-mimalloc's own 44 MiB was 0.95-1.10 of measured.
+what is held, and under mimalloc (`train.host_allocator`, which also returns freed pages) with
+mimalloc's own arenas added; plan / measured ratios are in bench/RESULTS.md.
 
 Two phases, planned separately; the peak is the larger. Rollout: the engine (vLLM's reservation,
 or the HF engine's KV cache) plus what the trainer keeps resident between updates (parameters,

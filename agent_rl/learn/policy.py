@@ -310,8 +310,8 @@ PREFIX_MAX_SHARE = 0.9
 
 def _prefix_plan(mb: MicroBatch):
     """(group of each row, unique prompts) when sharing prompts runs at most 90% of the padded token positions,
-    else None. Its second pass and the cache gather cost about 5%: on the 32M model, 0.89 of the positions ran
-    1.05x faster, 0.78 ran 1.21x and 0.70 ran 1.38x (forward+backward, 4 groups of 4)."""
+    else None: its second pass and the cache gather cost a few percent, which a smaller saving would not repay
+    (the measurement behind the threshold: bench/RESULTS.md)."""
     if not mb.prompt_lengths:
         return None
     prompts, groups = distinct(mb.input_ids[r, :n].tolist() for r, n in enumerate(mb.prompt_lengths))

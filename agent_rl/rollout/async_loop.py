@@ -244,7 +244,7 @@ async def _run_all(
     loop: AgentLoop, trajs: list[Trajectory], base: int, temperature: float, top_p: float
 ) -> tuple[int, int]:
     # All engine work in one thread of the rollout's own: spread over asyncio's default pool, each
-    # pool thread took its own glibc malloc arena (about +130 MiB peak RSS against sync on vLLM).
+    # pool thread took its own glibc malloc arena (a higher peak RSS than sync on vLLM).
     thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-rl-engine")
     gen: StepBatcher | GenerationBatcher
     if loop.engine.continuous:

@@ -96,7 +96,7 @@ def _sample(
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)
     # Inverse-CDF sampling: one uniform per row, where torch.multinomial draws one per vocabulary
-    # entry (20x slower for 64 rows x 689 tokens, a tenth of a decode step on CPU).
+    # entry (much slower on CPU at a decode step's shape).
     cdf = probs.cumsum(-1)
     if isinstance(generator, list):
         u = (
@@ -115,17 +115,15 @@ class _DecodeLinear:
     """The fast decoder's linears through oneDNN, over weights reordered once per weight version.
 
     A decode step multiplies a few rows by every weight, streamed from memory. MKL's plain product
-    (`F.linear`) reads them slowly at that shape: on the 2-core AVX-512 machine here a 16-row
-    product with a 2048 x 512 weight not in cache took ~530 us, while oneDNN's inner product over
-    the same weight reordered into its blocked layout took ~310 us (12 rows: 395 -> 275 us; 4 rows:
-    282 -> 218 us). The reordered copies (as large as the weights) are made on first use, remade
-    when a weight changes (an optimizer step or a weight sync bumps its version), and freed by
-    `clear` (the engine's `sleep`, before the update). Under bf16 autocast (`train.bf16`) the copies
-    are reordered in bf16 where oneDNN has bf16 kernels for this CPU (AVX-512 BF16, AMX): autocast's
-    `F.linear` casts every weight to bf16 at every call, so a 16-row product over a 3072 x 512
-    weight took ~300 us that way, ~110 us over the bf16 copy and ~180 us over the fp32 one (AMD EPYC
-    Zen 5). Other dtypes and builds without oneDNN use `F.linear`; the paths agree to the rounding of
-    their dtype, not bit for bit.
+    (`F.linear`) reads them slowly at that shape; oneDNN's inner product over the same weight
+    reordered into its blocked layout reads them faster (timings in bench/RESULTS.md). The
+    reordered copies (as large as the weights) are made on first use, remade when a weight changes
+    (an optimizer step or a weight sync bumps its version), and freed by `clear` (the engine's
+    `sleep`, before the update). Under bf16 autocast (`train.bf16`) the copies are reordered in
+    bf16 where oneDNN has bf16 kernels for this CPU (AVX-512 BF16, AMX): autocast's `F.linear`
+    casts every weight to bf16 at every call, which a bf16 copy made once avoids. Other dtypes and
+    builds without oneDNN use `F.linear`; the paths agree to the rounding of their dtype, not bit
+    for bit.
     """
 
     def __init__(self) -> None:
@@ -198,8 +196,8 @@ class _LlamaDecoder:
     The same math as the model's own forward (RMSNorm in float32, default RoPE, grouped-query
     attention, SiLU MLP), with the module's own weights, but keys and values go into buffers
     reserved for the whole generation, and attention for one query is two small matmuls. On CPU a
-    transformers decode step of the tiny model spends ~70% of its time outside the linears
-    (modules, mask building, cache concatenation, the SDPA kernel); this step is ~30% faster
+    transformers decode step of a small model spends most of its time outside the linears
+    (modules, mask building, cache concatenation, the SDPA kernel), which this step leaves out
     (bench/train_vs_trl.py). Models it does not cover use transformers' forward
     (`supports`), and `rollout.fast_decode=false` turns it off.
     """
@@ -235,7 +233,7 @@ class _LlamaDecoder:
             self.values.append(v)
         self.length = n
         # Every linear bound once for the generation (weights fixed until it ends), and the
-        # module attributes read once: a step of the 32M model spent ~3.7 ms of its ~20 in Python.
+        # module attributes read once: per-call Python was a visible share of a small model's step.
         x = self.inner.embed_tokens.weight.new_empty((b, model.config.hidden_size))  # like the rows fed to the linears
         bind = self.linear.bind
         self.layers = []
