@@ -1,4 +1,4 @@
-"""`agent-rl`: one console script, one subcommand per job (DESIGN.md's command-line contract).
+"""`agent-rl`: one console script, one subcommand per job (the command-line contract in docs/DESIGN.md).
 
 Every subcommand on `configs/tiny_cpu_grpo.yaml` prepares what it lacks (toy world, tiny
 model, index) on first use, so each works on its own on a fresh checkout.

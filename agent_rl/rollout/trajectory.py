@@ -73,7 +73,7 @@ class Trajectory:
         self.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(ids))
 
     def to_record(self, tokenizer=None) -> dict:
-        """The JSON line written by `agent-rl rollout` (fields fixed by DESIGN.md; `logprobs` added).
+        """The JSON line written by `agent-rl rollout` (fields fixed by docs/DESIGN.md; `logprobs` added).
 
         With a tokenizer the record also carries `prompt_text` and `tokens`, one display string
         per response id, so `agent-rl view` renders it from the file alone.
