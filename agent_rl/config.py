@@ -197,9 +197,20 @@ class RolloutConfig:
     gpu_memory_utilization: float = _f(0.4, "vLLM: fraction of GPU memory it reserves (weights + KV cache).")
     tensor_parallel_size: int = _f(1, "vLLM: tensor-parallel degree.")
     max_num_seqs: int = _f(256, "vLLM: most sequences in flight.")
-    enforce_eager: bool = _f(
-        True,
-        "vLLM: skip CUDA graph capture / torch.compile (start in seconds; the compiled start takes minutes on CPU).",
+    enforce_eager: bool | None = _f(
+        None,
+        "vLLM: skip CUDA graph capture / torch.compile. Unset follows rollout.device: true on CPU (the compiled "
+        "start takes minutes there), false on CUDA (vLLM's default, CUDA graphs); a value set here wins.",
+    )
+    enable_chunked_prefill: bool | None = _f(
+        None,
+        "vLLM: split long prefills across engine steps. Unset follows rollout.device: false on CPU (vLLM-CPU cannot "
+        "split a seeded request's prefill), vLLM's own default on CUDA; a value set here wins.",
+    )
+    max_num_batched_tokens: int = _f(
+        0,
+        "vLLM: most tokens the scheduler puts in one engine step. 0 follows rollout.device: on CPU "
+        "max(budget.max_total_tokens, 2048), so a whole prefill fits one step; on CUDA vLLM's own default.",
     )
     vllm_in_process: bool = _f(
         True,
@@ -510,6 +521,11 @@ class Config:
                 )
         if self.algo.tis_cap < 0 or 0 < self.algo.tis_cap < 1:
             raise ConfigError(f"algo.tis_cap={self.algo.tis_cap}: use 0 (off) or a cap >= 1 (2.0 is common)")
+        if self.rollout.max_num_batched_tokens < 0:
+            raise ConfigError(
+                f"rollout.max_num_batched_tokens={self.rollout.max_num_batched_tokens}: use 0 (follow the device) "
+                "or a positive token count"
+            )
         if self.rollout.cpu_kv_cache_gib <= 0:
             raise ConfigError("rollout.cpu_kv_cache_gib must be > 0 (vLLM on CPU reserves it for the KV cache)")
 

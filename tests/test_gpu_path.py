@@ -173,3 +173,33 @@ def test_hf_engine_samples_in_the_trainers_compute_dtype(tiny_model_dir):
             assert to_bf16 < to_fp32 and to_fp32 > 1e-4
         else:
             assert to_fp32 < 1e-5 < to_bf16
+
+
+def test_vllm_arguments_follow_the_rollout_device():
+    """vLLM's arguments: on CPU the vLLM-CPU workarounds (eager, whole prefills in one step); on CUDA
+    vLLM's own defaults (CUDA graphs, its chunked prefill and batched-token budget); a value the
+    config sets wins on either device. Built without starting vLLM."""
+    from agent_rl.rollout.engines import vllm_engine_kwargs
+
+    def kwargs(*overrides):
+        cfg = load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", ["rollout.engine=vllm", *overrides])
+        return vllm_engine_kwargs("m", cfg, seed=0, sleep_mode=False, distributed=False)
+
+    cpu = kwargs("rollout.device=cpu")
+    assert cpu["enforce_eager"] is True and cpu["enable_chunked_prefill"] is False
+    assert cpu["max_num_batched_tokens"] >= 2048
+    assert "gpu_memory_utilization" not in cpu
+    cuda = kwargs("rollout.device=cuda", "train.device=cuda")
+    assert cuda["enforce_eager"] is False
+    assert "enable_chunked_prefill" not in cuda and "max_num_batched_tokens" not in cuda
+    assert cuda["gpu_memory_utilization"] == 0.4 and cuda["tensor_parallel_size"] == 1
+    set_ = kwargs(
+        "rollout.device=cuda",
+        "rollout.enforce_eager=true",
+        "rollout.enable_chunked_prefill=false",
+        "rollout.max_num_batched_tokens=4096",
+    )
+    assert set_["enforce_eager"] is True and set_["enable_chunked_prefill"] is False
+    assert set_["max_num_batched_tokens"] == 4096
+    cpu_set = kwargs("rollout.device=cpu", "rollout.enforce_eager=false")
+    assert cpu_set["enforce_eager"] is False

