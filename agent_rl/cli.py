@@ -387,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             # imported; a bad config is reported by the job itself below.
             from agent_rl.infra import allocator
 
-            allocator.exec_under(_config(args).train.host_allocator)
+            allocator.exec_under(allocator.for_config(_config(args))[0])
         return int(args.func(args) or 0)
     except (ConfigError, FileNotFoundError) as err:
         print(f"agent-rl {args.command}: error: {err}", file=sys.stderr)

@@ -331,14 +331,16 @@ class TrainConfig:
         "Host memory allocator of `agent-rl train` / `sft` (agent_rl/infra/allocator.py): auto | mimalloc | glibc. "
         "auto = mimalloc where installed (the cmeel-mimalloc wheel, a Linux dependency), loaded by re-executing the "
         "command under LD_PRELOAD: freed activations are reused instead of faulted in afresh while RSS still follows "
-        "what is held. A run started from Python keeps glibc.",
+        "what is held. A run started from Python keeps glibc. Not applied when train.device or rollout.device is "
+        "CUDA (glibc's defaults there).",
     )
     host_mmap_threshold_mib: float = _f(
         1.0,
         "CPU training on glibc (train.host_allocator=glibc, or mimalloc not loaded): host allocations of at least "
         "this size get their own mapping, returned to the system "
         "when freed (mallopt M_MMAP_THRESHOLD). glibc's default moves the threshold up as tensors are freed, so "
-        "freed activations stay in the heap as holes, and peak RSS grows past what is held. 0 = glibc's default.",
+        "freed activations stay in the heap as holes, and peak RSS grows past what is held. 0 = glibc's default. "
+        "Not set on a CUDA run.",
     )
     bf16: bool = _f(
         False,

@@ -119,7 +119,7 @@ def sft(cfg: Config) -> Path:
     from agent_rl.infra import allocator
     from agent_rl.infra.prepare import local_retriever, prepare
 
-    host_allocator = allocator.setup(cfg.train.host_allocator, cfg.train.host_mmap_threshold_mib)
+    host_allocator = allocator.setup(*allocator.for_config(cfg))
     print(f"[sft] host allocator: {host_allocator}", file=sys.stderr)
     prepare(cfg)
     out = Path(cfg.model.warm_start or Path(cfg.run.output_dir) / "sft")

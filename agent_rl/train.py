@@ -418,7 +418,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     world = dist_lib.init_distributed(cfg)
     # Same seed everywhere for data order and model init; each rank samples its own rollouts.
     seed_everything(cfg.run.seed, cfg.run.deterministic)
-    host_allocator = allocator.setup(cfg.train.host_allocator, cfg.train.host_mmap_threshold_mib)
+    host_allocator = allocator.setup(*allocator.for_config(cfg))
     out_dir = Path(cfg.run.output_dir)
     if world.is_main:
         print(f"[train] host allocator: {host_allocator}", file=sys.stderr)

@@ -115,3 +115,24 @@ def test_mimalloc_reuses_freed_activations_and_gives_them_back():
     for r in (glibc, mi):
         assert r["held"] >= 240 * 2**20
         assert r["after"] <= 0.25 * r["held"], r
+
+
+def test_a_cuda_run_gets_no_reexec_and_no_mallopt(monkeypatch):
+    """With train.device or rollout.device on CUDA (torchrun or not) the CPU allocator settings do not
+    apply: the decision is glibc with its default threshold, so `exec_under` does not re-execute and
+    `setup` calls no mallopt. A CPU config keeps its own settings. No GPU needed."""
+    calls = []
+    monkeypatch.setattr(allocator.os, "execve", lambda *a: calls.append("execve"))
+    real_fix = allocator.fix_mmap_threshold  # returns before mallopt for 0 (glibc's default)
+    monkeypatch.setattr(allocator, "fix_mmap_threshold", lambda mib: calls.append(mib) if mib > 0 else real_fix(mib))
+    monkeypatch.setattr(allocator, "in_use", lambda: "glibc")
+    monkeypatch.delenv(allocator.MARKER, raising=False)
+    monkeypatch.setattr(allocator, "mimalloc_library", lambda: "/lib/libmimalloc.so")  # as if installed
+    for devices in (["train.device=cuda", "rollout.device=cuda"], ["train.device=cuda"], ["rollout.device=cuda:0"]):
+        cfg = load_config(None, ["train.host_allocator=auto", "train.host_mmap_threshold_mib=1", *devices])
+        assert allocator.for_config(cfg) == ("glibc", 0.0)
+        allocator.exec_under(allocator.for_config(cfg)[0])
+        assert allocator.setup(*allocator.for_config(cfg)) == "glibc, default mmap threshold"
+    assert calls == []
+    cpu = load_config(None, ["train.host_allocator=auto", "train.host_mmap_threshold_mib=1"])
+    assert allocator.for_config(cpu) == ("auto", 1.0)

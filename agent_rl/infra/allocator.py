@@ -13,6 +13,7 @@ mimalloc must be in the process before anything allocates, so it can only come i
 (LD_PRELOAD): `agent-rl train` / `sft` re-execute themselves under it once (`exec_under`). A run
 started another way (the Python API, a test) keeps glibc and says so. PyTorch's CPU guides ask for
 the same with jemalloc or tcmalloc; mimalloc is the one that comes as a wheel (`cmeel-mimalloc`).
+None of this applies to a CUDA run (`for_config`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,17 @@ import sys
 
 MARKER = "AGENT_RL_ALLOCATOR_EXEC"  # set across the re-exec, so a failed preload cannot loop
 PRELOADED = ("mimalloc", "tcmalloc", "jemalloc")  # allocators that replace glibc's malloc when preloaded
+
+
+def for_config(cfg) -> tuple[str, float]:
+    """(`train.host_allocator`, `train.host_mmap_threshold_mib`) as they apply to this config's process.
+
+    Both are CPU-training settings. On a CUDA run (train.device or rollout.device on CUDA, torchrun
+    included) the update's activations live on the GPU, and a preloaded allocator would sit under
+    CUDA's and vLLM's own host memory as well: glibc with its defaults, so no re-exec and no mallopt."""
+    if str(cfg.train.device).startswith("cuda") or str(cfg.rollout.device).startswith("cuda"):
+        return "glibc", 0.0
+    return cfg.train.host_allocator, cfg.train.host_mmap_threshold_mib
 
 
 @functools.cache  # resolve() asks on every call; the installed files do not change in a process

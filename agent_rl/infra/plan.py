@@ -292,7 +292,7 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
     if cfg.algo.name == "ppo":
         train_c["activations"] *= 2 if not cfg.model.gradient_checkpointing else 1
     host: dict[str, int] = {"baseline": BASELINE_HOST_BYTES}
-    if allocator.resolve(cfg.train.host_allocator) == "mimalloc":
+    if allocator.resolve(allocator.for_config(cfg)[0]) == "mimalloc":
         host["mimalloc"] = MIMALLOC_HOST_BYTES
     if lora:
         host["peft_runtime"] = PEFT_HOST_BYTES
