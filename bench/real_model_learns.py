@@ -41,6 +41,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# For every process of the run, this one's retriever and index build included: no hub, and OpenMP
+# threads that sleep instead of spinning while they wait (on a shared 2-core machine spinning burns
+# the other process's core).
+ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": "PASSIVE"}
+for _key, _value in ENV.items():
+    os.environ.setdefault(_key, _value)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo_seeds import paired_interval  # noqa: E402
 
@@ -102,11 +108,10 @@ def answer_recall(cfg, split: dict) -> dict[str, float]:
 def run_phase(name: str, cmd: list[str], log: Path) -> dict:
     """Run one `agent-rl` command, output to `log`: its wall seconds and its peak RSS (the child's
     own, from wait4, which counts the processes it waited for)."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": "PASSIVE"}
     _log(f"{name}: {' '.join(cmd[2:])} (log: {log})")
     start = time.perf_counter()
     with log.open("w") as fh:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     wall = time.perf_counter() - start
