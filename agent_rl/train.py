@@ -632,6 +632,11 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
                 world=world,
                 trainer_logprobs=report,
             )
+            # The gradients are spent: freed now, they are not resident across the weight sync, the
+            # engine's wake and the rollout (the next update's zero_grad would free them only then).
+            run.optimizer.zero_grad(set_to_none=True)
+            if run.critic_opt is not None:
+                run.critic_opt.zero_grad(set_to_none=True)
             run.scheduler.step()
             times["sync_s"] = run.push_weights()
             allocator.release()  # the update's activations, kept for reuse within it, back to the system
