@@ -585,3 +585,26 @@ def test_gradients_are_freed_before_the_weight_sync(tiny_model_dir, tmp_path, mo
     _, rows, error = _train(tiny_model_dir, tmp_path, monkeypatch, lambda call: False, 2)
     assert error is None and max(r["step"] for r in rows) == 2
     assert at_sync and at_sync[-2:] == [0, 0], at_sync
+
+
+def test_search_r1_config_on_one_80gb_gpu_does_not_fit_and_names_the_levers():
+    """`agent-rl plan configs/nq_hotpotqa_grpo.yaml --gpus 1 --gpu-mem 80`: at the engine's wake
+    after an update, vLLM's reservation comes back beside the parameters, AdamW state and reference
+    (the gradients were freed after the step): that does not fit one 80 GiB GPU. The named fixes
+    include LoRA, FSDP2 offload and a smaller vLLM reservation, each of which fits on its own; the
+    optimizer offload that CUDA refuses is not offered."""
+    from agent_rl.infra.plan import GIB
+
+    cfg = load_config(ROOT / "configs" / "nq_hotpotqa_grpo.yaml")
+    res = plan(cfg, 1, 80, 512)
+    assert not res.fits and res.peak_phase == "rollout"
+    wake = res.phases["rollout"]["components"]
+    assert {"gpu/vllm_reserved", "gpu/params", "gpu/optimizer", "gpu/reference"} <= set(wake)
+    assert "gpu/grads" not in wake
+    assert wake["gpu/vllm_reserved"] == int(0.6 * 80 * GIB)
+    on_gpu = sum(v for k, v in wake.items() if k.startswith("gpu/"))
+    assert res.gpu_peak_bytes_per_device == on_gpu > 80 * GIB
+    fixes = {f["fix"].split(" ")[0]: f for f in res.fixes}
+    for lever in ("model.lora.enabled=true", "train.offload_params=true", "rollout.gpu_memory_utilization=0.4"):
+        assert fixes[lever]["fits"], (lever, res.fixes)
+    assert not any("offload_optimizer" in f["fix"] for f in res.fixes)

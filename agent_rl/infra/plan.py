@@ -25,11 +25,13 @@ with the trainer's fixed mmap threshold (`train.host_mmap_threshold_mib`), under
 what is held, and under mimalloc (`train.host_allocator`, which also returns freed pages) with
 mimalloc's own arenas added; plan / measured ratios are in bench/RESULTS.md.
 
-Two phases, planned separately; the peak is the larger. Rollout: the engine (vLLM's reservation,
-or the HF engine's KV cache) plus what the trainer keeps resident between updates (parameters,
-optimizer state, gradients). Update: parameters, gradients, optimizer state, reference/critic,
-activations and logits, plus the engine only where it cannot sleep (vLLM on CPU stays resident;
-on CUDA it sleeps: weights offloaded, KV cache freed).
+Two phases, planned separately; the peak is the larger. Rollout, from the engine's wake after an
+update: the engine (vLLM's whole reservation comes back at the wake, or the HF engine's KV cache)
+plus what the trainer keeps resident between updates (parameters, optimizer state, reference,
+critic); the gradients are freed right after the optimizer step (`agent_rl.train`), so they are
+not counted there. Update: parameters, gradients, optimizer state, reference/critic, activations
+and logits, plus the engine only where it cannot sleep (vLLM on CPU stays resident; on CUDA it
+sleeps: weights offloaded, KV cache freed).
 """
 
 from __future__ import annotations
@@ -332,7 +334,8 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
             )
     if cfg.memory.retriever_on_gpu_gib and on_gpu:
         engine_c["retriever_index"] = int(cfg.memory.retriever_on_gpu_gib * GIB)
-    resident = {k: v for k, v in train_c.items() if k in ("params", "grads", "optimizer", "reference", "critic")}
+    # What the trainer holds at the engine's wake: the gradients were freed after the optimizer step.
+    resident = {k: v for k, v in train_c.items() if k in ("params", "optimizer", "reference", "critic")}
     phases = {
         "rollout": ({**resident, **engine_c, **rollout_c}, dict(host)),
         "update": ({**train_c, **engine_c}, dict(host)),
@@ -389,7 +392,8 @@ def plan(
 def _fixes(
     cfg: Config, gpus: int, gpu_peak: int, host_peak: int, gpu_budget: int, host_budget: int, on_gpu: bool
 ) -> list[dict]:
-    """Try each lever on a copy of the config; rank by the bytes it saves on the binding limit."""
+    """Try each lever on a copy of the config; rank by the bytes it saves on the binding limit, and say
+    whether it alone makes the config fit."""
     import copy
 
     candidates: list[tuple[str, list[tuple[str, str, Any]]]] = []
@@ -424,8 +428,13 @@ def _fixes(
                     [("rollout", "gpu_memory_utilization", round(cfg.rollout.gpu_memory_utilization - 0.2, 2))],
                 )
             )
-        if not cfg.train.offload_optimizer:
-            candidates.append(("train.offload_optimizer=true", [("train", "offload_optimizer", True)]))
+        if not cfg.train.offload_params:  # train.offload_optimizer is refused on CUDA; FSDP2's offload is the lever
+            candidates.append(
+                (
+                    "train.offload_params=true (FSDP2 CPU offload of params, grads and AdamW; run under torchrun)",
+                    [("train", "offload_params", True)],
+                )
+            )
         if cfg.train.offload_optimizer and host_peak > host_budget:
             candidates.append(
                 ("train.offload_optimizer=false (host RAM is the limit)", [("train", "offload_optimizer", False)])
@@ -450,8 +459,10 @@ def _fixes(
         for gc, _ in ph.values():
             if gc.get("vllm_reserved") == -1:
                 gc["vllm_reserved"] = int(c.rollout.gpu_memory_utilization * gpu_budget)
-        gpu_saved = gpu_peak - max(sum(gc.values()) for gc, _ in ph.values()) if on_gpu else 0
-        host_saved = host_peak - max(sum(hc.values()) for _, hc in ph.values())
+        gpu_after = max(sum(gc.values()) for gc, _ in ph.values()) if on_gpu else 0
+        host_after = max(sum(hc.values()) for _, hc in ph.values())
+        gpu_saved = gpu_peak - gpu_after if on_gpu else 0
+        host_saved = host_peak - host_after
         saved = (
             gpu_saved
             if on_gpu and gpu_peak > gpu_budget
@@ -460,7 +471,9 @@ def _fixes(
             else max(gpu_saved, host_saved)
         )
         if saved > 0:
-            out.append({"fix": label, "saves_bytes": int(saved)})
+            out.append(
+                {"fix": label, "saves_bytes": int(saved), "fits": gpu_after <= gpu_budget and host_after <= host_budget}
+            )
     return sorted(out, key=lambda f: -f["saves_bytes"])
 
 
@@ -493,7 +506,8 @@ def render(res: PlanResult) -> str:
     if res.fixes:
         lines.append("fixes, most effective first:")
         for f in res.fixes[:6]:
-            lines.append(f"  {f['fix']:<60} saves {f['saves_bytes'] / GIB:.3f} GiB")
+            alone = "  (fits with this alone)" if f.get("fits") and not res.fits else ""
+            lines.append(f"  {f['fix']:<60} saves {f['saves_bytes'] / GIB:.3f} GiB{alone}")
     return "\n".join(lines)
 
 
