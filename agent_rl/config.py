@@ -179,7 +179,12 @@ class RolloutConfig:
     device: str = _f("cpu", "Device the rollout engine runs on (cpu, cuda:0, ...).")
     prompts_per_step: int = _f(16, "Distinct prompts per RL step; each is sampled algo.group_size times.")
     temperature: float = _f(1.0, "Sampling temperature for training rollouts.")
-    top_p: float = _f(1.0, "Nucleus sampling for training rollouts.")
+    top_p: float = _f(
+        1.0,
+        "Nucleus sampling for training rollouts; must stay 1.0: the trainer scores tokens under the temperature "
+        "alone, while a nucleus changes the distribution they were drawn from (and vLLM's log-probs with it). "
+        "Sharpen sampling with rollout.temperature instead.",
+    )
     eval_temperature: float = _f(0.0, "Temperature for evaluation (0 = greedy).")
     mode: str = _f(
         "sync",
@@ -503,6 +508,13 @@ class Config:
         if self.rollout.temperature <= 0:
             raise ConfigError(
                 "rollout.temperature must be > 0 for training rollouts (use rollout.eval_temperature=0 for greedy eval)"
+            )
+        if self.rollout.top_p != 1.0:
+            raise ConfigError(
+                f"rollout.top_p={self.rollout.top_p}: training rollouts must sample the full distribution. The "
+                "trainer scores each token under the temperature alone, while top-p sampling draws from the nucleus "
+                "renormalised (vLLM's log-probs are renormalised too), so ratios and KL would compare two different "
+                "distributions. Set rollout.top_p=1.0 and lower rollout.temperature to sample more sharply"
             )
         if self.train.offload_optimizer and self.train.device.startswith("cuda"):
             raise ConfigError(

@@ -171,3 +171,12 @@ def test_wrong_type_under_the_old_section_names_the_new_key():
     """A bad value under `trainer` fails naming the key as it is now spelt."""
     with pytest.warns(FutureWarning), pytest.raises(ConfigError, match=r"'run\.max_steps' expects int"):
         load_config(None, ["trainer.max_steps=ten"])
+
+
+def test_top_p_below_one_is_refused_for_training_rollouts():
+    """The trainer scores tokens under the temperature alone; a nucleus renormalises the sampled
+    distribution (and vLLM's log-probs), so rollout.top_p < 1 fails at load naming the key and the fix.
+    Evaluation has no top-p of its own (greedy or rollout.eval_temperature), so nothing else reads it."""
+    with pytest.raises(ConfigError, match=r"rollout.top_p=0.9.*rollout.top_p=1.0.*rollout.temperature"):
+        load_config(None, ["rollout.top_p=0.9"])
+    assert load_config(None, ["rollout.top_p=1.0"]).rollout.top_p == 1.0
