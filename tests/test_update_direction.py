@@ -3,7 +3,8 @@ log-probs of positive-advantage responses and lowers those of negative ones, the
 raises the entropy, the KL term pulls the policy back to the reference. Around it: k micro-batches
 give the one-pass gradient for every `algo.loss_agg` (with an excluded all-zero-mask row),
 `algo.mini_batch_size` takes one optimizer step per mini-batch, truncated-IS weights, gradient
-checkpointing and the learning-rate schedule against hand-computed values."""
+checkpointing and the learning-rate schedule against hand-computed values, and the same update
+repeated gives the same gradient bit for bit."""
 
 import copy
 import math
@@ -146,7 +147,7 @@ def test_kl_term_pulls_the_policy_back_to_the_reference(tiny_model_dir):
 # ---------------------------------------------------------------- micro-batches, mini-batches
 
 
-def _grads(cfg, trajs, optimizer_lr: float = 0.0):
+def _grads(cfg, trajs):
     """One `update` of a fresh tiny policy on `trajs` (SGD at lr 0: the parameters stay, the
     gradients are left in .grad); a KL reference is a copy the policy has drifted from, a critic
     (PPO) starts from the policy with a nonzero value head. Returns (policy and critic gradients,
@@ -165,8 +166,8 @@ def _grads(cfg, trajs, optimizer_lr: float = 0.0):
         with torch.no_grad():
             critic.head.bias.fill_(0.3)
     batch = prepare_batch(cfg, policy, ref, critic, trajs, 0, need_old=False)
-    opt = torch.optim.SGD(policy.parameters(), lr=optimizer_lr)
-    critic_opt = torch.optim.SGD(critic.parameters(), lr=optimizer_lr) if critic is not None else None
+    opt = torch.optim.SGD(policy.parameters(), lr=0.0)
+    critic_opt = torch.optim.SGD(critic.parameters(), lr=0.0) if critic is not None else None
     stats = update(cfg, policy, critic, opt, critic_opt, batch, random.Random(0))
     params = list(policy.parameters()) + (list(critic.parameters()) if critic is not None else [])
     return [p.grad.clone() for p in params], stats
@@ -195,17 +196,20 @@ def test_k_microbatches_give_the_one_pass_gradient(tiny_model_dir, loss_agg, ter
     gradient for every algo.loss_agg, with a row whose loss mask is all 0 (excluded after a failed
     search) in the batch. seq-mean-token-mean averages over rows with a trained token, wherever the
     excluded row and the skipped rows land."""
+    from transformers import AutoConfig
+
     extra = [f"algo.loss_agg={loss_agg}", *TERMS[terms]]
     rewards = [1.0, 0.0, 1.0, 0.0] + [0.0, 1.0, 1.0, 0.0] + [1.0] * 4  # the last group: advantage 0
+    vocab = AutoConfig.from_pretrained(tiny_model_dir).vocab_size
     one, one_stats = _grads(
         _cfg(tiny_model_dir, *extra, "train.max_tokens_per_microbatch=4096", "train.skip_zero_advantage=false"),
-        _trajs(1536, rewards, excluded=2),
+        _trajs(vocab, rewards, excluded=2),
     )
     assert one_stats["train/microbatches"] == 1
     counts = set()
     for cap in (64, 100, 160):
         got, stats = _grads(
-            _cfg(tiny_model_dir, *extra, f"train.max_tokens_per_microbatch={cap}"), _trajs(1536, rewards, excluded=2)
+            _cfg(tiny_model_dir, *extra, f"train.max_tokens_per_microbatch={cap}"), _trajs(vocab, rewards, excluded=2)
         )
         counts.add(stats["train/microbatches"])
         _assert_same_gradient(got, one)
