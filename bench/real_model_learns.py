@@ -222,7 +222,10 @@ def summarise(out: Path, phases: dict, plan: dict, recall: dict, split_sizes: di
             "reward_curve": [[m["step"], m["reward/mean"]] for m in steps],
             "searches_per_trajectory_first_quarter": _mean([m["rollout/searches_mean"] for m in steps[:k]]),
             "searches_per_trajectory_last_quarter": _mean([m["rollout/searches_mean"] for m in steps[-k:]]),
-            "logprob_diff_mean": _mean([m.get("rollout/logprob_diff_mean", 0.0) for m in steps]),
+            # over the steps that trained a row (the difference is taken at the update's rows)
+            "logprob_diff_mean": _mean(
+                [m["rollout/logprob_diff_mean"] for m in steps if m.get("rollout/logprob_diff_max")]
+            ),
             "logprob_diff_max": max([m.get("rollout/logprob_diff_max", 0.0) for m in steps], default=0.0),
             "step_s_mean": _mean(step_s),
             "rollout_s_mean": _mean([m["timing/rollout_s"] for m in steps]),
@@ -314,6 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nq-test", type=int, default=300, help="held-out NQ questions")
     parser.add_argument("--triviaqa-test", type=int, default=300, help="held-out TriviaQA questions")
     parser.add_argument("--train-size", type=int, default=0, help="training questions (0 = every other NQ one)")
+    parser.add_argument(
+        "--index",
+        help="the corpus's MiniLM index, built there if missing (default OUT/index); give another run's to reuse it",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides for every agent-rl command (key=value)")
     args = parser.parse_args(argv)
     from agent_rl.config import load_config
@@ -330,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         f"data.train_files=[{out / 'data' / 'train.parquet'}]",
         f"data.test_files=[{', '.join(map(str, tests))}]",
         f"retriever.corpus={data / 'corpus.jsonl'}",
-        f"retriever.index_dir={out / 'index'}",
+        f"retriever.index_dir={Path(args.index).resolve() if args.index else out / 'index'}",
         *args.overrides,
     ]
     cfg = load_config(config, overrides)
