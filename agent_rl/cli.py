@@ -117,22 +117,12 @@ def _loop(cfg, model_path: str, url: str):
     return loop, tokenizer, budget
 
 
-def write_trajectories(path: Path, trajs: list, tokenizer) -> None:
-    """One JSON line per trajectory (`Trajectory.to_record` with token strings) plus EM and F1,
-    the file `agent-rl view` reads."""
-    from agent_rl.rollout.rewards import answer_scores
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as fh:
-        for t in trajs:
-            fh.write(json.dumps({**t.to_record(tokenizer), **answer_scores(t.response_text, t.golden_answers)}) + "\n")
-
-
 def cmd_rollout(args) -> int:
     from agent_rl.infra.prepare import local_retriever, prepare
     from agent_rl.rollout.loop import rollout_metrics
     from agent_rl.rollout.prompts import load_prompts
     from agent_rl.rollout.rewards import compute_reward
+    from agent_rl.rollout.trajectory import write_trajectories
 
     cfg = _config(args)
     prepare(cfg)
@@ -164,6 +154,7 @@ def cmd_eval(args) -> int:
     from agent_rl.infra.prepare import local_retriever, prepare
     from agent_rl.rollout.prompts import load_prompts
     from agent_rl.rollout.rewards import compute_reward
+    from agent_rl.rollout.trajectory import write_trajectories
     from agent_rl.train import evaluate
 
     cfg = _config(args)

@@ -49,7 +49,7 @@ from agent_rl.rollout.engines import Engine, HFEngine, VLLMEngine, hf_named_weig
 from agent_rl.rollout.loop import AgentLoop, rollout_metrics
 from agent_rl.rollout.prompts import PromptSet, load_prompts
 from agent_rl.rollout.rewards import answer_scores, compute_reward
-from agent_rl.rollout.trajectory import Trajectory
+from agent_rl.rollout.trajectory import Trajectory, write_trajectories
 from agent_rl.sft import sft
 from retriever_server.client import RetrieverClient
 
@@ -352,12 +352,7 @@ class Run:
             path = self.out_dir / "eval" / f"step_{self.step}.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("".join(json.dumps(r) + "\n" for r in scores))
-            path = self.out_dir / "eval_trajectories" / f"step_{self.step}.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("w") as fh:
-                for t in trajs:
-                    rec = t.to_record(self.tokenizer) | answer_scores(t.response_text, t.golden_answers)
-                    fh.write(json.dumps(rec) + "\n")
+            write_trajectories(self.out_dir / "eval_trajectories" / f"step_{self.step}.jsonl", trajs, self.tokenizer)
         self.world.barrier()
         return result
 

@@ -19,11 +19,11 @@ import pytest
 from agent_fixtures import FIXTURES, ScriptedEngine, start_server
 from test_async_rollout import _items
 
-from agent_rl.cli import write_trajectories
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.engines import HFEngine
 from agent_rl.rollout.loop import AgentLoop
 from agent_rl.rollout.rewards import compute_reward
+from agent_rl.rollout.trajectory import write_trajectories
 from agent_rl.view import read_records, script_json, write_report
 from retriever_server.client import RetrieverClient
 

@@ -8,7 +8,9 @@ never decoded and re-tokenized (Search-R1 and verl #6501 re-tokenize and can dri
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 END_REASONS = ("answer", "max_turns", "budget_total", "invalid", "retriever_error")
 
@@ -100,3 +102,14 @@ class Trajectory:
             rec["prompt_text"] = tokenizer.decode(self.prompt_ids, skip_special_tokens=False)
             rec["tokens"] = tokenizer.batch_decode([[i] for i in self.response_ids], skip_special_tokens=False)
         return rec
+
+
+def write_trajectories(path: Path, trajs: list[Trajectory], tokenizer) -> None:
+    """One JSON line per trajectory (`Trajectory.to_record` with token strings) plus EM and F1,
+    the file `agent-rl view` reads."""
+    from agent_rl.rollout.rewards import answer_scores
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as fh:
+        for t in trajs:
+            fh.write(json.dumps({**t.to_record(tokenizer), **answer_scores(t.response_text, t.golden_answers)}) + "\n")
