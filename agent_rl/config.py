@@ -384,6 +384,12 @@ class SftConfig:
         "Share of draws in which a two-hop demonstration makes its second search; the others stop after the first "
         "search and answer with its finding (a weaker demonstrator, as real warm starts are; 1 = always both hops).",
     )
+    answer_in_observation: bool = _f(
+        False,
+        "Keep only demonstrations whose retrieved passages hold a gold answer (rejection sampling of the scripted "
+        "demonstrator): the warm start learns to answer from what it read, never to answer from memory what its "
+        "passage does not say.",
+    )
 
 
 @dataclass

@@ -34,6 +34,7 @@ from agent_rl.rollout.prompts import load_prompts
 from agent_rl.rollout.protocol import answer_action, search_action
 from agent_rl.rollout.retriever import format_documents
 from agent_rl.rollout.trajectory import Trajectory
+from retriever_server.answers import contains_answer
 from retriever_server.client import RetrieverClient
 
 
@@ -54,6 +55,26 @@ def build_demonstrations(cfg: Config, tokenizer, client: RetrieverClient) -> Dem
         chunk = unique[lo : lo + 64]
         for q, docs in zip(chunk, client.retrieve(chunk, cfg.retriever.topk)):
             cache[q] = docs
+    if cfg.sft.answer_in_observation:
+        found = [
+            (it, meta)
+            for it, meta in rows
+            if any(
+                contains_answer(d["contents"], it.golden_answers)
+                for q in meta["queries"][: cfg.budget.max_turns]
+                for d in cache[q]
+            )
+        ]
+        print(
+            f"[sft] sft.answer_in_observation: {len(found)} of {len(rows)} demonstrations read a gold answer",
+            file=sys.stderr,
+        )
+        if not found:
+            raise ValueError(
+                "sft.answer_in_observation: no demonstration's passages hold a gold answer "
+                f"(retriever.topk={cfg.retriever.topk}); raise retriever.topk or set sft.answer_in_observation=false"
+            )
+        rows = found
     demos, stops = [], []
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     for it, meta in rows:
@@ -136,9 +157,12 @@ def sft(cfg: Config) -> Path:
         file=sys.stderr,
     )
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.sft.lr)
+    # Linear warm-up over 50 steps (a quarter of a shorter run), then linear decay to 5% at the end.
+    warmup = min(50, max(1, cfg.sft.steps // 4))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / max(1, cfg.sft.steps))
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1 - s / max(1, cfg.sft.steps))
     )
+    every = max(1, min(100, cfg.sft.steps // 10))
     model.train()
     start = time.perf_counter()
     for step in range(1, cfg.sft.steps + 1):
@@ -159,7 +183,7 @@ def sft(cfg: Config) -> Path:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         sched.step()
-        if step % 100 == 0 or step == cfg.sft.steps:
+        if step % every == 0 or step == cfg.sft.steps:
             print(
                 f"[sft] step {step}/{cfg.sft.steps} loss {total:.4f} ({time.perf_counter() - start:.0f}s)", flush=True
             )

@@ -271,7 +271,8 @@ def render(res: dict, header: str) -> str:
     lines += [
         "",
         f"Training questions: {res['split']['train']}; a scripted demonstration's observation holds a gold answer "
-        f"for {recall_train:.3f} of them (the rest teach answering from memory).",
+        f"for {recall_train:.3f} of them (with sft.answer_in_observation, the warm start learns from those only; "
+        "otherwise the rest teach answering from memory).",
         "",
         "## GRPO",
         "",
