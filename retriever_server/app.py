@@ -7,45 +7,81 @@ only a batch smaller than the previous one waits) run in a worker thread, so the
 GRPO's repeated queries; every input is validated (limits on queries, query length, topk and
 body size answer 4xx naming the limit); an optional bearer API key; 127.0.0.1 by default.
 Queries are whitespace-normalised before encoding, so a cached answer is always the answer the
-index would give.
+index would give. `/metrics` is Prometheus text (prometheus_client), from a registry per app.
+
+The parts, top to bottom: `Settings` (every limit and its default, which the CLI reads),
+`Metrics`, `ResultCache`, `Batcher`, `Retriever` (validation, cache, search, answer), `Guard`
+(API key and body size before FastAPI reads a request), the routes, `create_app`, `main`.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import socket
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from cachetools import LRUCache
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from retriever_server.schema import RetrieveRequest, RetrieveResponse
+
+Hits = tuple[np.ndarray, np.ndarray]  # (scores (n, k) float32, rows (n, k) int64; -1 = no document)
 
 
 @dataclass
 class Settings:
+    """What one server enforces and how it batches and caches; the flags (`parse_args`) take their
+    defaults from here. A default topk outside 1..max_topk is refused at start-up."""
+
     topk: int = 3
+    """documents per query when a request gives no topk (--topk)"""
     max_topk: int = 100
+    """largest topk a request may ask for (--max-topk)"""
     max_queries: int = 256
+    """most queries in one request (--max-queries)"""
     max_query_chars: int = 2048
+    """longest query, in characters (--max-query-chars)"""
     max_body_bytes: int = 1_000_000
+    """largest request body; a larger one gets 413 after it is read and discarded (--max-body-bytes)"""
     batching: bool = True
+    """coalesce concurrent requests into one search; False is Search-R1's one at a time (--no-batching)"""
     max_batch: int = 64
+    """most queries coalesced into one encode + search (--max-batch)"""
     batch_window_ms: float = 20.0
+    """the most a batch waits for more requests, only while it holds fewer than the previous batch
+    (--batch-window-ms)"""
     cache_size: int = 10_000
+    """LRU entries keyed by (normalised query, topk); 0 turns the cache off (--cache-size, --no-cache)"""
     api_key: str | None = None
+    """require 'Authorization: Bearer KEY' on /retrieve (--api-key, env RETRIEVER_API_KEY)"""
     max_drain_bytes: int = 64_000_000
-    delay_ms: float = 0.0  # added to every /retrieve answer: a remote or loaded retriever, for benchmarks
+    """an over-limit body up to this size is read to the end before the 413; past it the connection
+    is closed (--max-drain-bytes)"""
+    delay_ms: float = 0.0
+    """held before every /retrieve answer: a remote or loaded retriever, for benchmarks (--delay-ms)"""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.topk <= self.max_topk:
+            raise ValueError(f"--topk {self.topk} must be between 1 and --max-topk ({self.max_topk})")
 
 
 def normalize_query(q: str) -> str:
@@ -56,90 +92,89 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-@dataclass
 class Metrics:
-    requests: dict = field(default_factory=lambda: {})
-    queries: int = 0
-    cache_hits: int = 0
-    cache_misses: int = 0
-    batch_sizes: list = field(default_factory=lambda: [0] * (len(BATCH_BUCKETS) + 1))
-    batch_sum: int = 0
-    batch_count: int = 0
-    latency: list = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
-    latency_sum: float = 0.0
-    latency_count: int = 0
+    """The server's Prometheus metrics in a registry of their own (not prometheus_client's global
+    one), so several apps in one process count apart. Counters render with a `_total` suffix."""
 
-    def observe_latency(self, s: float) -> None:
-        self.latency[next((i for i, b in enumerate(LATENCY_BUCKETS) if s <= b), len(LATENCY_BUCKETS))] += 1
-        self.latency_sum += s
-        self.latency_count += 1
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("retriever_requests", "answers by HTTP status", ["code"], registry=self.registry)
+        self.queries = Counter("retriever_queries", "queries answered", registry=self.registry)
+        self.cache_hits = Counter("retriever_cache_hits", "queries answered from the cache", registry=self.registry)
+        self.cache_misses = Counter("retriever_cache_misses", "queries the cache lacked", registry=self.registry)
+        self.batch_size = Histogram(
+            "retriever_batch_size", "queries per index search", buckets=BATCH_BUCKETS, registry=self.registry
+        )
+        self.latency = Histogram(
+            "retriever_request_latency_seconds",
+            "time to answer a valid /retrieve",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
 
-    def observe_batch(self, n: int) -> None:
-        self.batch_sizes[next((i for i, b in enumerate(BATCH_BUCKETS) if n <= b), len(BATCH_BUCKETS))] += 1
-        self.batch_sum += n
-        self.batch_count += 1
+    def count(self, status: int) -> None:
+        self.requests.labels(code=str(status)).inc()
 
-    def render(self) -> str:
-        lines = ["# TYPE retriever_requests_total counter"]
-        for code, n in sorted(self.requests.items()):
-            lines.append(f'retriever_requests_total{{code="{code}"}} {n}')
-        lines += ["# TYPE retriever_queries_total counter", f"retriever_queries_total {self.queries}"]
-        lines += ["# TYPE retriever_cache_hits_total counter", f"retriever_cache_hits_total {self.cache_hits}"]
-        lines += ["# TYPE retriever_cache_misses_total counter", f"retriever_cache_misses_total {self.cache_misses}"]
-        for name, buckets, counts, total, count in (
-            ("retriever_batch_size", BATCH_BUCKETS, self.batch_sizes, self.batch_sum, self.batch_count),
-            ("retriever_request_latency_seconds", LATENCY_BUCKETS, self.latency, self.latency_sum, self.latency_count),
-        ):
-            lines.append(f"# TYPE {name} histogram")
-            acc = 0
-            for b, c in zip(buckets, counts):
-                acc += c
-                lines.append(f'{name}_bucket{{le="{b}"}} {acc}')
-            lines.append(f'{name}_bucket{{le="+Inf"}} {acc + counts[-1]}')
-            lines.append(f"{name}_sum {total}")
-            lines.append(f"{name}_count {count}")
-        return "\n".join(lines) + "\n"
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
 
 
-class Retriever:
-    """Index + store + cache + cross-request batcher."""
+class ResultCache:
+    """One query's hits keyed by (normalised query, topk), least recently used evicted first.
+    cachetools' caches are not thread-safe, hence the lock."""
 
-    def __init__(self, index, store, settings: Settings):
-        self.index, self.store, self.s = index, store, settings
-        self.cache: OrderedDict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = OrderedDict()
-        self.cache_lock = threading.Lock()
-        self.metrics = Metrics()
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="search")
-        self.queue: asyncio.Queue | None = None
-        self.serial = asyncio.Lock()
+    def __init__(self, maxsize: int):
+        self._lru: LRUCache[tuple[str, int], Hits] = LRUCache(maxsize)
+        self._lock = threading.Lock()
 
-    def search_now(self, queries: list[str], k: int) -> tuple[np.ndarray, np.ndarray]:
-        """The one place the index is searched (runs in the worker thread)."""
-        self.metrics.observe_batch(len(queries))
-        return self.index.search(queries, k)
+    def get_many(self, queries: list[str], k: int) -> list[Hits | None]:
+        with self._lock:
+            return [self._lru.get((q, k)) for q in queries]
 
-    async def start(self) -> None:
-        self.queue = asyncio.Queue()
-        asyncio.get_running_loop().create_task(self._batch_loop())
+    def put_many(self, queries: list[str], k: int, scores: np.ndarray, rows: np.ndarray) -> None:
+        with self._lock:
+            for q, s, r in zip(queries, scores, rows):
+                self._lru[(q, k)] = (s.copy(), r.copy())
 
-    async def _batch_loop(self) -> None:
-        """Coalesce queued requests into one search. A batch takes every request already waiting;
-        then it waits, at most the window, only while it holds fewer requests than the previous
-        batch did: clients that wait for their answer (a rollout, a load test) come back together,
-        so their batch stays whole instead of splitting at a fixed deadline, and a lone client
-        never waits at all."""
+
+class Batcher:
+    """Coalesces queued requests into one search run in `executor`. A batch takes every request
+    already waiting; then it waits, at most the window, only while it holds fewer requests than
+    the previous batch did: clients that wait for their answer (a rollout, a load test) come back
+    together, so their batch stays whole instead of splitting at a fixed deadline, and a lone
+    client never waits at all."""
+
+    def __init__(
+        self,
+        search: Callable[[list[str], int], Hits],
+        executor: ThreadPoolExecutor,
+        max_batch: int,
+        window_ms: float,
+    ):
+        self.search, self.executor = search, executor
+        self.max_batch, self.window_s = max_batch, window_ms / 1000.0
+        self.queue: asyncio.Queue[tuple[list[str], int, asyncio.Future[Hits]]] = asyncio.Queue()
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def submit(self, queries: list[str], k: int) -> Hits:
+        fut: asyncio.Future[Hits] = asyncio.get_running_loop().create_future()
+        await self.queue.put((queries, k, fut))
+        return await fut
+
+    async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
-        queue = self.queue
-        assert queue is not None, "start() creates the queue before the batch loop runs"
         expect = 1
         while True:
-            first = await queue.get()
+            first = await self.queue.get()
             items = [first]
             n = len(first[0])
-            deadline = loop.time() + self.s.batch_window_ms / 1000.0
-            while n < self.s.max_batch:
+            deadline = loop.time() + self.window_s
+            while n < self.max_batch:
                 try:  # requests already waiting always join, whatever the window (even 0 ms)
-                    item = queue.get_nowait()
+                    item = self.queue.get_nowait()
                 except asyncio.QueueEmpty:
                     if len(items) >= expect:
                         break
@@ -147,20 +182,20 @@ class Retriever:
                     if timeout <= 0:
                         break
                     try:
-                        item = await asyncio.wait_for(queue.get(), timeout)
+                        item = await asyncio.wait_for(self.queue.get(), timeout)
                     except asyncio.TimeoutError:
                         break
                 items.append(item)
                 n += len(item[0])
             expect = len(items)
-            queries = [q for it in items for q in it[0]]
-            k = max(it[1] for it in items)
+            queries = [q for qs, _, _ in items for q in qs]
+            k = max(kk for _, kk, _ in items)
             try:
-                scores, rows = await loop.run_in_executor(self.executor, self.search_now, queries, k)
+                scores, rows = await loop.run_in_executor(self.executor, self.search, queries, k)
             except Exception as err:  # the index failed: every waiting request gets the error
-                for it in items:
-                    if not it[2].done():
-                        it[2].set_exception(err)
+                for _, _, fut in items:
+                    if not fut.done():
+                        fut.set_exception(err)
                 continue
             lo = 0
             for qs, kk, fut in items:
@@ -168,384 +203,439 @@ class Retriever:
                     fut.set_result((scores[lo : lo + len(qs), :kk], rows[lo : lo + len(qs), :kk]))
                 lo += len(qs)
 
-    async def search(self, queries: list[str], k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Cache first; the misses go through the batcher (or one at a time without it)."""
-        n = len(queries)
-        scores = np.full((n, k), -np.inf, dtype=np.float32)
-        rows = np.full((n, k), -1, dtype=np.int64)
-        misses: list[int] = []
-        if self.s.cache_size > 0:
-            with self.cache_lock:
-                for i, q in enumerate(queries):
-                    hit = self.cache.get((q, k))
-                    if hit is None:
-                        misses.append(i)
-                    else:
-                        self.cache.move_to_end((q, k))
-                        scores[i], rows[i] = hit
-            self.metrics.cache_hits += n - len(misses)
-            self.metrics.cache_misses += len(misses)
-        else:
-            misses = list(range(n))
-        if misses:
-            miss_q = [queries[i] for i in misses]
-            if self.s.batching:
-                fut = asyncio.get_running_loop().create_future()
-                assert self.queue is not None, "batching servers start their queue at startup"
-                await self.queue.put((miss_q, k, fut))
-                s, r = await fut
-            else:
-                async with self.serial:  # Search-R1's behaviour: one request at a time
-                    s, r = await asyncio.get_running_loop().run_in_executor(self.executor, self.search_now, miss_q, k)
-            scores[misses], rows[misses] = s, r
-            if self.s.cache_size > 0:
-                with self.cache_lock:
-                    for j, i in enumerate(misses):
-                        self.cache[(queries[i], k)] = (s[j].copy(), r[j].copy())
-                    while len(self.cache) > self.s.cache_size:
-                        self.cache.popitem(last=False)
-        return scores, rows
+
+def format_result(
+    docs: list[dict], scores: np.ndarray, rows: np.ndarray, return_scores: bool
+) -> list[list[dict[str, Any]]]:
+    """Search-R1's `result`: one list per query of documents (with scores if asked), skipping -1
+    rows. `docs` are the store's documents for the non-negative `rows`, in row-major order."""
+    result, pos = [], 0
+    for i in range(rows.shape[0]):
+        items = []
+        for j in range(rows.shape[1]):
+            if rows[i, j] < 0:
+                continue
+            doc = docs[pos]
+            pos += 1
+            items.append({"document": doc, "score": float(scores[i, j])} if return_scores else doc)
+        result.append(items)
+    return result
 
 
-def create_app(
-    index_dir: Path,
-    settings: Settings,
-    device: str = "cpu",
-    fp16: bool = False,
-    ef_search: int | None = None,
-    ready_file: Path | None = None,
-    url: str = "",
-    encoder_device: str | None = None,
-    packed: bool = True,
-):
-    from contextlib import asynccontextmanager
+class Retriever:
+    """One server's index, store, limits, cache, batcher and metrics: validates a request, answers
+    it from the cache or the index, and counts every answer by status."""
 
-    from fastapi import FastAPI, Request
-    from fastapi.exception_handlers import http_exception_handler
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
+    def __init__(self, manifest: dict, index: Any, store: Any, settings: Settings):
+        self.manifest, self.index, self.store, self.s = manifest, index, store, settings
+        self.metrics = Metrics()
+        self.cache = ResultCache(settings.cache_size) if settings.cache_size > 0 else None
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="search")
+        self.batcher: Batcher | None = None
+        self.serial = asyncio.Lock()
+        self.started = time.time()
 
-    from retriever_server.indexes import open_index
+    def search_now(self, queries: list[str], k: int) -> Hits:
+        """The one place the index is searched (runs in the worker thread)."""
+        self.metrics.batch_size.observe(len(queries))
+        return self.index.search(queries, k)
 
-    manifest, store, index = open_index(
-        index_dir, device=device, fp16=fp16, ef_search=ef_search, encoder_device=encoder_device, packed=packed
-    )
-    retriever = Retriever(index, store, settings)
-    started = time.time()
+    def start(self) -> None:
+        """Starts the batcher on the running event loop (the app's startup)."""
+        if self.s.batching:
+            self.batcher = Batcher(self.search_now, self.executor, self.s.max_batch, self.s.batch_window_ms)
+            self.batcher.start()
 
-    @asynccontextmanager
-    async def lifespan(app):
-        await retriever.start()
-        if ready_file is not None:
-            tmp = Path(str(ready_file) + ".tmp")
-            tmp.write_text(json.dumps({"url": url, "pid": os.getpid()}))
-            os.replace(tmp, ready_file)
-        yield
-        retriever.executor.shutdown(wait=False, cancel_futures=True)
+    def close(self) -> None:
+        if self.batcher is not None and self.batcher.task is not None:
+            self.batcher.task.cancel()
+        self.executor.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(
-        title="agent-rl retriever",
-        description="Search-R1 compatible retrieval over a FAISS or BM25 index.",
-        lifespan=lifespan,
-    )
-    app.state.retriever = retriever
-
-    def error(status: int, message: str, close: bool = False) -> JSONResponse:
-        retriever.metrics.requests[status] = retriever.metrics.requests.get(status, 0) + 1
+    def error(self, status: int, message: str, close: bool = False) -> JSONResponse:
+        """The one error shape, `{"detail": sentence}`, counted by status."""
+        self.metrics.count(status)
         return JSONResponse(
             status_code=status, content={"detail": message}, headers={"connection": "close"} if close else None
         )
 
-    async def drain(receive, already: int, more: bool) -> bool:
-        """Read and discard the rest of an over-limit body (up to --max-drain-bytes), so a client
-        that sends its whole body before reading (urllib, requests) receives the 413 instead of a
-        connection reset. False when the client left or the body passed the drain cap."""
-        size = already
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return False
-            size += len(message.get("body", b""))
-            more = message.get("more_body", False)
-            if size > settings.max_drain_bytes:
-                return False
-        return True
-
-    class Guard:
-        """API key and body size, checked before FastAPI reads the request. A plain ASGI
-        middleware: Starlette's `@app.middleware("http")` runs every request through an extra task
-        and stream, about a third of this server's per-request CPU on a cache hit. A body is read
-        here (so a chunked body with no Content-Length is bounded too) and replayed to the app."""
-
-        def __init__(self, app):
-            self.app = app
-
-        async def __call__(self, scope, receive, send):
-            if scope["type"] != "http":
-                return await self.app(scope, receive, send)
-            headers = dict(scope["headers"])
-            if settings.api_key and scope["path"] == "/retrieve":
-                if headers.get(b"authorization", b"") != f"Bearer {settings.api_key}".encode():
-                    return await error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")(
-                        scope, receive, send
-                    )
-            if scope["method"] != "POST":
-                return await self.app(scope, receive, send)
-            length = headers.get(b"content-length", b"")
-            if length.isdigit() and int(length) > settings.max_body_bytes:
-                message = (
-                    f"request body of {length.decode()} bytes exceeds the limit of {settings.max_body_bytes} bytes "
-                    "(--max-body-bytes)"
-                )
-                if int(length) <= settings.max_drain_bytes:
-                    await drain(receive, 0, True)
-                return await error(413, message, close=True)(scope, receive, send)
-            chunks, size, more = [], 0, True
-            while more:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-                chunks.append(message.get("body", b""))
-                size += len(chunks[-1])
-                more = message.get("more_body", False)
-                if size > settings.max_body_bytes:
-                    await drain(receive, size, more)
-                    return await error(
-                        413,
-                        f"request body exceeds the limit of {settings.max_body_bytes} bytes (--max-body-bytes)",
-                        close=True,
-                    )(scope, receive, send)
-            replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
-
-            async def replayed():
-                return replay.pop() if replay else await receive()
-
-            return await self.app(scope, replayed, send)
-
-    app.add_middleware(Guard)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        # FastAPI answers 400 when the body is not decodable JSON at all (invalid UTF-8, nesting
-        # past the recursion limit); the contract says malformed JSON is a 422.
-        if exc.status_code == 400 and request.url.path == "/retrieve":
-            return error(422, f"malformed request body: {exc.detail} (send UTF-8 JSON)")
-        retriever.metrics.requests[exc.status_code] = retriever.metrics.requests.get(exc.status_code, 0) + 1
-        return await http_exception_handler(request, exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError):
-        # One error shape for every 4xx (ErrorResponse): the detail is a sentence naming the field.
-        parts = [
-            f"{'.'.join(str(x) for x in e.get('loc', []) if x != 'body') or 'body'}: {e.get('msg', '')} "
-            f"({e.get('type', '')})"
-            for e in exc.errors()
-        ]
-        return error(422, "invalid request: " + "; ".join(parts))
-
-    class ErrorResponse(BaseModel):
-        """Every 4xx and 5xx answer: one sentence naming the field or the limit (and its flag)."""
-
-        detail: str
-
-    errors: dict[int | str, dict[str, Any]] = {
-        status: {"model": ErrorResponse, "description": text}
-        for status, text in (
-            (401, "missing or wrong API key"),
-            (413, "too many queries, a query too long, or a body over --max-body-bytes"),
-            (422, "malformed JSON, a wrong type, or topk out of range"),
-            (503, "the index failed"),
-        )
-    }
-
-    @app.post("/retrieve", response_model=RetrieveResponse, responses=errors)
-    async def retrieve(req: RetrieveRequest):
-        start = time.perf_counter()
-        k = settings.topk if req.topk is None else int(req.topk)  # integral: the validator refused 2.5
+    def refusal(self, req: RetrieveRequest, k: int) -> JSONResponse | None:
+        """The 4xx for a request past a limit, naming the limit and its flag; None when it is within."""
+        s = self.s
         if k < 1:
-            return error(422, f"topk must be >= 1, got {k}")
-        if k > settings.max_topk:
-            return error(422, f"topk {k} exceeds the limit of {settings.max_topk} (--max-topk)")
-        if len(req.queries) > settings.max_queries:
-            return error(
-                413,
-                f"{len(req.queries)} queries exceed the limit of {settings.max_queries} per request (--max-queries)",
+            return self.error(422, f"topk must be >= 1, got {k}")
+        if k > s.max_topk:
+            return self.error(422, f"topk {k} exceeds the limit of {s.max_topk} (--max-topk)")
+        if len(req.queries) > s.max_queries:
+            return self.error(
+                413, f"{len(req.queries)} queries exceed the limit of {s.max_queries} per request (--max-queries)"
             )
         for i, q in enumerate(req.queries):
-            if len(q) > settings.max_query_chars:
-                return error(
+            if len(q) > s.max_query_chars:
+                return self.error(
                     413,
-                    f"query {i} has {len(q)} characters, over the limit of {settings.max_query_chars} "
-                    "(--max-query-chars)",
+                    f"query {i} has {len(q)} characters, over the limit of {s.max_query_chars} (--max-query-chars)",
                 )
             # a lone surrogate ("\ud800") is valid JSON but breaks the tokenizer and its whole batch
             try:
                 q.encode("utf-8")
             except UnicodeEncodeError as err:
-                return error(422, f"query {i} is not valid Unicode text: {err.reason} at character {err.start}")
+                return self.error(422, f"query {i} is not valid Unicode text: {err.reason} at character {err.start}")
+        return None
+
+    async def search(self, queries: list[str], k: int) -> Hits:
+        """Cache first; the misses go through the batcher (or one at a time without it)."""
+        n = len(queries)
+        scores = np.full((n, k), -np.inf, dtype=np.float32)
+        rows = np.full((n, k), -1, dtype=np.int64)
+        misses = list(range(n))
+        if self.cache is not None:
+            hits = self.cache.get_many(queries, k)
+            misses = [i for i, hit in enumerate(hits) if hit is None]
+            for i, hit in enumerate(hits):
+                if hit is not None:
+                    scores[i], rows[i] = hit
+            self.metrics.cache_hits.inc(n - len(misses))
+            self.metrics.cache_misses.inc(len(misses))
+        if misses:
+            miss_q = [queries[i] for i in misses]
+            if self.batcher is not None:
+                s, r = await self.batcher.submit(miss_q, k)
+            else:
+                async with self.serial:  # Search-R1's behaviour: one request at a time
+                    s, r = await asyncio.get_running_loop().run_in_executor(self.executor, self.search_now, miss_q, k)
+            scores[misses], rows[misses] = s, r
+            if self.cache is not None:
+                self.cache.put_many(miss_q, k, s, r)
+        return scores, rows
+
+    async def retrieve(self, req: RetrieveRequest) -> JSONResponse:
+        start = time.perf_counter()
+        k = self.s.topk if req.topk is None else int(req.topk)  # integral: the validator refused 2.5
+        refused = self.refusal(req, k)
+        if refused is not None:
+            return refused
         if not req.queries:
-            retriever.metrics.requests[200] = retriever.metrics.requests.get(200, 0) + 1
-            return {"result": []}
+            self.metrics.count(200)
+            return JSONResponse({"result": []})
         queries = [normalize_query(q) for q in req.queries]
-        if settings.delay_ms > 0:
-            await asyncio.sleep(settings.delay_ms / 1000.0)
+        if self.s.delay_ms > 0:
+            await asyncio.sleep(self.s.delay_ms / 1000.0)
         try:
-            scores, rows = await retriever.search(queries, k)
+            scores, rows = await self.search(queries, k)
         except Exception as err:  # the index itself failed: say so, stay up
-            return error(503, f"search failed: {type(err).__name__}: {err}")
-        docs = store.get(rows)
-        result, pos = [], 0
-        for i in range(len(queries)):
-            items = []
-            for j in range(k):
-                if rows[i, j] < 0:
-                    continue
-                doc = docs[pos]
-                pos += 1
-                items.append({"document": doc, "score": float(scores[i, j])} if req.return_scores else doc)
-            result.append(items)
-        retriever.metrics.queries += len(queries)
-        retriever.metrics.requests[200] = retriever.metrics.requests.get(200, 0) + 1
-        retriever.metrics.observe_latency(time.perf_counter() - start)
+            return self.error(503, f"search failed: {type(err).__name__}: {err}")
+        result = format_result(self.store.get(rows), scores, rows, req.return_scores)
+        self.metrics.queries.inc(len(queries))
+        self.metrics.count(200)
+        self.metrics.latency.observe(time.perf_counter() - start)
         return JSONResponse({"result": result})  # already plain JSON types: skips FastAPI's jsonable_encoder walk
 
-    @app.get("/health")
-    async def health():
+    def health(self) -> dict[str, Any]:
+        s = self.s
         return {
             "status": "ok",
-            "kind": manifest["kind"],
-            "count": manifest["count"],
-            "encoder": manifest.get("encoder"),
-            "uptime_s": round(time.time() - started, 1),
+            "kind": self.manifest["kind"],
+            "count": self.manifest["count"],
+            "encoder": self.manifest.get("encoder"),
+            "uptime_s": round(time.time() - self.started, 1),
             "limits": {
-                "max_queries": settings.max_queries,
-                "max_query_chars": settings.max_query_chars,
-                "max_topk": settings.max_topk,
-                "default_topk": settings.topk,
-                "max_body_bytes": settings.max_body_bytes,
+                "max_queries": s.max_queries,
+                "max_query_chars": s.max_query_chars,
+                "max_topk": s.max_topk,
+                "default_topk": s.topk,
+                "max_body_bytes": s.max_body_bytes,
             },
         }
 
-    @app.get(
-        "/metrics",
-        response_class=PlainTextResponse,
-        responses={
-            200: {
-                "content": {"text/plain": {"schema": {"type": "string"}}},
-                "description": "Prometheus text format 0.0.4",
-            }
-        },
+
+async def drain(receive: Callable, already: int, more: bool, cap: int) -> bool:
+    """Read and discard the rest of an over-limit body (up to `cap` bytes), so a client that sends
+    its whole body before reading (urllib, requests) receives the 413 instead of a connection
+    reset. False when the client left or the body passed the cap."""
+    size = already
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return False
+        size += len(message.get("body", b""))
+        more = message.get("more_body", False)
+        if size > cap:
+            return False
+    return True
+
+
+class Guard:
+    """API key and body size, checked before FastAPI reads the request. A plain ASGI middleware:
+    Starlette's `@app.middleware("http")` runs every request through an extra task and stream,
+    about a third of this server's per-request CPU on a cache hit. A body is read here (so a
+    chunked body with no Content-Length is bounded too) and replayed to the app."""
+
+    def __init__(self, app: Any, retriever: Retriever):
+        self.app, self.retriever = app, retriever
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        s, error = self.retriever.s, self.retriever.error
+        headers = dict(scope["headers"])
+        if s.api_key and scope["path"] == "/retrieve":
+            if headers.get(b"authorization", b"") != f"Bearer {s.api_key}".encode():
+                refusal = error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")
+                return await refusal(scope, receive, send)
+        if scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > s.max_body_bytes:
+            message = (
+                f"request body of {length.decode()} bytes exceeds the limit of {s.max_body_bytes} bytes "
+                "(--max-body-bytes)"
+            )
+            if int(length) <= s.max_drain_bytes:
+                await drain(receive, 0, True, s.max_drain_bytes)
+            return await error(413, message, close=True)(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > s.max_body_bytes:
+                await drain(receive, size, more, s.max_drain_bytes)
+                refusal = error(
+                    413, f"request body exceeds the limit of {s.max_body_bytes} bytes (--max-body-bytes)", close=True
+                )
+                return await refusal(scope, receive, send)
+        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replayed() -> dict:
+            return replay.pop() if replay else await receive()
+
+        return await self.app(scope, replayed, send)
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx and 5xx answer: one sentence naming the field or the limit (and its flag)."""
+
+    detail: str
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse, "description": text}
+    for status, text in (
+        (401, "missing or wrong API key"),
+        (413, "too many queries, a query too long, or a body over --max-body-bytes"),
+        (422, "malformed JSON, a wrong type, or topk out of range"),
+        (503, "the index failed"),
     )
-    async def metrics():
-        return PlainTextResponse(retriever.metrics.render(), media_type="text/plain; version=0.0.4")
+}
+METRICS_RESPONSE: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format 0.0.4"}
+}
 
-    def openapi() -> dict:
-        """FastAPI's document plus the limits this server enforces, so schema-driven clients and
-        fuzzers generate only requests it can accept (the numbers /health reports too)."""
-        if app.openapi_schema is None:
-            from fastapi.openapi.utils import get_openapi
+router = APIRouter()
 
-            doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-            props = doc["components"]["schemas"]["RetrieveRequest"]["properties"]
-            props["queries"]["maxItems"] = settings.max_queries
-            props["queries"]["items"]["maxLength"] = settings.max_query_chars
-            props["topk"] = {
-                "anyOf": [{"type": "integer", "minimum": 1, "maximum": settings.max_topk}, {"type": "null"}],
-                "title": "Topk",
-                "description": f"documents per query (default {settings.topk})",
-            }
-            doc["components"]["schemas"].pop("HTTPValidationError", None)
-            doc["components"]["schemas"].pop("ValidationError", None)
-            app.openapi_schema = doc
-        return app.openapi_schema
 
-    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to customise the schema
+def retriever_of(app: Any) -> Retriever:
+    """The app's `Retriever` (FastAPI's app state, set by `create_app`)."""
+    return app.state.retriever
+
+
+@router.post("/retrieve", response_model=RetrieveResponse, responses=ERROR_RESPONSES)
+async def retrieve(req: RetrieveRequest, request: Request) -> Response:
+    return await retriever_of(request.app).retrieve(req)
+
+
+@router.get("/health", response_model=None)
+async def health(request: Request) -> dict[str, Any]:
+    return retriever_of(request.app).health()
+
+
+@router.get("/metrics", response_class=PlainTextResponse, responses=METRICS_RESPONSE)
+async def metrics(request: Request) -> Response:
+    return Response(retriever_of(request.app).metrics.render(), media_type=CONTENT_TYPE_PLAIN_0_0_4)
+
+
+async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    # FastAPI answers 400 when the body is not decodable JSON at all (invalid UTF-8, nesting
+    # past the recursion limit); the contract says malformed JSON is a 422.
+    if exc.status_code == 400 and request.url.path == "/retrieve":
+        return retriever_of(request.app).error(422, f"malformed request body: {exc.detail} (send UTF-8 JSON)")
+    retriever_of(request.app).metrics.count(exc.status_code)
+    return await http_exception_handler(request, exc)
+
+
+async def invalid_request(request: Request, exc: RequestValidationError) -> Response:
+    """One error shape for every 4xx (ErrorResponse): the detail is a sentence naming the field."""
+    parts = [
+        f"{'.'.join(str(x) for x in e.get('loc', []) if x != 'body') or 'body'}: {e.get('msg', '')} "
+        f"({e.get('type', '')})"
+        for e in exc.errors()
+    ]
+    return retriever_of(request.app).error(422, "invalid request: " + "; ".join(parts))
+
+
+def openapi_with_limits(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document plus the limits this server enforces, so schema-driven clients and
+    fuzzers generate only requests it can accept (the numbers /health reports too)."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        s = retriever_of(app).s
+        doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        props = doc["components"]["schemas"]["RetrieveRequest"]["properties"]
+        props["queries"]["maxItems"] = s.max_queries
+        props["queries"]["items"]["maxLength"] = s.max_query_chars
+        props["topk"] = {
+            "anyOf": [{"type": "integer", "minimum": 1, "maximum": s.max_topk}, {"type": "null"}],
+            "title": "Topk",
+            "description": f"documents per query (default {s.topk})",
+        }
+        doc["components"]["schemas"].pop("HTTPValidationError", None)
+        doc["components"]["schemas"].pop("ValidationError", None)
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    """Start the batcher; then write the ready file ({url, pid}) atomically, so whoever waits on
+    it finds a server that answers."""
+    retriever = retriever_of(app)
+    retriever.start()
+    ready_file: Path | None = app.state.ready_file
+    if ready_file is not None:
+        tmp = Path(str(ready_file) + ".tmp")
+        tmp.write_text(json.dumps({"url": app.state.url, "pid": os.getpid()}))
+        os.replace(tmp, ready_file)
+    yield
+    retriever.close()
+
+
+def create_app(
+    index_dir: Path,
+    settings: Settings | None = None,
+    ready_file: Path | None = None,
+    url: str = "",
+    **index_options: Any,
+) -> FastAPI:
+    """The app over the index in `index_dir`; `index_options` go to `open_index` (device, fp16,
+    ef_search, encoder_device, packed), whose signature holds their defaults."""
+    from retriever_server.indexes import open_index  # faiss and torch: not imported for `--help`
+
+    manifest, store, index = open_index(index_dir, **index_options)
+    app = FastAPI(
+        title="agent-rl retriever",
+        description="Search-R1 compatible retrieval over a FAISS or BM25 index.",
+        lifespan=lifespan,
+        exception_handlers={StarletteHTTPException: http_error, RequestValidationError: invalid_request},
+    )
+    app.state.retriever = Retriever(manifest, index, store, settings or Settings())
+    app.state.ready_file, app.state.url = ready_file, url
+    app.add_middleware(Guard, retriever=app.state.retriever)
+    app.include_router(router)
+    app.openapi = functools.partial(openapi_with_limits, app)  # type: ignore[method-assign]  # FastAPI's documented way
     return app
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings, dict[str, Any]]:
+    """(flags, settings, index options). Each limit's default is `Settings`'; each index option's
+    is `open_index`'s (a flag not given is not passed on)."""
+    d = Settings()
     p = argparse.ArgumentParser(
         prog="retriever-server", description="Serve an index built by retriever-build with Search-R1's /retrieve API."
     )
     p.add_argument("--index", required=True, help="index directory written by retriever-build")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default loopback only)")
-    p.add_argument("--port", type=int, default=8000, help="port (0 = an ephemeral port)")
-    p.add_argument("--topk", type=int, default=3, help="documents per query when a request gives no topk")
-    p.add_argument("--max-topk", type=int, default=100)
-    p.add_argument("--max-queries", type=int, default=256, help="most queries in one request")
-    p.add_argument("--max-query-chars", type=int, default=2048)
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default %(default)s: loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (0 = an ephemeral port; default %(default)s)")
+    p.add_argument(
+        "--topk", type=int, default=d.topk, help="documents per query when a request gives no topk (%(default)s)"
+    )
+    p.add_argument("--max-topk", type=int, default=d.max_topk, help="largest topk a request may ask (%(default)s)")
+    p.add_argument("--max-queries", type=int, default=d.max_queries, help="most queries in one request (%(default)s)")
+    p.add_argument("--max-query-chars", type=int, default=d.max_query_chars, help="longest query (%(default)s)")
     p.add_argument(
         "--max-body-bytes",
         type=int,
-        default=1_000_000,
-        help="largest request body; a larger one gets 413 after its body is read and discarded, "
+        default=d.max_body_bytes,
+        help="largest request body (%(default)s); a larger one gets 413 after its body is read and discarded, "
         "up to --max-drain-bytes",
     )
     p.add_argument(
         "--max-drain-bytes",
         type=int,
-        default=64_000_000,
-        help="an over-limit body up to this size is read to the end before the 413 (so clients that send "
-        "the whole body first see the answer); past it the connection is closed",
+        default=d.max_drain_bytes,
+        help="an over-limit body up to this size (%(default)s) is read to the end before the 413 (so clients that "
+        "send the whole body first see the answer); past it the connection is closed",
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("RETRIEVER_API_KEY"),
+        default=os.environ.get("RETRIEVER_API_KEY", d.api_key),
         help="require 'Authorization: Bearer KEY' (or env RETRIEVER_API_KEY)",
     )
-    p.add_argument("--max-batch", type=int, default=64, help="most queries coalesced into one encode + search")
+    p.add_argument(
+        "--max-batch", type=int, default=d.max_batch, help="most queries in one encode + search (%(default)s)"
+    )
     p.add_argument(
         "--batch-window-ms",
         type=float,
-        default=20.0,
-        help="the most a batch waits for more requests; it waits only while it holds fewer requests "
-        "than the previous batch",
+        default=d.batch_window_ms,
+        help="the most a batch waits for more requests (%(default)s); it waits only while it holds fewer "
+        "requests than the previous batch",
     )
-    p.add_argument("--no-batching", action="store_true", help="one request at a time (Search-R1's behaviour)")
-    p.add_argument("--cache-size", type=int, default=10_000, help="LRU entries keyed by (query, topk)")
-    p.add_argument("--no-cache", action="store_true")
-    p.add_argument("--device", default="cpu", help="cpu, or cuda to serve a flat index on the GPU(s)")
     p.add_argument(
+        "--no-batching",
+        dest="batching",
+        action="store_false",
+        default=d.batching,
+        help="one request at a time (Search-R1's behaviour)",
+    )
+    p.add_argument(
+        "--cache-size", type=int, default=d.cache_size, help="LRU entries keyed by (query, topk) (%(default)s)"
+    )
+    p.add_argument("--no-cache", action="store_true", help="no result cache (--cache-size 0)")
+    p.add_argument(
+        "--delay-ms",
+        type=float,
+        default=d.delay_ms,
+        help="hold every /retrieve answer this long: emulates a remote or loaded retriever (benchmarks)",
+    )
+    index = p.add_argument_group("index options", argument_default=argparse.SUPPRESS)
+    index.add_argument("--device", help="cpu (default), or cuda to serve a flat index on the GPU(s)")
+    index.add_argument(
         "--encoder-device",
         help="device of the query encoder (default: cuda with --device cuda, else cpu); "
         "an HNSW index on CPU can take a GPU encoder",
     )
-    p.add_argument("--fp16", action="store_true", help="fp16 vectors and encoder on the GPU")
-    p.add_argument(
+    index.add_argument("--fp16", action="store_true", help="fp16 vectors and encoder on the GPU")
+    index.add_argument(
         "--padded-encoder",
-        action="store_true",
+        dest="packed",
+        action="store_false",
         help="encode with transformers' padded forward instead of the packed one (BERT-family encoders on CPU)",
     )
-    p.add_argument("--ef-search", type=int, help="HNSW efSearch (default: the manifest's)")
+    index.add_argument("--ef-search", type=int, help="HNSW efSearch (default: the manifest's)")
     p.add_argument("--threads", type=int, default=0, help="torch/faiss threads (0 = all cores)")
-    p.add_argument(
-        "--delay-ms",
-        type=float,
-        default=0.0,
-        help="hold every /retrieve answer this long: emulates a remote or loaded retriever (benchmarks)",
-    )
     p.add_argument("--ready-file", help="write {url, pid} here once listening")
     a = p.parse_args(argv)
+    if a.no_cache:
+        a.cache_size = 0
+    try:
+        settings = Settings(**{f.name: getattr(a, f.name) for f in fields(Settings)})
+    except ValueError as err:
+        p.error(str(err))
+    index_options = {k: getattr(a, k) for k in ("device", "encoder_device", "fp16", "packed", "ef_search") if k in a}
+    return a, settings, index_options
+
+
+def main(argv: list[str] | None = None) -> int:
+    a, settings, index_options = parse_args(argv)
     import torch
     import uvicorn
 
     if a.threads:
         torch.set_num_threads(a.threads)
-    settings = Settings(
-        a.topk,
-        a.max_topk,
-        a.max_queries,
-        a.max_query_chars,
-        a.max_body_bytes,
-        not a.no_batching,
-        a.max_batch,
-        a.batch_window_ms,
-        0 if a.no_cache else a.cache_size,
-        a.api_key,
-        a.max_drain_bytes,
-        a.delay_ms,
-    )
     # proto=IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY on accepted connections only
     # when the listening socket says TCP, and without it Nagle + delayed ACK add ~40 ms per request.
     sock = socket.socket(socket.AF_INET6 if ":" in a.host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -556,20 +646,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"retriever-server: error: cannot bind {a.host}:{a.port}: {err}", file=sys.stderr)
         return 2
     sock.listen(2048)
-    port = sock.getsockname()[1]
-    url = f"http://{a.host}:{port}"
+    url = f"http://{a.host}:{sock.getsockname()[1]}"
+    ready_file = Path(a.ready_file) if a.ready_file else None
     try:
-        app = create_app(
-            Path(a.index),
-            settings,
-            a.device,
-            a.fp16,
-            a.ef_search,
-            Path(a.ready_file) if a.ready_file else None,
-            url,
-            a.encoder_device,
-            not a.padded_encoder,
-        )
+        app = create_app(Path(a.index), settings, ready_file, url, **index_options)
     except (FileNotFoundError, ValueError, RuntimeError) as err:
         print(f"retriever-server: error: {err}", file=sys.stderr)
         return 2

@@ -310,7 +310,7 @@ def test_server_killed_mid_run_counts_failures(servers, tmp_path, capsys):
         while time.monotonic() < deadline:
             metrics = httpx.get(url + "/metrics").text
             served = next(
-                int(line.split()[-1]) for line in metrics.splitlines() if line.startswith("retriever_queries_total")
+                float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("retriever_queries_total")
             )
             if served >= 10:
                 break

@@ -309,7 +309,7 @@ def test_32_concurrent_clients_all_answered_and_correct(urls):
             _same(items, reference[q][:k])
     assert health_ms and max(health_ms) < 5000, health_ms
     metrics = _parse_metrics(requests.get(f"{urls['flat']}/metrics", timeout=30).text)
-    assert metrics['retriever_batch_size_bucket{le="1"}'] < metrics["retriever_batch_size_count"], (
+    assert metrics['retriever_batch_size_bucket{le="1.0"}'] < metrics["retriever_batch_size_count"], (
         "no two requests were ever coalesced"
     )
 
@@ -379,6 +379,54 @@ def test_health_and_metrics(urls):
     for hist in ("retriever_batch_size", "retriever_request_latency_seconds"):
         assert m[f'{hist}_bucket{{le="+Inf"}}'] == m[f"{hist}_count"] >= 1 and m[f"{hist}_sum"] > 0
     assert requests.get(f"{url}/openapi.json", timeout=30).json()["paths"]["/retrieve"]["post"]
+
+
+def _retrieve_with(client, q: str) -> list[dict]:
+    return client.post("/retrieve", json={"queries": [q], "topk": 3, "return_scores": True}).json()["result"][0]
+
+
+def test_each_app_counts_apart_and_the_cache_evicts_the_least_recently_used(hotpot_index_dir):  # noqa: F811
+    """Two apps in one process keep their own metrics (a registry per app, not prometheus_client's
+    global one): requests to one leave the other's counts at zero. With a cache of 2 entries the
+    least recently used is evicted: after a, b, a, c the cache holds a and c, so a hits and b
+    misses again (2 hits, 4 misses), and every answer equals the uncached app's."""
+    from fastapi.testclient import TestClient
+
+    from retriever_server.app import Settings, create_app
+
+    qs = _questions()[:3]
+    a, b, c = qs
+    with (
+        TestClient(create_app(hotpot_index_dir, Settings(cache_size=2))) as cached,
+        TestClient(create_app(hotpot_index_dir, Settings(cache_size=0))) as plain,
+    ):
+        untouched = _parse_metrics(plain.get("/metrics").text)
+        assert untouched["retriever_queries_total"] == 0
+        assert not any(name.startswith("retriever_requests_total") for name in untouched)
+        for q in (a, b, a, c, a, b):
+            _same(_retrieve_with(cached, q), _retrieve_with(plain, q))
+        m = _parse_metrics(cached.get("/metrics").text)
+        assert (m["retriever_cache_hits_total"], m["retriever_cache_misses_total"]) == (2, 4)
+        assert m['retriever_requests_total{code="200"}'] == 6 and m["retriever_queries_total"] == 6
+        p = _parse_metrics(plain.get("/metrics").text)
+        assert p["retriever_queries_total"] == 6 and p["retriever_cache_misses_total"] == 0
+
+
+def test_cli_defaults_are_the_settings_defaults(monkeypatch):
+    """`retriever-server --index DIR` alone gives `Settings()` and passes no index option on (open_index's
+    defaults apply); the flags map onto their fields; a default topk past --max-topk exits 2 naming both."""
+    from retriever_server.app import Settings, parse_args
+
+    monkeypatch.delenv("RETRIEVER_API_KEY", raising=False)
+    _, settings, options = parse_args(["--index", "x"])
+    assert settings == Settings() and options == {}
+    flags = ["--index", "x", "--no-cache", "--no-batching", "--topk", "5", "--device", "cuda", "--padded-encoder"]
+    _, settings, options = parse_args(flags)
+    assert settings == Settings(topk=5, batching=False, cache_size=0)
+    assert options == {"device": "cuda", "packed": False}
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--index", "x", "--topk", "200"])
+    assert exited.value.code == 2
 
 
 def test_no_nagle_delay(urls):
