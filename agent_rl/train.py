@@ -45,7 +45,7 @@ from agent_rl.learn.policy import _DTYPES, ValueModel, assert_no_data_parallel, 
 from agent_rl.learn.update import adamw, prepare_batch, update
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.buffer import TrajectoryBuffer
-from agent_rl.rollout.engines import Engine, HFEngine, VLLMEngine, hf_named_weights
+from agent_rl.rollout.engines import Engine, build_engine
 from agent_rl.rollout.loop import AgentLoop, rollout_metrics
 from agent_rl.rollout.prompts import PromptSet, load_prompts
 from agent_rl.rollout.rewards import answer_scores, compute_reward
@@ -92,42 +92,11 @@ class PromptStream:
         return out
 
 
-def build_engine(
-    cfg: Config, policy, tokenizer, seed: int | None = None, own_copy: bool = False, distributed: bool = False
-):
-    """The rollout engine on `rollout.device`. The HF engine shares the policy module when devices
-    match (and `own_copy` is off: under FSDP the engine needs its own unsharded copy); vLLM loads
-    the start weights itself (`policy` may be None: build it before the trainer's modules)."""
-    seed = cfg.run.seed if seed is None else seed
-    if cfg.rollout.engine == "vllm":
-        if distributed and cfg.rollout.tensor_parallel_size > 1:
-            raise ValueError(
-                "rollout.tensor_parallel_size > 1 under torchrun is not supported yet: each rank runs its own engine "
-                "(set it to 1)"
-            )
-        return VLLMEngine(cfg.model.warm_start or cfg.model.path, tokenizer, cfg, seed=seed, distributed=distributed)
-    if cfg.rollout.device == cfg.train.device and not own_copy:
-        module = policy
-    else:
-        module = frozen_copy(policy, cfg.rollout.device)
-    return HFEngine(
-        module,
-        tokenizer,
-        device=cfg.rollout.device,
-        batch_size=cfg.rollout.generation_batch_size,
-        seed=seed,
-        fast_decode=cfg.rollout.fast_decode,
-        bf16=cfg.train.bf16,
-    )
-
-
 def sync_weights(engine: Engine, policy) -> float:
-    """Push updated weights to the rollout engine when it holds its own copy; returns seconds."""
+    """Push the updated weights into the rollout engine (a no-op where it generates with the policy
+    module itself); returns seconds."""
     start = time.perf_counter()
-    if isinstance(engine, VLLMEngine):
-        engine.load_weights(hf_named_weights(policy))  # LoRA merged under the base names
-    elif isinstance(engine, HFEngine) and engine.model is not policy:
-        engine.load_weights(policy.state_dict().items())
+    engine.sync_weights(policy)
     return time.perf_counter() - start
 
 
@@ -431,7 +400,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     # vLLM first, before the trainer's modules take device memory (its reservation is a fraction of what is free).
     engine = (
         build_engine(cfg, None, tokenizer, seed=engine_seed, distributed=world.sharded)
-        if cfg.rollout.engine == "vllm"
+        if cfg.rollout.resolved_engine() == "vllm"
         else None
     )
     policy = load_policy(cfg, start_path, cfg.train.device)

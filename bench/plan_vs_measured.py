@@ -47,7 +47,7 @@ def measure(config: str, overrides: list[str]) -> dict:
     from agent_rl.infra import allocator
     from agent_rl.infra.preflight import peak_rss_bytes
     from agent_rl.learn.policy import load_policy, load_tokenizer
-    from agent_rl.rollout.engines import VLLMEngine, hf_named_weights
+    from agent_rl.rollout.engines import VLLMEngine
     from agent_rl.rollout.trajectory import Trajectory
 
     cfg = load_config(config, overrides)
@@ -57,7 +57,7 @@ def measure(config: str, overrides: list[str]) -> dict:
     peaks = {}
     rows = cfg.rollout.prompts_per_step * cfg.algo.group_size
     engine = None
-    if cfg.rollout.engine == "vllm":
+    if cfg.rollout.resolved_engine() == "vllm":
         engine = VLLMEngine(path, tok, cfg, seed=0)
         prompt = tok("Question: who wrote the novel that the film was based on?\n", add_special_tokens=False)[
             "input_ids"
@@ -70,7 +70,7 @@ def measure(config: str, overrides: list[str]) -> dict:
     policy = load_policy(cfg, path, "cpu")
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-4)
     if engine is not None:
-        engine.load_weights(hf_named_weights(policy))
+        engine.sync_weights(policy)
         peaks["weight_sync"] = peak_rss_bytes()
     V, L, P, B = policy.config.vocab_size, cfg.budget.max_total_tokens, cfg.budget.max_prompt_tokens, cfg.budget
     g = torch.Generator().manual_seed(0)
@@ -101,7 +101,7 @@ def measure(config: str, overrides: list[str]) -> dict:
         update(cfg, policy, None, opt, None, batch, random.Random(step))
         allocator.release()  # as `train` does after each update
         if engine is not None:
-            engine.load_weights(hf_named_weights(policy))
+            engine.sync_weights(policy)
     peaks["update"] = peak_rss_bytes()
     return {"peaks": peaks, "rows": len(trajs), "tokens": [t.total_tokens for t in trajs][:1]}
 

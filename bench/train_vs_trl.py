@@ -139,7 +139,7 @@ def run_ours(args) -> dict:
     from agent_rl.learn.policy import load_policy, load_tokenizer
     from agent_rl.learn.update import adamw, prepare_batch, update
     from agent_rl.rollout.budget import TokenBudget
-    from agent_rl.rollout.engines import HFEngine
+    from agent_rl.rollout.engines import build_engine
     from agent_rl.rollout.loop import AgentLoop
     from agent_rl.rollout.prompts import load_prompts
 
@@ -151,9 +151,7 @@ def run_ours(args) -> dict:
     opt = adamw(policy.parameters(), cfg.train.lr)  # the trainer's optimizer
     budget = TokenBudget.from_config(cfg.budget)
     prompts = load_prompts(cfg.data.train_files, tok, budget, args.prompts)
-    engine = HFEngine(
-        policy, tok, "cpu", cfg.rollout.generation_batch_size, 0, cfg.rollout.fast_decode, bf16=cfg.train.bf16
-    )
+    engine = build_engine(cfg, policy, tok, seed=0)  # the trainer's: the HF engine over the policy module
     loop = AgentLoop(engine, tok, None, budget)
     clock = Clock()
     _optimizer_clock(clock)
@@ -164,7 +162,7 @@ def run_ours(args) -> dict:
         start = time.perf_counter()
         clock.start("generate")
         trajs = loop.run(prompts.items, args.group, cfg.rollout.temperature)
-        engine.sleep()  # as the trainer does before the update: frees the fast decoder's reordered weights
+        engine.sleep()  # as the trainer does before the update
         allocator.release()
         clock.stop("generate")
         clock.start("score")

@@ -13,7 +13,6 @@ import random
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -149,10 +148,11 @@ def _scenarios(caps: dict[str, int]) -> dict[str, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def job(tmp_path_factory, tokenizer):
     """Run the 2-rank torchrun job once; returns its work directory."""
     work = tmp_path_factory.mktemp("dist")
     _tiny_model().save_pretrained(work / "model")
+    tokenizer.save_pretrained(work / "model")  # for the rollout engines (their stop tokens); nothing is generated
     trajs = _trajectories()
     caps = {"even": _pick_cap(trajs, even=True), "uneven": _pick_cap(trajs, even=False)}
     torch.save({"trajs": trajs, "caps": caps}, work / "job.pt")
@@ -349,10 +349,10 @@ def _full_grads(model) -> dict[str, torch.Tensor]:
 
 def _rank_main(work: Path) -> None:
     from torch.distributed.tensor import DTensor
+    from transformers import AutoTokenizer
 
     from agent_rl.config import load_config
     from agent_rl.infra.distributed import (
-        copy_full_params,
         init_distributed,
         iter_full_params,
         load_sharded,
@@ -364,6 +364,7 @@ def _rank_main(work: Path) -> None:
     from agent_rl.learn.batch import even_microbatches
     from agent_rl.learn.policy import frozen_copy
     from agent_rl.learn.update import prepare_batch, update
+    from agent_rl.rollout.engines import HFEngine
 
     job = torch.load(work / "job.pt", weights_only=False)
     groups = [job["trajs"][g * GROUP_SIZE : (g + 1) * GROUP_SIZE] for g in range(GROUPS)]
@@ -419,13 +420,15 @@ def _rank_main(work: Path) -> None:
     with torch.no_grad():
         for p in plain.parameters():
             p.zero_()
-    copied = copy_full_params(plain, iter_full_params(policy))
+    tok = AutoTokenizer.from_pretrained(work / "model")
+    engine = HFEngine(plain, tok)  # the HF engine's own unsharded copy
+    copied = engine.load_weights(iter_full_params(policy))
     with torch.no_grad():
         for p in plain.parameters():
             p.zero_()
-    sync_rollout_weights(SimpleNamespace(model=plain), policy)  # the HF engine's own copy
+    sync_rollout_weights(engine, policy)
     try:
-        sync_rollout_weights(SimpleNamespace(model=policy), policy)
+        sync_rollout_weights(HFEngine(policy, tok), policy)
         shares_sharded = "accepted"
     except RuntimeError as err:
         shares_sharded = str(err)

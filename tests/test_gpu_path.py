@@ -142,8 +142,8 @@ def test_hf_engine_samples_in_the_trainers_compute_dtype(tiny_model_dir):
     Without it, engine and float32 trainer agree to float32 rounding."""
     from agent_rl.learn.batch import collate
     from agent_rl.learn.policy import compute_autocast, forward_logprobs, load_policy, load_tokenizer
+    from agent_rl.rollout.engines import build_engine
     from agent_rl.rollout.trajectory import Trajectory
-    from agent_rl.train import build_engine
 
     tok = load_tokenizer(str(tiny_model_dir))
     prompt = tok("Question: who wrote the book?", add_special_tokens=False)["input_ids"]

@@ -9,8 +9,9 @@ from agent_rl.config import load_config
 from agent_rl.learn.batch import collate
 from agent_rl.learn.policy import assert_no_data_parallel, forward_logprobs, load_policy, reference_mode
 from agent_rl.learn.update import prepare_batch, update
+from agent_rl.rollout.engines import build_engine
 from agent_rl.rollout.trajectory import Trajectory
-from agent_rl.train import build_engine, sync_weights
+from agent_rl.train import sync_weights
 
 
 def _batch(vocab: int, groups: int = 2, n: int = 2):

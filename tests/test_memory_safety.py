@@ -106,6 +106,9 @@ class ExplodingPolicy:
     def wake(self) -> None:
         pass
 
+    def sync_weights(self, policy, full_params=None) -> None:
+        pass  # generates with the policy module itself
+
     def generate(self, prompts, max_new_tokens, temperature, top_p=1.0, seeds=None):
         from agent_rl.rollout.engines import Generation
 
@@ -274,7 +277,7 @@ tok = load_tokenizer(cfg.model.path)
 engine = None
 rows = cfg.rollout.prompts_per_step * cfg.algo.group_size
 if cfg.rollout.engine == "vllm":  # built first, as `train` does; one full-length step generated
-    from agent_rl.rollout.engines import VLLMEngine, hf_named_weights
+    from agent_rl.rollout.engines import VLLMEngine
     engine = VLLMEngine(cfg.model.path, tok, cfg, seed=0)
     engine.stop_ids = []
     prompt = tok("Question: who wrote the novel the film was based on?", add_special_tokens=False)["input_ids"]
@@ -301,7 +304,7 @@ for pi in range(cfg.rollout.prompts_per_step):
         trajs.append(t)
 for step in range(2):  # step 2 runs forward/backward with the AdamW states already allocated
     if engine is not None:
-        engine.load_weights(hf_named_weights(policy))  # LoRA merged, as after every update
+        engine.sync_weights(policy)  # LoRA merged, as after every update
     batch = prepare_batch(cfg, policy, None, None, trajs, tok.pad_token_id, need_old=False)
     update(cfg, policy, None, opt, None, batch, random.Random(step))
     allocator.release()  # as `train` does after each update

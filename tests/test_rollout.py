@@ -8,7 +8,7 @@ import torch
 from agent_fixtures import ScriptedEngine, start_server
 
 from agent_rl.rollout.budget import TokenBudget
-from agent_rl.rollout.engines import Generation, HFEngine, _sample
+from agent_rl.rollout.engines import Generation, HFEngine, sample_tokens
 from agent_rl.rollout.loop import AgentLoop, PromptItem
 from agent_rl.rollout.protocol import INVALID_MESSAGE, parse_action
 from retriever_server.client import RetrieverClient
@@ -242,88 +242,33 @@ def test_sampler_draws_from_the_tempered_distribution_and_respects_top_p():
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
     logits = (probs.log() * 2.0).expand(40000, 5)  # at temperature 2 the softmax gives `probs` back
     gen = torch.Generator().manual_seed(0)
-    ids, lp = _sample(logits, 2.0, 1.0, gen)
+    ids, lp = sample_tokens(logits, 2.0, 1.0, gen)
     freq = torch.bincount(ids, minlength=5).float() / len(ids)
     assert torch.allclose(freq, probs, atol=0.01) and freq[4] == 0
     assert torch.allclose(lp, probs.log()[ids])
-    ids, _ = _sample(logits, 2.0, 0.7, gen)  # nucleus {0, 1}: 0.5 + 0.3 covers 0.7
+    ids, _ = sample_tokens(logits, 2.0, 0.7, gen)  # nucleus {0, 1}: 0.5 + 0.3 covers 0.7
     freq = torch.bincount(ids, minlength=5).float() / len(ids)
     assert torch.allclose(freq, torch.tensor([0.625, 0.375, 0.0, 0.0, 0.0]), atol=0.01)
 
 
-def test_fast_decode_matches_transformers_forward(tokenizer, tiny_model_dir):
-    """The engine's own one-token step (Qwen2 on CPU) against transformers' forward: prompts of
-    different lengths (left padding), a repeated prompt, rows dropped mid-generation; the same
-    seed gives the same sampled tokens, with log-probs equal to float rounding."""
+def test_hf_engine_row_seeds_make_each_rows_draws_its_own(tokenizer, tiny_model_dir):
+    """With one seed per prompt a row samples the same tokens (T=1) whatever else is in the batch:
+    prompts of other lengths (left padding), a repeated prompt, rows that finish early and leave;
+    its log-probs agree to float rounding."""
     from transformers import AutoModelForCausalLM
 
-    from agent_rl.rollout.engines import _LlamaDecoder
-
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    assert _LlamaDecoder.supports(model, torch.device("cpu")) and not _LlamaDecoder.supports(
-        model, torch.device("meta")
-    )
+    engine = HFEngine(model, tokenizer, "cpu", batch_size=8, seed=3)
+    engine.stop_ids, engine.stop_strings = [tokenizer.pad_token_id], []  # rows run to their limits
     questions = ["Who wrote it?", "Where is the old mill of Velk, and who runs it now?", "When?", "Who wrote it?"]
     prompts = [tokenizer(f"Question: {q}\n", add_special_tokens=False)["input_ids"] for q in questions]
-    steps: list[int] = []
-    hook = model.model.embed_tokens.register_forward_hook(lambda m, args, out: steps.append(args[0].shape[0]))
-    try:
-        runs = {}
-        for fast in (False, True):
-            steps.clear()
-            engine = HFEngine(model, tokenizer, "cpu", batch_size=8, seed=3, fast_decode=fast)
-            engine.stop_ids, engine.stop_strings = [tokenizer.pad_token_id], []
-            runs[fast] = engine.generate(prompts, [30, 6, 30, 18], temperature=1.0) + engine.generate(
-                prompts, [12] * 4, temperature=0.0
-            )
-            runs[fast, "rows"] = list(steps)
-    finally:
-        hook.remove()
-    assert runs[True, "rows"] == runs[False, "rows"] and 2 in runs[True, "rows"]  # rows were dropped on both paths
-    for ref, got in zip(runs[False], runs[True]):
-        assert got.token_ids == ref.token_ids and got.finish_reason == ref.finish_reason
-        assert got.logprobs == pytest.approx(ref.logprobs, abs=1e-4)
-
-
-def test_decode_linear_follows_weight_updates_and_frees_its_copies():
-    """The fast decoder's oneDNN linears equal `F.linear` to float rounding at any row count, with
-    and without bias; an in-place weight change (an optimizer step, a weight sync) is picked up at
-    the next call, never a stale reordered copy; `sleep` frees the copies; under bf16 autocast the
-    product runs over a bf16 copy where oneDNN has bf16 kernels and equals autocast's `F.linear` to
-    bf16 rounding; bf16 weights outside autocast fall back."""
-    from agent_rl.rollout.engines import _DecodeLinear
-
-    torch.manual_seed(0)
-    linear = _DecodeLinear()
-    weight, bias = torch.randn(96, 64), torch.randn(96)
-    for rows in (16, 12, 5, 1):
-        h = torch.randn(rows, 64)
-        for b in (None, bias):
-            assert torch.allclose(linear(h, weight, b), torch.nn.functional.linear(h, weight, b), atol=1e-4)
-    assert len(linear.packed) == (1 if linear.available else 0)
-    with torch.no_grad():
-        weight.mul_(-2.0)  # in place, as AdamW and load_weights change weights
-    h = torch.randn(16, 64)
-    assert torch.allclose(linear(h, weight), torch.nn.functional.linear(h, weight), atol=1e-4)
-    engine = HFEngine.__new__(HFEngine)
-    engine.linear = linear
-    engine.sleep()
-    assert not linear.packed
-    h16 = h.bfloat16()
-    assert linear(h16, weight.bfloat16()).dtype == torch.bfloat16 and not linear.packed
-    for rows in (16, 1):
-        h = torch.randn(rows, 64)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            got, ref = linear(h, weight, bias), torch.nn.functional.linear(h, weight, bias)
-        assert got.dtype == ref.dtype == torch.bfloat16
-        assert torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
-    copies = [entry[3] for entry in linear.packed.values()]
-    assert [c.dtype for c in copies] == ([torch.bfloat16] if linear.bf16_available else [])
-    with torch.no_grad():
-        weight.add_(1.0)  # the bf16 copy follows the float32 master weight too (same bias: only the version moved)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        got, ref = linear(h, weight, bias), torch.nn.functional.linear(h, weight, bias)
-    assert torch.allclose(got.float(), ref.float(), rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+    limits, seeds = [30, 6, 30, 18], [11, 12, 13, 14]
+    batched = engine.generate(prompts, limits, temperature=1.0, seeds=seeds)
+    assert batched[0].token_ids[:18] != batched[3].token_ids, "a repeated prompt with its own seed draws its own"
+    for i, got in enumerate(batched):
+        alone = engine.generate([prompts[i]], [limits[i]], temperature=1.0, seeds=[seeds[i]])[0]
+        assert got.token_ids == alone.token_ids and len(got.token_ids) == limits[i]
+        assert got.logprobs == pytest.approx(alone.logprobs, abs=1e-4)
 
 
 @pytest.mark.parametrize("turns,per_turn,total", [(8, 64, 256), (32, 64, 2048)])

@@ -163,7 +163,7 @@ def test_vllm_takes_lora_weights_merged_under_base_names(tiny_vllm, tiny_model_d
     assert not any("lora" in n or "base_model" in n or "base_layer" in n for n in names)
     assert set(names) == set(_hf_model(tiny_model_dir).state_dict())
     reference = {n: t.clone() for n, t in model.state_dict().items()}
-    engine.load_weights(hf_named_weights(model))
+    engine.sync_weights(model)  # as the trainer syncs
     prompts = _prompts(tok)
     assert _greedy(engine, prompts) == _greedy(HFEngine(model, tok, "cpu", 16, seed=0), prompts)
     assert all(torch.equal(reference[n], t) for n, t in model.state_dict().items())

@@ -28,7 +28,7 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -302,58 +302,16 @@ def iter_full_params(
         yield name, full
 
 
-def copy_full_params(target: nn.Module, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Copy streamed full tensors into a plain (unsharded) module, e.g. a rank's HF rollout copy.
-
-    Returns the number of tensors copied; a name the target lacks is an error (the copy would
-    silently keep stale weights otherwise).
-    """
-    own = target.state_dict()
-    copied = 0
-    with torch.no_grad():
-        for name, tensor in named:
-            if name not in own:
-                raise KeyError(
-                    f"weight sync: the rollout model has no tensor named {name!r}; it must be built from the same "
-                    "model as the trained one"
-                )
-            own[name].copy_(tensor)
-            copied += 1
-    return copied
-
-
-def sync_vllm_weights(engine, model: nn.Module) -> None:
-    """Stream the FSDP actor's full weights into a colocated vLLM engine (all ranks call this).
-
-    vLLM's `load_weights` takes an iterable of (name, tensor) and copies each as it comes, so the
-    peak extra GPU memory is one gathered parameter, cast to the engine's dtype.
-    """
-    if hasattr(model, "peft_config"):
-        raise NotImplementedError(
-            "LoRA under torchrun is refused at start-up; train LoRA in one process (its weights reach vLLM merged)"
-        )
-    engine.load_weights(iter_full_params(model, dtype=getattr(torch, engine.dtype)))
-
-
 def sync_rollout_weights(engine, model: nn.Module) -> float:
     """After an update under FSDP, refresh this rank's rollout engine; returns seconds.
 
-    A collective (all ranks call it). The HF engine must hold its own unsharded copy (a
-    `frozen_copy` made before `shard_model`): generating with the sharded policy would make
-    ranks that sample different lengths wait forever in FSDP's per-forward all-gathers.
+    A collective (all ranks call it): the engine reads the full weights through `iter_full_params`,
+    one gathered parameter at a time. The HF engine must hold its own unsharded copy (it refuses
+    the sharded policy: ranks that sample different lengths would wait forever in FSDP's
+    per-forward all-gathers).
     """
-    from agent_rl.rollout.engines import VLLMEngine
-
     start = time.perf_counter()
-    if isinstance(engine, VLLMEngine):
-        sync_vllm_weights(engine, model)
-    elif engine.model is model:
-        raise RuntimeError(
-            "the HF rollout engine shares the FSDP-sharded policy; under torchrun build it on "
-            "learn.policy.frozen_copy(policy, cfg.rollout.device) before shard_model (ranks generate different lengths)"
-        )
-    else:
-        copy_full_params(engine.model, iter_full_params(model))
+    engine.sync_weights(model, full_params=lambda dtype: iter_full_params(model, dtype=dtype))
     return time.perf_counter() - start
 
 

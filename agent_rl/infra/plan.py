@@ -310,8 +310,9 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
         host["model_load"] = P * b
     engine_c: dict[str, int] = {}  # held through both phases
     rollout_c: dict[str, int] = {}  # the rollout phase only
-    vllm_cpu = cfg.rollout.engine == "vllm" and cfg.rollout.device == "cpu"
-    if cfg.rollout.engine == "vllm" and not vllm_cpu:
+    engine = cfg.rollout.resolved_engine()  # `auto` as the trainer resolves it
+    vllm_cpu = engine == "vllm" and cfg.rollout.device == "cpu"
+    if engine == "vllm" and not vllm_cpu:
         rollout_c["vllm_reserved"] = -1  # filled in from the device memory; asleep during the update
     elif vllm_cpu:  # no sleep mode on CPU: weights, KV space and runtime stay through the update
         engine_c["vllm_weights"] = P * b
@@ -323,15 +324,8 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
         engine_c["rollout_copy"] = P * b
     kv = 2 * arch.layers * arch.kv_heads * arch.head_dim * b
     seqs = min(cfg.rollout.generation_batch_size, cfg.rollout.prompts_per_step * cfg.algo.group_size)
-    if cfg.rollout.engine == "hf":
+    if engine == "hf":
         rollout_c["kv_cache"] = seqs * cfg.budget.max_total_tokens * kv + seqs * arch.vocab * 4 * 2
-        fp32_weights = cfg.rollout.device == cfg.train.device or b == 4  # the policy itself, or an fp32 copy
-        if cfg.rollout.fast_decode and cfg.rollout.device == "cpu" and fp32_weights and not lora:
-            # the fast decoder's oneDNN copies of the linear weights (engines._DecodeLinear), freed before the
-            # update; bf16 copies under train.bf16 (where the CPU has no bf16 kernels there are none: an upper bound)
-            rollout_c["decode_weights"] = (P - (0 if arch.tied else arch.vocab * arch.hidden)) * (
-                2 if cfg.train.bf16 else 4
-            )
     if cfg.memory.retriever_on_gpu_gib and on_gpu:
         engine_c["retriever_index"] = int(cfg.memory.retriever_on_gpu_gib * GIB)
     # What the trainer holds at the engine's wake: the gradients were freed after the optimizer step.
@@ -421,7 +415,7 @@ def _fixes(
                     [("memory", "retriever_on_gpu_gib", 0.0)],
                 )
             )
-        if cfg.rollout.engine == "vllm" and cfg.rollout.gpu_memory_utilization > 0.3:
+        if cfg.rollout.resolved_engine() == "vllm" and cfg.rollout.gpu_memory_utilization > 0.3:
             candidates.append(
                 (
                     f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization - 0.2:.1f}",

@@ -1,0 +1,81 @@
+"""Rollout engines behind one small interface: token ids in, token ids + log-probs out.
+
+`base` holds the `Engine` protocol and what both engines share, `hf` the transformers engine,
+`vllm` the vLLM adapter (vLLM itself is imported only when that engine is built). `build_engine`
+is the one place a config becomes an engine, for the trainer and for `agent-rl rollout` / `eval`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agent_rl.rollout.engines.base import Engine, FullParams, Generation, sample_tokens, stop_token_ids
+from agent_rl.rollout.engines.hf import HFEngine, rollout_copy
+from agent_rl.rollout.engines.vllm import VLLMEngine, VLLMWeightSync, hf_named_weights, vllm_dtype, vllm_engine_kwargs
+
+__all__ = [
+    "Engine",
+    "FullParams",
+    "Generation",
+    "HFEngine",
+    "VLLMEngine",
+    "VLLMWeightSync",
+    "build_engine",
+    "hf_named_weights",
+    "sample_tokens",
+    "stop_token_ids",
+    "vllm_dtype",
+    "vllm_engine_kwargs",
+]
+
+
+def _sits_on(module: torch.nn.Module, device: str) -> bool:
+    want = torch.device(device)
+    if want.type == "cuda" and want.index is None:
+        want = torch.device("cuda", torch.cuda.current_device())
+    param = next(module.parameters(), None)
+    return param is not None and param.device == want
+
+
+def build_engine(
+    cfg,
+    policy: torch.nn.Module | None,
+    tokenizer,
+    seed: int | None = None,
+    own_copy: bool = False,
+    distributed: bool = False,
+    model_path: str | None = None,
+) -> Engine:
+    """The rollout engine `rollout.engine` names (`auto` resolved by `RolloutConfig.resolved_engine`) on
+    `rollout.device`.
+
+    vLLM loads its start weights itself from `model_path` (default: the run's start model,
+    `model.warm_start` or `model.path`), so `policy` may be None: build it before the trainer's
+    modules take device memory (its reservation is a fraction of what is free). `distributed`: one
+    engine per torchrun rank, on the rank's device.
+
+    The HF engine generates with `policy` itself when the module sits on `rollout.device`, so no
+    weight sync is needed; otherwise, or with `own_copy` (under FSDP each rank's engine needs an
+    unsharded copy), with a frozen copy moved there that `sync_weights` refreshes.
+    """
+    seed = cfg.run.seed if seed is None else seed
+    if cfg.rollout.resolved_engine() == "vllm":
+        if distributed and cfg.rollout.tensor_parallel_size > 1:
+            raise ValueError(
+                "rollout.tensor_parallel_size > 1 under torchrun is not supported yet: each rank runs its own engine "
+                "(set it to 1)"
+            )
+        path = model_path or cfg.model.warm_start or cfg.model.path
+        return VLLMEngine(path, tokenizer, cfg, seed=seed, distributed=distributed)
+    if policy is None:
+        raise ValueError("the HF rollout engine generates with the policy's weights: pass the loaded model")
+    device = cfg.rollout.device
+    module = policy if not own_copy and _sits_on(policy, device) else rollout_copy(policy, device)
+    return HFEngine(
+        module,
+        tokenizer,
+        device=device,
+        batch_size=cfg.rollout.generation_batch_size,
+        seed=seed,
+        bf16=cfg.train.bf16,
+    )

