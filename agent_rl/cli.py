@@ -83,7 +83,7 @@ def _load_model(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir)
 
 
-def _loop(cfg, model_path: str, url: str):
+def _loop(cfg, model_path: str, url: str | None):
     from agent_rl.rollout.budget import TokenBudget
     from agent_rl.rollout.engines import build_engine
     from agent_rl.rollout.loop import AgentLoop

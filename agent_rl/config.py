@@ -171,6 +171,22 @@ class RetrieverConfig:
     max_queries_per_request: int = _f(
         128, "Most queries in one /retrieve request; larger batches are split (our server refuses > 256)."
     )
+    record: str | None = _f(
+        None,
+        "Folder that keeps every /retrieve answer, keyed by the index's fingerprint (the server's /health), the "
+        "query and topk: one append-only JSONL segment per process (each rank its own), fsync'd whole lines, so "
+        "a kill loses at most its last line. For `retriever.replay` later.",
+    )
+    replay: str | None = _f(
+        None,
+        "Folder recorded by `retriever.record`: rollouts, `agent-rl eval`, training and SFT take every search's "
+        "answer from it, bit for bit, and no retriever is started (with `replay_miss=error`).",
+    )
+    replay_miss: str = _f(
+        "error",
+        "A query the replayed record lacks: error (stop, naming the query) | live (ask the retriever at "
+        "`url`, or one started for `index_dir`, and add the answer to the record).",
+    )
 
 
 @dataclass
@@ -465,6 +481,7 @@ class Config:
             ("rollout", "mode"): ("sync", "async"),
             ("data", "template"): ("auto", "chat", "base", "compact"),
             ("retriever", "kind"): ("flat", "hnsw", "bm25"),
+            ("retriever", "replay_miss"): ("error", "live"),
             ("reward", "name"): ("em", "f1"),
             ("guard", "action"): ("off", "warn", "stop", "rollback"),
             ("train", "lr_schedule"): ("constant", "cosine"),
@@ -515,6 +532,11 @@ class Config:
         for key in ("topk", "max_queries_per_request"):
             if getattr(self.retriever, key) < 1:
                 raise ConfigError(f"retriever.{key} must be >= 1, got {getattr(self.retriever, key)}")
+        if self.retriever.record and self.retriever.replay:
+            raise ConfigError(
+                "retriever.record and retriever.replay both set: set only retriever.replay (with "
+                "retriever.replay_miss=live its misses are recorded into the same folder)"
+            )
         if self.train.max_tokens_per_microbatch < self.budget.max_total_tokens:
             raise ConfigError(
                 f"train.max_tokens_per_microbatch ({self.train.max_tokens_per_microbatch}) < budget.max_total_tokens "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import hashlib
 import json
 import os
 import socket
@@ -86,6 +87,20 @@ class Settings:
 
 def normalize_query(q: str) -> str:
     return " ".join(q.split())
+
+
+# Where and when an index was built: not what it answers.
+NOT_DETERMINING = ("corpus", "created", "build_seconds")
+
+
+def index_fingerprint(manifest: dict, index_options: dict[str, Any]) -> str:
+    """sha256 of what determines this server's answers: the manifest (corpus sha256, kind, count,
+    encoder, pooling, prefixes, build parameters) less where and when it was built, and the options
+    it is served with (device, fp16, ef_search, ...). `/health` serves it; a client keys recorded
+    answers by it."""
+    what = {k: v for k, v in manifest.items() if k not in NOT_DETERMINING}
+    what["serving"] = index_options
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -226,8 +241,9 @@ class Retriever:
     """One server's index, store, limits, cache, batcher and metrics: validates a request, answers
     it from the cache or the index, and counts every answer by status."""
 
-    def __init__(self, manifest: dict, index: Any, store: Any, settings: Settings):
+    def __init__(self, manifest: dict, index: Any, store: Any, settings: Settings, fingerprint: str = ""):
         self.manifest, self.index, self.store, self.s = manifest, index, store, settings
+        self.fingerprint = fingerprint or index_fingerprint(manifest, {})
         self.metrics = Metrics()
         self.cache = ResultCache(settings.cache_size) if settings.cache_size > 0 else None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="search")
@@ -337,6 +353,8 @@ class Retriever:
             "kind": self.manifest["kind"],
             "count": self.manifest["count"],
             "encoder": self.manifest.get("encoder"),
+            "corpus_sha256": self.manifest.get("corpus_sha256"),
+            "index_fingerprint": self.fingerprint,
             "uptime_s": round(time.time() - self.started, 1),
             "limits": {
                 "max_queries": s.max_queries,
@@ -531,7 +549,8 @@ def create_app(
         lifespan=lifespan,
         exception_handlers={StarletteHTTPException: http_error, RequestValidationError: invalid_request},
     )
-    app.state.retriever = Retriever(manifest, index, store, settings or Settings())
+    fingerprint = index_fingerprint(manifest, index_options)
+    app.state.retriever = Retriever(manifest, index, store, settings or Settings(), fingerprint)
     app.state.ready_file, app.state.url = ready_file, url
     app.add_middleware(Guard, retriever=app.state.retriever)
     app.include_router(router)

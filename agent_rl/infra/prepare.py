@@ -4,7 +4,8 @@ When a config names a toy world, a model size to initialise, or an index that do
 yet, they are built here (toy world -> tiny model trained on its text -> dense index), each
 written to a temporary directory and renamed, so a killed build never leaves a half file.
 When `retriever.url` is unset, `local_retriever` starts `retriever-server` on 127.0.0.1 on an
-ephemeral port as a subprocess (the trainer only ever talks to it over HTTP) and stops it.
+ephemeral port as a subprocess (the trainer only ever talks to it over HTTP) and stops it; under
+`retriever.replay` (misses an error) it starts nothing and the client answers from the record.
 """
 
 from __future__ import annotations
@@ -189,7 +190,7 @@ def prepare(cfg: Config, need_index: bool = True) -> None:
     ensure_toy_world(cfg)
     ensure_model(cfg)
     ensure_qa(cfg)
-    if need_index:
+    if need_index and not replays_only(cfg):
         ensure_index(cfg)
 
 
@@ -243,9 +244,19 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
             proc.wait()
 
 
+def replays_only(cfg: Config) -> bool:
+    """Every search is answered from `retriever.replay`'s record: no index or server is needed."""
+    return bool(cfg.retriever.replay) and cfg.retriever.replay_miss == "error"
+
+
 @contextlib.contextmanager
-def local_retriever(cfg: Config, timeout_s: float = 180.0) -> Iterator[str]:
-    """Yield the retriever URL: `retriever.url` if set, else a server started here and stopped after."""
+def local_retriever(cfg: Config, timeout_s: float = 180.0) -> Iterator[str | None]:
+    """Yield the retriever URL: `retriever.url` if set, else a server started here and stopped after;
+    None when `retriever.replay` answers every search (nothing started)."""
+    if replays_only(cfg):
+        _log(f"replaying retrieval from {cfg.retriever.replay}: no retriever started (a miss stops the run)")
+        yield None
+        return
     if cfg.retriever.url:
         yield cfg.retriever.url
         return
