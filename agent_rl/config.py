@@ -22,6 +22,10 @@ from typing import Any
 
 import yaml
 
+# `train.share_prompt_prefix`: a group's prompt runs once when that leaves at most this share of the
+# micro-batch's padded token positions (learn.policy takes it; the memory planner plans with it).
+PREFIX_MAX_SHARE = 0.9
+
 
 class ConfigError(ValueError):
     """A config key is unknown, mistyped, or combined with another in a way that cannot work."""
@@ -362,24 +366,9 @@ class TrainConfig:
         "forward and backward; they stay in the loss normaliser, so the gradient is unchanged. Only when no "
         "KL-in-loss, entropy or value term reads them.",
     )
-    fused_ops: bool = _f(
-        True,
-        "Fused RMSNorm and SwiGLU forward/backward (agent_rl/learn/fused.py) in the trained model, for the Llama-style "
-        "families (Qwen2/3, Llama, Mistral): same values and gradients to float rounding, (2 h + f) fewer bytes of "
-        "saved activations per token and layer, fewer elementwise passes. Float32 compute only; bf16 takes "
-        "transformers' forward.",
-    )
-    host_allocator: str = _f(
-        "auto",
-        "Host memory allocator of `agent-rl train` / `sft` (agent_rl/infra/allocator.py): auto | mimalloc | glibc. "
-        "auto = mimalloc where installed (the cmeel-mimalloc wheel, a Linux dependency), loaded by re-executing the "
-        "command under LD_PRELOAD: freed activations are reused instead of faulted in afresh while RSS still follows "
-        "what is held. A run started from Python keeps glibc. Not applied when train.device or rollout.device is "
-        "CUDA (glibc's defaults there).",
-    )
     host_mmap_threshold_mib: float = _f(
         1.0,
-        "CPU training on glibc (train.host_allocator=glibc, or mimalloc not loaded): host allocations of at least "
+        "CPU training on glibc (no allocator preloaded by the launcher): host allocations of at least "
         "this size get their own mapping, returned to the system "
         "when freed (mallopt M_MMAP_THRESHOLD). glibc's default moves the threshold up as tensors are freed, so "
         "freed activations stay in the heap as holes, and peak RSS grows past what is held. 0 = glibc's default. "
@@ -420,9 +409,9 @@ class SftConfig:
     )
     answer_in_observation: bool = _f(
         False,
-        "Keep only demonstrations whose retrieved passages hold a gold answer (rejection sampling of the scripted "
-        "demonstrator): the warm start learns to answer from what it read, never to answer from memory what its "
-        "passage does not say.",
+        "Keep only demonstrations whose observations (the passages as the demonstration reads them, after the "
+        "observation budget) hold a gold answer: rejection sampling of the scripted demonstrator, so the warm start "
+        "learns to answer from what it read, never to answer from memory what its passage does not say.",
     )
 
 
@@ -486,7 +475,6 @@ class Config:
             ("guard", "action"): ("off", "warn", "stop", "rollback"),
             ("train", "lr_schedule"): ("constant", "cosine"),
             ("model", "dtype"): ("float32", "bfloat16", "float16"),
-            ("train", "host_allocator"): ("auto", "mimalloc", "glibc"),
         }
         for (section, key), allowed in choices.items():
             value = getattr(getattr(self, section), key)

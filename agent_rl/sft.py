@@ -19,6 +19,7 @@ knows the second search but rarely takes it, which is the skill RL has to find a
 from __future__ import annotations
 
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -27,13 +28,13 @@ import torch
 
 from agent_rl.config import Config
 from agent_rl.learn.batch import collate, pack_microbatches
-from agent_rl.learn.policy import forward_logprobs, load_policy, load_tokenizer
+from agent_rl.learn.policy import forward_logprobs, load_policy
 from agent_rl.rollout.budget import TokenBudget
-from agent_rl.rollout.loop import ObservationBuilder
-from agent_rl.rollout.prompts import load_prompts
+from agent_rl.rollout.prompts import load_prompts, load_tokenizer
 from agent_rl.rollout.protocol import answer_action, search_action
 from agent_rl.rollout.retriever import format_documents
 from agent_rl.rollout.trajectory import Trajectory
+from agent_rl.rollout.turns import ObservationBuilder
 from retriever_server.answers import contains_answer
 from retriever_server.client import RetrieverClient
 
@@ -55,26 +56,6 @@ def build_demonstrations(cfg: Config, tokenizer, client: RetrieverClient) -> Dem
         chunk = unique[lo : lo + 64]
         for q, docs in zip(chunk, client.retrieve(chunk, cfg.retriever.topk)):
             cache[q] = docs
-    if cfg.sft.answer_in_observation:
-        found = [
-            (it, meta)
-            for it, meta in rows
-            if any(
-                contains_answer(d["contents"], it.golden_answers)
-                for q in meta["queries"][: cfg.budget.max_turns]
-                for d in cache[q]
-            )
-        ]
-        print(
-            f"[sft] sft.answer_in_observation: {len(found)} of {len(rows)} demonstrations read a gold answer",
-            file=sys.stderr,
-        )
-        if not found:
-            raise ValueError(
-                "sft.answer_in_observation: no demonstration's passages hold a gold answer "
-                f"(retriever.topk={cfg.retriever.topk}); raise retriever.topk or set sft.answer_in_observation=false"
-            )
-        rows = found
     demos, stops = [], []
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     for it, meta in rows:
@@ -90,11 +71,30 @@ def build_demonstrations(cfg: Config, tokenizer, client: RetrieverClient) -> Dem
                 stop = (len(t.response_ids), hop_answers[0])
         demos.append(t)  # the prefix: prompt, searches and observations; the answer is added per draw
         stops.append(stop)
+    if cfg.sft.answer_in_observation:
+        found = [i for i, t in enumerate(demos) if contains_answer(observed_text(tokenizer, t), t.golden_answers)]
+        print(
+            f"[sft] sft.answer_in_observation: {len(found)} of {len(demos)} demonstrations read a gold answer",
+            file=sys.stderr,
+        )
+        if not found:
+            raise ValueError(
+                "sft.answer_in_observation: no demonstration's observations hold a gold answer "
+                f"(retriever.topk={cfg.retriever.topk}); raise retriever.topk or set sft.answer_in_observation=false"
+            )
+        demos, stops = [demos[i] for i in found], [stops[i] for i in found]
     finals = answers_pool + [it.golden_answers[0] for it, _ in rows] + [s[1] for s in stops if s]
     answer_ids = {a: enc(answer_action(a)) for a in finals}
     longest = max(len(v) for v in answer_ids.values())
     keep = [i for i, t in enumerate(demos) if t.total_tokens + longest <= budget.max_total_tokens]
     return Demonstrations([demos[i] for i in keep], answers_pool, answer_ids, [stops[i] for i in keep])
+
+
+def observed_text(tokenizer, t: Trajectory) -> str:
+    """What a trajectory read: its observation tokens decoded, tags as spaces (so that "Oslo.</information>"
+    still holds the word "Oslo" for `contains_answer`)."""
+    text = tokenizer.decode([i for i, m in zip(t.response_ids, t.loss_mask) if not m])
+    return re.sub(r"<[^>]*>", " ", text)
 
 
 class Demonstrations:
@@ -140,7 +140,7 @@ def sft(cfg: Config) -> Path:
     from agent_rl.infra import allocator
     from agent_rl.infra.prepare import local_retriever, prepare
 
-    host_allocator = allocator.setup(*allocator.for_config(cfg))
+    host_allocator = allocator.setup(allocator.for_config(cfg))
     print(f"[sft] host allocator: {host_allocator}", file=sys.stderr)
     prepare(cfg)
     out = Path(cfg.model.warm_start or Path(cfg.run.output_dir) / "sft")

@@ -37,20 +37,21 @@ from agent_rl.infra.checkpoint import (
 )
 from agent_rl.infra.guard import CollapseGuard
 from agent_rl.infra.logger import MetricsLogger
-from agent_rl.infra.preflight import peak_rss_bytes, run_preflight
+from agent_rl.infra.memory import peak_rss_bytes
 from agent_rl.infra.prepare import local_retriever, prepare
-from agent_rl.infra.world import World
 from agent_rl.learn.batch import RolloutBatch
-from agent_rl.learn.policy import _DTYPES, ValueModel, assert_no_data_parallel, frozen_copy, load_policy, load_tokenizer
+from agent_rl.learn.policy import _DTYPES, ValueModel, assert_no_data_parallel, frozen_copy, load_policy
+from agent_rl.learn.preflight import run_preflight
 from agent_rl.learn.update import adamw, prepare_batch, update
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.buffer import TrajectoryBuffer
 from agent_rl.rollout.engines import Engine, build_engine
 from agent_rl.rollout.loop import AgentLoop, rollout_metrics
-from agent_rl.rollout.prompts import PromptSet, load_prompts
+from agent_rl.rollout.prompts import PromptSet, load_prompts, load_tokenizer
 from agent_rl.rollout.rewards import answer_scores, compute_reward
 from agent_rl.rollout.trajectory import Trajectory, write_trajectories
 from agent_rl.sft import sft
+from agent_rl.world import World
 from retriever_server.client import RetrieverClient
 
 
@@ -382,7 +383,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     world = dist_lib.init_distributed(cfg)
     # Same seed everywhere for data order and model init; each rank samples its own rollouts.
     seed_everything(cfg.run.seed, cfg.run.deterministic)
-    host_allocator = allocator.setup(*allocator.for_config(cfg))
+    host_allocator = allocator.setup(allocator.for_config(cfg))
     out_dir = Path(cfg.run.output_dir)
     if world.is_main:
         print(f"[train] host allocator: {host_allocator}", file=sys.stderr)

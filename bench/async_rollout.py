@@ -49,7 +49,7 @@ CONFIGS = {  # name -> (config, prompts, group, overrides)
 def point(args) -> dict:
     from agent_rl.cli import _loop
     from agent_rl.config import load_config
-    from agent_rl.infra.preflight import peak_rss_bytes
+    from agent_rl.infra.memory import peak_rss_bytes
     from agent_rl.infra.prepare import prepare, spawn_retriever, stop_process, wait_ready
     from agent_rl.rollout.prompts import load_prompts
 

@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent_rl.infra.preflight import proc_status_bytes  # noqa: E402
+from agent_rl.infra.memory import proc_status_bytes  # noqa: E402
 
 
 def _status(key: str) -> int:

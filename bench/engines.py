@@ -50,7 +50,7 @@ def worker(args) -> None:
     import torch
 
     from agent_rl.config import load_config
-    from agent_rl.learn.policy import load_tokenizer
+    from agent_rl.rollout.prompts import load_tokenizer
 
     rows = args.rows[0]
     tok = load_tokenizer(args.model)

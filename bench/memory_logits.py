@@ -55,7 +55,7 @@ def point(args) -> dict:
     from transformers import AutoModelForCausalLM
 
     from agent_rl.infra.allocator import fix_mmap_threshold
-    from agent_rl.infra.preflight import peak_rss_bytes, proc_status_bytes
+    from agent_rl.infra.memory import peak_rss_bytes, proc_status_bytes
     from agent_rl.learn.policy import forward_logprobs
 
     fix_mmap_threshold(args.mmap_mib)  # as the trainer does (train.host_mmap_threshold_mib)

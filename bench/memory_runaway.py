@@ -39,7 +39,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent_rl.infra.preflight import peak_rss_bytes  # noqa: E402
+from agent_rl.infra.memory import peak_rss_bytes  # noqa: E402
 
 L0 = 440
 DEMO_BUDGET = [
@@ -64,11 +64,12 @@ def point(setting: str, scale: int, args) -> dict:
 
     from agent_rl.config import load_config
     from agent_rl.infra.plan import plan
-    from agent_rl.learn.policy import load_policy, load_tokenizer
+    from agent_rl.learn.policy import load_policy
     from agent_rl.learn.update import prepare_batch, update
     from agent_rl.rollout.budget import TokenBudget
     from agent_rl.rollout.engines import HFEngine
     from agent_rl.rollout.loop import AgentLoop, PromptItem
+    from agent_rl.rollout.prompts import load_tokenizer
     from agent_rl.rollout.protocol import INVALID_MESSAGE
 
     torch.set_num_threads(args.threads)

@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 BASELINE = r"""
 import json, sys
 from agent_rl.config import load_config
-from agent_rl.learn.policy import load_tokenizer
-from agent_rl.infra.preflight import peak_rss_bytes
+from agent_rl.rollout.prompts import load_tokenizer
+from agent_rl.infra.memory import peak_rss_bytes
 import agent_rl.train  # noqa: F401
 cfg = load_config(sys.argv[1], sys.argv[2:])
 load_tokenizer(cfg.model.path)
@@ -45,13 +45,14 @@ def measure(config: str, overrides: list[str]) -> dict:
 
     from agent_rl.config import load_config
     from agent_rl.infra import allocator
-    from agent_rl.infra.preflight import peak_rss_bytes
-    from agent_rl.learn.policy import load_policy, load_tokenizer
+    from agent_rl.infra.memory import peak_rss_bytes
+    from agent_rl.learn.policy import load_policy
     from agent_rl.rollout.engines import VLLMEngine
+    from agent_rl.rollout.prompts import load_tokenizer
     from agent_rl.rollout.trajectory import Trajectory
 
     cfg = load_config(config, overrides)
-    allocator.setup(cfg.train.host_allocator, cfg.train.host_mmap_threshold_mib)  # as `train` does
+    allocator.setup(allocator.for_config(cfg))  # as `train` does
     path = cfg.model.path
     tok = load_tokenizer(path)
     peaks = {}
@@ -129,14 +130,12 @@ def main() -> None:
         check=True,
     )
     baseline = json.loads(base.stdout.strip().splitlines()[-1])["peak_rss"]
-    from agent_rl.infra import allocator
-
-    # The point runs under the allocator `agent-rl train` would start with; the import baseline
-    # above under glibc, as the planner's constant was measured (mimalloc has its own term).
+    # The point runs under the allocator this command was launched with (LD_PRELOAD passes on), as
+    # the planner in this process assumes; the import baseline above likewise.
     res = subprocess.run(
         [sys.executable, __file__, "--point", config, *overrides],
         cwd=ROOT,
-        env=allocator.exec_env(cfg.train.host_allocator, env),
+        env=env,
         capture_output=True,
         text=True,
     )

@@ -76,7 +76,7 @@ def split_questions(data: Path, seed: int, nq_test: int, triviaqa_test: int, tra
 def write_data(cfg, out: Path, split: dict, key: dict) -> None:
     """The split as prompt parquet files (the model's template), and split.json naming its ids."""
     from agent_rl.infra.prepare import write_qa_parquet
-    from agent_rl.learn.policy import load_tokenizer
+    from agent_rl.rollout.prompts import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model.path)
     files = {"train": ("nq", "train"), "nq": ("nq", "test"), "triviaqa": ("triviaqa", "test")}

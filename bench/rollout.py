@@ -27,7 +27,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent_rl.infra.preflight import peak_rss_bytes  # noqa: E402
+from agent_rl.infra.memory import peak_rss_bytes  # noqa: E402
 
 
 def _setup(cfg_overrides: list[str]):
@@ -44,11 +44,10 @@ def throughput(args) -> None:
     from transformers import AutoModelForCausalLM
 
     from agent_rl.infra.prepare import local_retriever
-    from agent_rl.learn.policy import load_tokenizer
     from agent_rl.rollout.budget import TokenBudget
     from agent_rl.rollout.engines import HFEngine
     from agent_rl.rollout.loop import AgentLoop
-    from agent_rl.rollout.prompts import load_prompts
+    from agent_rl.rollout.prompts import load_prompts, load_tokenizer
     from retriever_server.client import RetrieverClient
 
     cfg = _setup([])
@@ -99,10 +98,10 @@ def runaway_point(mult: int, budget_on: bool) -> dict:
     """One runaway rollout in this process; returns its peak RSS."""
     from transformers import AutoModelForCausalLM
 
-    from agent_rl.learn.policy import load_tokenizer
     from agent_rl.rollout.budget import TokenBudget
     from agent_rl.rollout.engines import HFEngine
     from agent_rl.rollout.loop import AgentLoop, PromptItem
+    from agent_rl.rollout.prompts import load_tokenizer
 
     cfg = _setup([])
     tok = load_tokenizer(cfg.model.path)

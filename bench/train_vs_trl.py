@@ -1,7 +1,7 @@
 """agent-rl vs TRL's GRPOTrainer: tokens/s per step, peak RSS and where each step's time goes.
 
 Usage: .venv/bin/python bench/train_vs_trl.py [--model tiny|base|smollm2] [--ckpt off,on] [--dtype fp32|bf16]
-       [--entropy off|on] [--reward hash|em] [--fused on|off] [--allocator auto|glibc]
+       [--entropy off|on] [--reward hash|em] [--allocator mimalloc|glibc]
        [--steps 6] [--prompts 4] [--group 4] [--max-new 64]
        [--repeats 3]
 (needs the `bench` extra: pip install 'agent-rl[bench]').
@@ -25,9 +25,9 @@ Same work on both sides:
   tokenizer (`</search>`, `</answer>`: our engine's `stop_token_ids`), given to TRL as the model's
   `generation_config.eos_token_id` list, which its generation stops at and its completion mask
   ends at;
-- each side runs under the host allocator its own command starts with: ours as `agent-rl train`
-  does (`--allocator auto`: mimalloc preloaded where installed; `glibc`: glibc with the trainer's
-  fixed 1 MiB mmap threshold, RSS following what is held at a page fault per fresh page of each
+- each side runs under the host allocator its own command starts with: ours as `make demo`
+  starts `agent-rl` (`--allocator mimalloc`: the wheel's mimalloc preloaded; `glibc`: glibc with
+  the trainer's fixed 1 MiB mmap threshold, RSS following what is held at a page fault per fresh page of each
   large tensor), TRL's under glibc's defaults;
 - tokens counted the same way: prompt + completion tokens up to and including the stop token, from
   each side's own masks.
@@ -55,7 +55,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent_rl.infra.preflight import peak_rss_bytes  # noqa: E402
+from agent_rl.infra.memory import peak_rss_bytes  # noqa: E402
 
 PHASES = ("generate", "score", "fwd_bwd", "optim")
 MODELS = {  # name -> (model directory, overrides)
@@ -96,8 +96,6 @@ def _cfg(args):
             "train.lr=1e-5",
             "train.max_grad_norm=1.0",
             f"train.bf16={str(args.dtype == 'bf16').lower()}",
-            f"train.fused_ops={str(args.fused == 'on').lower()}",
-            f"train.host_allocator={args.allocator}",
         ],
     )
     prepare(cfg, need_index=False)
@@ -136,15 +134,15 @@ def run_ours(args) -> dict:
     import torch
 
     from agent_rl.infra import allocator
-    from agent_rl.learn.policy import load_policy, load_tokenizer
+    from agent_rl.learn.policy import load_policy
     from agent_rl.learn.update import adamw, prepare_batch, update
     from agent_rl.rollout.budget import TokenBudget
     from agent_rl.rollout.engines import build_engine
     from agent_rl.rollout.loop import AgentLoop
-    from agent_rl.rollout.prompts import load_prompts
+    from agent_rl.rollout.prompts import load_prompts, load_tokenizer
 
     cfg = _cfg(args)
-    host_allocator = allocator.setup(cfg.train.host_allocator, cfg.train.host_mmap_threshold_mib)  # as `train`
+    host_allocator = allocator.setup(allocator.for_config(cfg))  # as `train`
     torch.manual_seed(0)
     tok = load_tokenizer(cfg.model.path)
     policy = load_policy(cfg, cfg.model.path, "cpu")
@@ -211,8 +209,8 @@ def run_trl(args) -> dict:
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from agent_rl.learn.policy import load_tokenizer
     from agent_rl.rollout.engines import stop_token_ids
+    from agent_rl.rollout.prompts import load_tokenizer
 
     cfg = _cfg(args)
     torch.manual_seed(0)
@@ -312,13 +310,13 @@ def run_trl(args) -> dict:
 
 def _run_side(side: str, args, ckpt: str) -> dict:
     cmd = [sys.executable, __file__, "--side", side, "--ckpt", ckpt]
-    for name in ("model", "dtype", "entropy", "reward", "fused", "allocator", "steps", "prompts", "group", "max_new"):
+    for name in ("model", "dtype", "entropy", "reward", "allocator", "steps", "prompts", "group", "max_new"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     env = None
-    if side == "ours":  # started as `agent-rl train` starts: under mimalloc where it resolves to it
+    if side == "ours" and args.allocator == "mimalloc":  # started as `make demo` starts it
         from agent_rl.infra import allocator
 
-        env = allocator.exec_env(args.allocator)
+        env = {**os.environ, "LD_PRELOAD": allocator.mimalloc_library() or ""}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode:
         print(res.stderr[-3000:])
@@ -333,9 +331,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="compute dtype of both sides")
     parser.add_argument("--entropy", choices=["off", "on"], default="off")
     parser.add_argument("--reward", choices=["hash", "em"], default="hash")
-    parser.add_argument("--fused", choices=["on", "off"], default="on", help="our side's train.fused_ops")
     parser.add_argument(
-        "--allocator", choices=["auto", "glibc"], default="auto", help="our side's train.host_allocator"
+        "--allocator", choices=["mimalloc", "glibc"], default="mimalloc", help="our side's preloaded host allocator"
     )
     parser.add_argument("--steps", type=int, default=6, help="steps per run; the first is a warm-up")
     parser.add_argument("--prompts", type=int, default=4)

@@ -1,10 +1,12 @@
-"""The plan of the package holds: stages import only earlier stages, and the loop stays short.
+"""The plan of the package holds: stages import only earlier stages, no import circle anywhere,
+and the loop stays short.
 
 Stages, earliest first: the config and the world of ranks; rollout (budget, engines, retriever
-client, agent loop, rewards); learn (batch, policy forward, advantages, losses, update); infra
-(distributed, checkpoints, logging, guard, memory planning, first-use preparation); the
-entry points at the top (train, sft, cli, view). A module may import its own stage or an
-earlier one, never a later one, also inside functions.
+client, turn logic and its drivers, rewards); infra (distributed, checkpoints, logging, guard,
+memory planning and measurement, first-use preparation); learn (batch, policy forward,
+advantages, losses, update, preflight); the entry points at the top (train, sft, cli, view). A
+module may import its own stage or an earlier one, never a later one, also inside functions: the
+planner in infra asks for figures, it does not reach into learn.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "agent_rl"
 
-FOUNDATION = {"agent_rl.config", "agent_rl.infra.world"}
+FOUNDATION = {"agent_rl.config", "agent_rl.world"}
+STAGES = ("agent_rl.rollout", "agent_rl.infra", "agent_rl.learn")
 
 
 def _stage(module: str) -> int:
     if module in FOUNDATION:
         return 0
-    for rank, prefix in enumerate(("agent_rl.rollout", "agent_rl.learn", "agent_rl.infra"), start=1):
+    for rank, prefix in enumerate(STAGES, start=1):
         if module == prefix or module.startswith(prefix + "."):
             return rank
     return 4  # agent_rl.train, agent_rl.sft, agent_rl.cli, agent_rl.view, agent_rl.__main__
@@ -58,6 +61,57 @@ def test_no_module_imports_a_later_stage():
                     f"{_stage(target)})"
                 )
     assert not bad, "imports from a later stage:\n" + "\n".join(bad)
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (function-level imports included); a name imported
+    from a package's `__init__` counts as the package."""
+    graph: dict[str, set[str]] = {}
+    for root in (PACKAGE, ROOT / "retriever_server"):
+        for path in sorted(root.rglob("*.py")):
+            name = _module_name(path)
+            tree = ast.parse(path.read_text(), str(path))
+            targets = {t for _, t in _imports(tree)}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("retriever_server"):
+                    targets.add(node.module)
+            graph[name] = {t for t in targets if t != name}
+    return graph
+
+
+def test_no_import_circle():
+    """Tarjan's strongly connected components over the import graph: every one is a single module."""
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in graph:
+                continue
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not circles, f"import circles: {circles}"
 
 
 def test_the_retriever_server_does_not_import_the_trainer():

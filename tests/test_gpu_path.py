@@ -141,8 +141,9 @@ def test_hf_engine_samples_in_the_trainers_compute_dtype(tiny_model_dir):
     log-probs of the sampled tokens are closer to the trainer's bf16 log-probs than to float32 ones.
     Without it, engine and float32 trainer agree to float32 rounding."""
     from agent_rl.learn.batch import collate
-    from agent_rl.learn.policy import compute_autocast, forward_logprobs, load_policy, load_tokenizer
+    from agent_rl.learn.policy import compute_autocast, forward_logprobs, load_policy
     from agent_rl.rollout.engines import build_engine
+    from agent_rl.rollout.prompts import load_tokenizer
     from agent_rl.rollout.trajectory import Trajectory
 
     tok = load_tokenizer(str(tiny_model_dir))

@@ -68,7 +68,7 @@ def test_lora_trains_adapters_only_and_base_is_reference(tiny_model_dir):
 def test_split_devices_sync_weights_explicitly(tiny_model_dir):
     """rollout.device != train.device: the engine holds its own copy, synced after an update; no DataParallel."""
     cfg = _cfg(tiny_model_dir, "rollout.device=cpu:0", "train.device=cpu")
-    from agent_rl.learn.policy import load_tokenizer
+    from agent_rl.rollout.prompts import load_tokenizer
 
     tok = load_tokenizer(str(tiny_model_dir))
     policy = load_policy(cfg, str(tiny_model_dir), "cpu")

@@ -266,13 +266,13 @@ MEASURE = r"""
 import json, random, resource, sys
 import torch
 from agent_rl.config import load_config
-from agent_rl.learn.policy import load_tokenizer
+from agent_rl.rollout.prompts import load_tokenizer
 from agent_rl.infra import allocator
-from agent_rl.infra.preflight import peak_rss_bytes
+from agent_rl.infra.memory import peak_rss_bytes
 from agent_rl.rollout.trajectory import Trajectory
 
 cfg = load_config(None, json.loads(sys.argv[1]))
-allocator.setup(cfg.train.host_allocator, cfg.train.host_mmap_threshold_mib)  # as `train` does
+allocator.setup(allocator.for_config(cfg))  # as `train` does
 tok = load_tokenizer(cfg.model.path)
 engine = None
 rows = cfg.rollout.prompts_per_step * cfg.algo.group_size
@@ -316,8 +316,8 @@ print(json.dumps({"peak_rss": peak_rss_bytes(),  # VmHWM: ru_maxrss would carry 
 BASELINE = r"""
 import json
 from agent_rl.config import load_config
-from agent_rl.learn.policy import load_tokenizer
-from agent_rl.infra.preflight import peak_rss_bytes
+from agent_rl.rollout.prompts import load_tokenizer
+from agent_rl.infra.memory import peak_rss_bytes
 import agent_rl.train  # noqa: F401
 cfg = load_config(None, [__import__("sys").argv[1]])
 load_tokenizer(cfg.model.path)
@@ -351,11 +351,9 @@ def _planned(overrides: list[str], model_path) -> int:
 
 
 def _measure(overrides: list[str]) -> dict:
-    """Peak RSS of MEASURE in a fresh process started as `agent-rl train` starts (mimalloc preloaded
-    where `train.host_allocator` resolves to it; the import baseline stays glibc's, as the planner's
-    constant was measured, and the planner adds mimalloc's own bytes)."""
+    """Peak RSS of MEASURE in a fresh process started as `agent-rl train` starts here (the allocator
+    this test process runs under, which is the one the planner in this process plans for)."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    env = allocator.exec_env(load_config(None, overrides).train.host_allocator, env)
     res = subprocess.run(
         [sys.executable, "-c", MEASURE, json.dumps(overrides)],
         cwd=ROOT,
@@ -451,7 +449,7 @@ def test_plan_predicts_measured_peak_rss_within_10_percent(request, model, budge
     overrides = [f"model.path={model_dir}", *budget, *extra]
     predicted = _planned(overrides, model_dir)
     measured = _measure_once(tuple(overrides))
-    assert measured["allocator"] == allocator.resolve("auto")  # the process ran under what `train` runs under
+    assert measured["allocator"] == allocator.in_use()  # the process ran under what the plan planned for
     if model == "medium":
         assert 50e6 <= measured["params"] <= 150e6
     ratio = predicted / measured["peak_rss"]
@@ -488,8 +486,8 @@ def test_plan_predicts_the_peak_rss_drop_of_lora(medium_model_dir):
 def test_preflight_runs_forward_backward_at_the_largest_micro_batch(tiny_model_dir):
     """A config whose cap fits passes; the pass is one forward at (cap // max_total_tokens) rows of
     max_total_tokens tokens, followed by a backward that reaches the weights, whose gradients are freed after."""
-    from agent_rl.infra.preflight import run_preflight
     from agent_rl.learn.policy import load_policy
+    from agent_rl.learn.preflight import run_preflight
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", *DEMO_BUDGET, "train.max_tokens_per_microbatch=2000"])
     policy = load_policy(cfg, str(tiny_model_dir), "cpu")
@@ -512,7 +510,7 @@ import json, resource, sys
 import psutil
 from agent_rl.config import load_config
 from agent_rl.learn.policy import load_policy
-from agent_rl.infra.preflight import PreflightError, run_preflight
+from agent_rl.learn.preflight import PreflightError, run_preflight
 
 cfg = load_config(None, json.loads(sys.argv[1]))
 policy = load_policy(cfg, cfg.model.path, "cpu")

@@ -16,8 +16,8 @@ import torch
 from agent_fixtures import start_server
 
 from agent_rl.infra.model_init import PRESETS, MissingPackageError, preset_gguf
-from agent_rl.learn.policy import load_tokenizer
 from agent_rl.rollout.engines import HFEngine
+from agent_rl.rollout.prompts import load_tokenizer
 
 pytestmark = pytest.mark.real_model
 ROOT = Path(__file__).resolve().parents[1]

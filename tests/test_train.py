@@ -95,9 +95,7 @@ def test_train_two_steps_changes_parameters(cache, tmp_path, algo):
     extra = ["algo.name=ppo", "algo.kl_coef=0.01", "algo.kl_type=k1"] if algo == "ppo" else ["algo.kl_coef=0.01"]
     res = _run(["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, 2, extra)], timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
-    from agent_rl.infra import allocator
-
-    assert f"host allocator: {allocator.resolve('auto')}" in res.stderr  # the command restarted under mimalloc
+    assert "host allocator: glibc, mmap threshold fixed at 1 MiB" in res.stderr  # no launcher preload here
     ckpt = out / "checkpoints" / "step_2"
     assert ckpt.is_dir()
     before, after = _weights(cache / "model"), _weights(ckpt)
@@ -334,6 +332,38 @@ def test_weaker_demonstrator_stops_two_hop_demonstrations_after_the_first_search
     assert 0.2 < len(full) / len(drawn) < 0.3
     assert all(len(demos.draw(0, 0.0, rng).response_ids) == 10 for _ in range(50))  # default: both hops
     assert prefix.response_ids == [4, 5, 6, 7, 8, 9, 10, 11]
+
+
+def test_sft_answer_in_observation_keeps_only_demonstrations_that_read_the_answer(cache, tmp_path):
+    """sft.answer_in_observation: of the toy world's scripted demonstrations (top-1 search, so some
+    observations miss the fact), only those whose observation holds a gold answer are kept, and
+    the count is said; off, every demonstration is kept."""
+    from agent_rl.config import load_config
+    from agent_rl.infra.prepare import local_retriever, prepare
+    from agent_rl.rollout.prompts import load_tokenizer
+    from agent_rl.sft import build_demonstrations, observed_text
+    from retriever_server.answers import contains_answer
+    from retriever_server.client import RetrieverClient
+
+    base = _overrides(cache, tmp_path / "run", 1, ["retriever.topk=1"])
+    cfgs = {
+        flag: load_config("configs/tiny_cpu_grpo.yaml", [*base, f"sft.answer_in_observation={flag}"])
+        for flag in (True, False)
+    }
+    prepare(cfgs[True])
+    tok = load_tokenizer(cfgs[True].model.path)
+    demos = {}
+    with local_retriever(cfgs[True]) as url:
+        client = RetrieverClient.from_config(cfgs[True].retriever, url)
+        for flag, cfg in cfgs.items():
+            demos[flag] = build_demonstrations(cfg, tok, client)
+        client.close()
+    kept, every = demos[True], demos[False]
+    assert 0 < len(kept) < len(every)
+    for prefix in kept.prefixes:
+        assert contains_answer(observed_text(tok, prefix), prefix.golden_answers), observed_text(tok, prefix)
+    missing = [p for p in every.prefixes if not contains_answer(observed_text(tok, p), p.golden_answers)]
+    assert len(kept) + len(missing) == len(every)
 
 
 def test_dead_retriever_stops_with_a_checkpoint_and_resumes(cache, warm_start, tmp_path, hotpot_index_dir):

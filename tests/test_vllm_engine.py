@@ -23,8 +23,8 @@ pytest.importorskip(
 
 
 from agent_rl.config import load_config  # noqa: E402
-from agent_rl.learn.policy import load_tokenizer  # noqa: E402
 from agent_rl.rollout.engines import HFEngine, VLLMEngine, hf_named_weights  # noqa: E402
+from agent_rl.rollout.prompts import load_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[1]

@@ -38,7 +38,7 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from agent_rl.infra.checkpoint import prune_checkpoints, rng_state, set_rng_state
-from agent_rl.infra.world import LocalWorld, World
+from agent_rl.world import LocalWorld, World
 
 T = TypeVar("T")
 

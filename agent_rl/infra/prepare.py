@@ -169,7 +169,7 @@ def ensure_qa(cfg: Config) -> None:
     train, test = Path(cfg.data.train_files[0]), Path(cfg.data.test_files[0]) if cfg.data.test_files else None
     if train.exists() and (test is None or test.exists()):
         return
-    from agent_rl.learn.policy import load_tokenizer
+    from agent_rl.rollout.prompts import load_tokenizer
 
     source = Path(cfg.data.qa_source)
     if not source.exists():

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agent_rl.infra.world import World
 from agent_rl.rollout.trajectory import Trajectory
+from agent_rl.world import World
 
 
 def pack_microbatches(lengths: list[int], max_tokens: int, groups: list | None = None) -> list[list[int]]:

@@ -15,22 +15,12 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from agent_rl.config import Config
+from agent_rl.config import PREFIX_MAX_SHARE, Config
 from agent_rl.learn.batch import MicroBatch
-from agent_rl.learn.fused import fuse_modules
 from agent_rl.learn.losses import entropy_from_logits, token_logprobs
 from agent_rl.rollout.padding import distinct, left_pad
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
 
 
 def load_policy(cfg: Config, path: str, device: str) -> Any:  # a transformers causal LM, or its peft wrapper
@@ -44,8 +34,6 @@ def load_policy(cfg: Config, path: str, device: str) -> Any:  # a transformers c
     dtype = _DTYPES[cfg.model.dtype] if cfg.model.lora.enabled else torch.float32
     model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model = model.to(device)
-    if cfg.train.fused_ops:
-        fuse_modules(model)
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -302,10 +290,6 @@ def _full_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with_en
         logprobs = lp.gather(1, cols) * valid
         entropy = None if ent is None else ent.gather(1, cols) * valid
     return logprobs, entropy
-
-
-# A group's prompt runs once when that leaves at most this share of the padded token positions.
-PREFIX_MAX_SHARE = 0.9
 
 
 def _prefix_plan(mb: MicroBatch):

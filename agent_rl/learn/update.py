@@ -21,12 +21,12 @@ import torch
 from torch import nn
 
 from agent_rl.config import Config
-from agent_rl.infra.world import LOCAL, World
 from agent_rl.learn import advantages as adv_lib
 from agent_rl.learn import losses
 from agent_rl.learn.batch import MicroBatch, RolloutBatch, even_microbatches, pack_microbatches
 from agent_rl.learn.policy import compute_autocast, forward_logprobs, reference_mode, update_logprobs
 from agent_rl.rollout.trajectory import Trajectory
+from agent_rl.world import LOCAL, World
 
 
 def adamw(params, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.0) -> torch.optim.AdamW:

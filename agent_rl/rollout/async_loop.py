@@ -1,6 +1,6 @@
 """Per-trajectory asynchronous rollout: each trajectory runs its own turn loop as an asyncio task.
 
-The turn-synchronous loop (Search-R1's, `AgentLoop.run_sync`) generates a turn for every active
+The turn-synchronous loop (Search-R1's, `sync_loop.run_sync`) generates a turn for every active
 trajectory, waits for the slowest row, then runs one batched search while the engine idles. Here
 every trajectory advances on its own (generate -> parse -> search -> observe), so one
 trajectory's search overlaps other trajectories' generation, and a straggler holds up nobody.
@@ -19,7 +19,7 @@ trajectory's search overlaps other trajectories' generation, and a straggler hol
   still reach the server as few HTTP requests. Retries, timeouts and the error observation are
   the client's and the loop's, as in the synchronous loop.
 - Budgets, the forced final turn, the loss mask and the corrective message are the same code as
-  the synchronous loop (`AgentLoop.take_turn`, `AgentLoop.observe`).
+  the synchronous loop (`turns.Turns.take_turn`, `turns.Turns.observe`).
 - Determinism: each trajectory's turns draw with their own seeds, derived from one draw of the
   engine's generator per `run` (which checkpoints save), so the result does not depend on
   completion order or on what else shared a batch; `--resume` stays exact.
@@ -32,16 +32,13 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import torch
 
 from agent_rl.rollout.engines import Generation
 from agent_rl.rollout.trajectory import Trajectory
+from agent_rl.rollout.turns import PromptItem, Turns
 from retriever_server.client import RetrievalError
-
-if TYPE_CHECKING:
-    from agent_rl.rollout.loop import AgentLoop, PromptItem
 
 _SEED_MOD = 2**31 - 1
 
@@ -213,7 +210,7 @@ class SearchBatcher(_Batcher):
 
 
 async def _run_one(
-    loop: AgentLoop,
+    loop: Turns,
     t: Trajectory,
     index: int,
     base: int,
@@ -226,7 +223,7 @@ async def _run_one(
         while not t.done:
             allowance = loop.budget.turn_allowance(t.total_tokens)
             if allowance <= 0:
-                loop._end(t, "budget_total")
+                loop.end(t, "budget_total")
                 break
             final = loop.must_answer(t, turn)
             g = await gen.generate(t.prompt_ids + t.response_ids, allowance, turn_seed(base, index, turn))
@@ -241,7 +238,7 @@ async def _run_one(
 
 
 async def _run_all(
-    loop: AgentLoop, trajs: list[Trajectory], base: int, temperature: float, top_p: float
+    loop: Turns, trajs: list[Trajectory], base: int, temperature: float, top_p: float, max_inflight: int
 ) -> tuple[int, int]:
     # All engine work in one thread of the rollout's own: spread over asyncio's default pool, each
     # pool thread took its own glibc malloc arena (a higher peak RSS than sync on vLLM).
@@ -252,7 +249,7 @@ async def _run_all(
     else:
         gen = GenerationBatcher(loop.engine, temperature, top_p, loop.engine.batch_size or max(1, len(trajs)), thread)
     search = SearchBatcher(loop.client, loop.topk)
-    slots = asyncio.Semaphore(loop.max_inflight or max(1, len(trajs)))
+    slots = asyncio.Semaphore(max_inflight or max(1, len(trajs)))
     tasks = [asyncio.create_task(_run_one(loop, t, i, base, gen, search, slots)) for i, t in enumerate(trajs)]
     try:
         await asyncio.gather(*tasks)
@@ -264,13 +261,13 @@ async def _run_all(
 
 
 def run_async(
-    loop: AgentLoop, items: list[PromptItem], group_size: int, temperature: float, top_p: float
+    loop: Turns, items: list[PromptItem], group_size: int, temperature: float, top_p: float, max_inflight: int = 0
 ) -> list[Trajectory]:
     """`AgentLoop.run` in `rollout.mode=async`: the same trajectories' contract, each trajectory
-    advancing on its own."""
+    advancing on its own; at most `max_inflight` of them at once (0: all)."""
     trajs = loop.new_trajectories(items, group_size)
     base = int(torch.randint(0, _SEED_MOD, (1,), generator=loop.engine.generator).item())
-    calls, requests = asyncio.run(_run_all(loop, trajs, base, temperature, top_p))
+    calls, requests = asyncio.run(_run_all(loop, trajs, base, temperature, top_p, max_inflight))
     loop.counters["rollout/engine_calls"] += calls
     loop.counters["rollout/search_requests"] += requests
     loop.finish(trajs)

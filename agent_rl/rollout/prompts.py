@@ -15,7 +15,17 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from agent_rl.rollout.budget import TokenBudget
-from agent_rl.rollout.loop import PromptItem
+from agent_rl.rollout.turns import PromptItem
+
+
+def load_tokenizer(path: str):
+    """The model's tokenizer; its EOS pads where it names no pad token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
 
 
 @dataclass

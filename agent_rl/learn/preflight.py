@@ -7,38 +7,18 @@ with the planner's advice, not hours later when the longest sample finally appea
 
 from __future__ import annotations
 
-import resource
 import time
 
 import torch
 
 from agent_rl.config import Config
+from agent_rl.infra.memory import peak_rss_bytes
+from agent_rl.learn.batch import MicroBatch
+from agent_rl.learn.policy import compute_autocast, update_logprobs
 
 
 class PreflightError(RuntimeError):
     pass
-
-
-def proc_status_bytes(key: str) -> int | None:
-    """A memory line of /proc/self/status (VmRSS, VmHWM, RssAnon, ...) in bytes; None off Linux."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident memory since it started (VmHWM on Linux).
-
-    Not ru_maxrss: Linux carries the parent's high-water mark into a child across exec (Python's
-    subprocess uses vfork), so a run launched from a large process would report the parent's peak.
-    """
-    hwm = proc_status_bytes("VmHWM")
-    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _is_oom(err: BaseException) -> bool:
@@ -61,9 +41,6 @@ def run_preflight(model, cfg: Config, device: str) -> dict:
     if torch.cuda.is_available() and str(device).startswith("cuda"):
         torch.cuda.reset_peak_memory_stats(device)
     try:
-        from agent_rl.learn.batch import MicroBatch
-        from agent_rl.learn.policy import compute_autocast, update_logprobs
-
         # The most tokens a trajectory can have trained: every turn at its cap (the LM head runs on these).
         trained = min(length - 1, (cfg.budget.max_turns + 1) * cfg.budget.max_tokens_per_turn)
         mask = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
