@@ -109,7 +109,7 @@ def cmd_rollout(args) -> int:
     from agent_rl.infra.prepare import local_retriever, prepare
     from agent_rl.rollout.loop import rollout_metrics
     from agent_rl.rollout.prompts import load_prompts
-    from agent_rl.rollout.rewards import compute_reward
+    from agent_rl.rollout.rewards import Reward
     from agent_rl.rollout.trajectory import write_trajectories
 
     cfg = _config(args)
@@ -129,8 +129,9 @@ def cmd_rollout(args) -> int:
             cfg.rollout.top_p,
         )
     out = Path(args.out)
+    reward = Reward(cfg.reward)
     for t in trajs:
-        t.reward = compute_reward(cfg.reward.name, t.response_text, t.golden_answers, cfg.reward.format_coef)
+        t.reward = reward(t)
     write_trajectories(out, trajs, tokenizer)
     m = rollout_metrics(trajs, loop.counters)
     print(json.dumps({k: round(v, 4) for k, v in m.items()}, indent=1))
@@ -141,7 +142,7 @@ def cmd_rollout(args) -> int:
 def cmd_eval(args) -> int:
     from agent_rl.infra.prepare import local_retriever, prepare
     from agent_rl.rollout.prompts import load_prompts
-    from agent_rl.rollout.rewards import compute_reward
+    from agent_rl.rollout.rewards import Reward
     from agent_rl.rollout.trajectory import write_trajectories
     from agent_rl.train import evaluate
 
@@ -157,8 +158,9 @@ def cmd_eval(args) -> int:
         trajs: list = []
         metrics = evaluate(loop, prompts, cfg, keep=trajs)
     if args.trajectories:
+        reward = Reward(cfg.reward)
         for t in trajs:
-            t.reward = compute_reward(cfg.reward.name, t.response_text, t.golden_answers, cfg.reward.format_coef)
+            t.reward = reward(t)
         write_trajectories(Path(args.trajectories), trajs, tokenizer)
         print(
             f"wrote {len(trajs)} trajectories to {args.trajectories} (see them with: agent-rl view "

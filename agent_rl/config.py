@@ -382,10 +382,75 @@ class TrainConfig:
     )
 
 
+# Built-in rewards and tools by name (agent_rl/rollout/rewards.py, agent_rl/rollout/tools.py); any other
+# name is a dotted import path `module:attr` (or `module.attr`), loaded by `load_object`.
+BUILTIN_REWARDS = ("em", "f1", "em_format")
+BUILTIN_TOOLS = ("search",)
+
+
 @dataclass
 class RewardConfig:
-    name: str = _f("em", "Reward on the last <answer> of the response: em | f1.")
-    format_coef: float = _f(0.0, "Bonus for a well-formed response (0 = off).")
+    fn: str | list = _f(
+        "em",
+        "The reward, a function (trajectory, golden_answers) -> float: em | f1 (on the last <answer> of the "
+        "policy's own text) | em_format (EM counted only when the response is well formed) | a dotted import path "
+        "`module:function` of your own; or a list of {fn: ..., weight: w} whose weighted sum is the reward, e.g. "
+        "[{fn: em, weight: 1.0}, {fn: mypkg.rewards:brevity, weight: 0.1}].",
+    )
+    format_coef: float = _f(
+        0.0, "Bonus added to the reward when the response is well formed, the total capped at 1 (0 = off)."
+    )
+
+    def terms(self) -> list[tuple[str, float]]:
+        """`fn` as (function spec, weight) pairs."""
+        if isinstance(self.fn, str):
+            return [(self.fn, 1.0)]
+        return [(str(item["fn"]), float(item.get("weight", 1.0))) for item in self.fn]
+
+    def validate(self) -> None:
+        """Each term names a built-in or an importable function; a list's items are {fn, weight} mappings."""
+        items = [self.fn] if isinstance(self.fn, str) else self.fn
+        if not items:
+            raise ConfigError("reward.fn is an empty list: name one reward, e.g. reward.fn=em")
+        for i, item in enumerate(items):
+            key = "reward.fn" if isinstance(self.fn, str) else f"reward.fn[{i}]"
+            if not isinstance(item, str):
+                extra = sorted(set(item) - {"fn", "weight"}) if isinstance(item, dict) else []
+                if not isinstance(item, dict) or "fn" not in item or extra:
+                    raise ConfigError(
+                        f"{key} = {item!r}: each item of a reward list is {{fn: NAME_OR_PATH, weight: FLOAT}}"
+                    )
+                weight = item.get("weight", 1.0)
+                if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+                    raise ConfigError(f"{key}.weight = {weight!r}: a number")
+                item = item["fn"]
+            if not isinstance(item, str) or not item:
+                raise ConfigError(f"{key}: name a reward ({', '.join(BUILTIN_REWARDS)}) or a module:function path")
+            if item not in BUILTIN_REWARDS:
+                if not callable(load_object(item, key)):
+                    raise ConfigError(f"{key} = {item!r} is not callable; it must name a function")
+
+
+def load_object(spec: str, key: str) -> Any:
+    """The object a dotted import path names, `module:attr` or `module.attr` (the last dot splits);
+    a path that does not import is a ConfigError naming `key`."""
+    import importlib
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep:
+        module_name, _, attr = spec.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(f"{key} = {spec!r}: not a built-in name, nor an import path module:attr (or module.attr)")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ConfigError(f"{key} = {spec!r}: cannot import module {module_name!r} ({err})") from err
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"{key} = {spec!r}: module {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
 
 
 @dataclass
@@ -462,6 +527,7 @@ class Config:
     def validate(self) -> None:
         """Reject bad combinations with the key's name and the fix."""
         self.budget.validate()
+        self.reward.validate()
         choices = {
             ("algo", "name"): ("grpo", "ppo"),
             ("algo", "loss_agg"): ("token-mean", "seq-mean-token-mean"),
@@ -471,7 +537,6 @@ class Config:
             ("data", "template"): ("auto", "chat", "base", "compact"),
             ("retriever", "kind"): ("flat", "hnsw", "bm25"),
             ("retriever", "replay_miss"): ("error", "live"),
-            ("reward", "name"): ("em", "f1"),
             ("guard", "action"): ("off", "warn", "stop", "rollback"),
             ("train", "lr_schedule"): ("constant", "cosine"),
             ("model", "dtype"): ("float32", "bfloat16", "float16"),
@@ -710,6 +775,35 @@ def migrate_sections(data: dict, source: str) -> dict:
     return out
 
 
+# Keys renamed inside a section: (section, old key) -> new key, read by `migrate_keys`.
+RENAMED_KEYS = {("reward", "name"): "fn"}
+
+
+def migrate_keys(data: dict, source: str) -> dict:
+    """`data` with renamed keys under their new names, one FutureWarning each; a source that gives
+    both spellings is a ConfigError."""
+    out = dict(data)
+    for (section, old), new in RENAMED_KEYS.items():
+        tree = out.get(section)
+        if not isinstance(tree, dict) or old not in tree:
+            continue
+        if new in tree:
+            raise ConfigError(
+                f"`{section}.{old}` and `{section}.{new}` both given in {source}: `{old}` is the old name of "
+                f"`{new}`; keep only {section}.{new}"
+            )
+        tree = dict(tree)
+        tree[new] = tree.pop(old)
+        out[section] = tree
+        warnings.warn(
+            f"config key `{section}.{old}` is now `{section}.{new}`; read as {section}.{new} ({source}). "
+            f"Write `{section}.{new}` instead.",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return out
+
+
 def _merge(base: dict, extra: dict) -> dict:
     out = dict(base)
     for key, value in extra.items():
@@ -732,8 +826,9 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         data = yaml.safe_load(path.read_text()) or {}
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
-        data = migrate_sections(data, f"config file {path}")
-    data = _merge(data, migrate_sections(parse_overrides(overrides or []), "the overrides"))
+        data = migrate_keys(migrate_sections(data, f"config file {path}"), f"config file {path}")
+    extra = migrate_keys(migrate_sections(parse_overrides(overrides or []), "the overrides"), "the overrides")
+    data = _merge(data, extra)
     cfg = _build(Config, data, "")
     lora_keys = sorted(k for k in ((data.get("model") or {}).get("lora") or {}) if k != "enabled")
     if lora_keys and not cfg.model.lora.enabled:

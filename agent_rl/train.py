@@ -48,7 +48,7 @@ from agent_rl.rollout.buffer import TrajectoryBuffer
 from agent_rl.rollout.engines import Engine, build_engine
 from agent_rl.rollout.loop import AgentLoop, rollout_metrics
 from agent_rl.rollout.prompts import PromptSet, load_prompts, load_tokenizer
-from agent_rl.rollout.rewards import answer_scores, compute_reward
+from agent_rl.rollout.rewards import Reward, answer_scores, compute_reward
 from agent_rl.rollout.trajectory import Trajectory, write_trajectories
 from agent_rl.sft import sft
 from agent_rl.world import World
@@ -522,6 +522,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
         loop = AgentLoop(
             engine, run.tokenizer, client, run.budget, cfg.retriever.topk, cfg.rollout.mode, cfg.rollout.max_inflight
         )
+        reward = Reward(cfg.reward)  # reward.fn: built-ins or the user's functions
         if run.test_set is not None and run.step == 0:
             last_eval = run.evaluate(loop)
             run.logger.log(0, last_eval)
@@ -540,7 +541,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             times["rollout"] = time.perf_counter()
             # 2. reward on the last <answer> of the response only
             for t in trajs:
-                t.reward = compute_reward(cfg.reward.name, t.response_text, t.golden_answers, cfg.reward.format_coef)
+                t.reward = reward(t)
             # 3. buffer: whole groups, bounded by tokens
             for g in range(0, len(trajs), cfg.algo.group_size):
                 run.buffer.add_group(trajs[g : g + cfg.algo.group_size])
