@@ -140,45 +140,142 @@ def cmd_rollout(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    """The papers' table over one or more test sets: per data_source EM, F1 (95% bootstrap
+    intervals), searches, response tokens and end reasons, and the unweighted mean over datasets.
+    Resumable, and sharded over torchrun ranks or `--shard i/n` processes (agent_rl/evaluation.py)."""
+    from contextlib import nullcontext
+
+    from agent_rl import evaluation
     from agent_rl.infra.prepare import local_retriever, prepare
     from agent_rl.rollout.prompts import load_prompts
-    from agent_rl.rollout.rewards import Reward
-    from agent_rl.rollout.trajectory import write_trajectories
-    from agent_rl.train import evaluate
+    from agent_rl.rollout.rewards import Reward, answer_scores
 
     cfg = _config(args)
     if args.retriever_url:
         cfg.retriever.url = args.retriever_url
-    prepare(cfg, need_index=not args.retriever_url)
+    if args.pass_k < 1 or args.chunk_size < 1:
+        print("agent-rl eval: error: --pass-k and --chunk-size must be >= 1", file=sys.stderr)
+        return 2
+    try:
+        shard, shards = evaluation.parse_shard(args.shard)
+    except ValueError as err:
+        print(f"agent-rl eval: error: {err}", file=sys.stderr)
+        return 2
+    world = evaluation.join_ranks(cfg)
+    if world.world_size > 1:
+        if args.shard:
+            print("agent-rl eval: error: --shard and torchrun both split the questions; use one", file=sys.stderr)
+            return 2
+        shard, shards = world.rank, world.world_size
+    if args.fresh and shards > 1 and not world.world_size > 1:
+        print(
+            "agent-rl eval: error: --fresh with --shard would discard the other shards' scores; delete the "
+            "questions folder once before starting the shards",
+            file=sys.stderr,
+        )
+        return 2
+    if world.is_main:
+        prepare(cfg, need_index=not args.retriever_url)
+    world.barrier()  # rank 0 built whatever was missing
     model_path = resolve_model_dir(args.checkpoint)
-    data = [args.data] if args.data else cfg.data.test_files
-    with local_retriever(cfg) as url:
-        loop, tokenizer, budget = _loop(cfg, model_path, url)
-        prompts = load_prompts(data, tokenizer, budget, args.max_samples)
-        trajs: list = []
-        metrics = evaluate(loop, prompts, cfg, keep=trajs)
-    if args.trajectories:
-        reward = Reward(cfg.reward)
-        for t in trajs:
-            t.reward = reward(t)
-        write_trajectories(Path(args.trajectories), trajs, tokenizer)
-        print(
-            f"wrote {len(trajs)} trajectories to {args.trajectories} (see them with: agent-rl view "
-            f"{args.trajectories} --out DIR)"
-        )
-    groups = sorted(k[len("eval/") : -len("/em")] for k in metrics if k.endswith("/em") and k.count("/") >= 2)
-    print(f"{'data_source or type':<22} {'EM':>7} {'F1':>7} {'searches':>9}")
-    for g in groups + [""]:
-        key = f"eval/{g}/" if g else "eval/"
-        print(
-            f"{g or 'all':<22} {metrics[key + 'em']:>7.3f} {metrics[key + 'f1']:>7.3f} "
-            f"{metrics[key + 'searches_mean']:>9.2f}" + (f"   (n={int(metrics['eval/n'])})" if not g else "")
-        )
+    data = args.data or cfg.data.test_files
     out = Path(args.out or Path(cfg.run.output_dir) / "eval.json")
+    folder = evaluation.questions_dir(out)
+    with local_retriever(cfg) if world.is_main else nullcontext(None) as url:
+        url = world.broadcast_object(url)  # the server rank 0 started, or retriever.url
+        loop, tokenizer, budget = _loop(cfg, model_path, url)
+        prompts = evaluation.select(
+            load_prompts(data, tokenizer, budget, args.max_samples), args.per_source, cfg.run.seed
+        )
+        spec = evaluation.make_spec(
+            cfg,
+            args.checkpoint,
+            model_path,
+            data,
+            prompts,
+            evaluation.describe_retriever(loop.client, cfg),
+            max_samples=args.max_samples,
+            per_source=args.per_source,
+            pass_k=args.pass_k,
+            chunk_size=args.chunk_size,
+        )
+        refused = None
+        if world.is_main or world.world_size == 1:
+            try:
+                evaluation.open_folder(folder, spec, fresh=args.fresh)
+            except evaluation.EvalMismatch as err:
+                refused = str(err)
+        refused = world.broadcast_object(refused)
+        if refused:
+            print(f"agent-rl eval: error: {refused}", file=sys.stderr)
+            world.close()
+            return 2
+        traj_path = Path(args.trajectories) if args.trajectories else None
+        if traj_path is not None and world.world_size > 1:
+            traj_path = traj_path.with_name(f"{traj_path.stem}.rank{world.rank}{traj_path.suffix}")
+        kept: list = []
+        reward = Reward(cfg.reward)
+        if traj_path is not None:
+            traj_path.parent.mkdir(parents=True, exist_ok=True)
+            traj_path.write_text("")
+
+        def keep(trajs: list) -> None:  # this process's trajectories, appended chunk by chunk
+            assert traj_path is not None
+            with traj_path.open("a") as fh:
+                for t in trajs:
+                    t.reward = reward(t)
+                    rec = {**t.to_record(tokenizer), **answer_scores(t.response_text, t.golden_answers)}
+                    fh.write(json.dumps(rec) + "\n")
+            kept.extend(t.prompt_id for t in trajs)
+
+        evaluation.score_shard(
+            loop, prompts, spec, folder, shard, shards, on_trajectories=keep if traj_path is not None else None
+        )
+        world.barrier()  # every rank's share is in before rank 0 merges (and stops the retriever)
+    loop.client.close()
+    world.close()
+    if traj_path is not None:
+        print(f"wrote {len(kept)} trajectories to {traj_path} (see them with: agent-rl view {traj_path} --out DIR)")
+    if not world.is_main:
+        return 0
+    return _write_eval_report(folder, out, other_shards=shards > 1 and world.world_size == 1)
+
+
+def _write_eval_report(folder: Path, out: Path, other_shards: bool) -> int:
+    """Merge the folder's part files into OUT (JSON) and OUT with .md (Markdown); print the table."""
+    from agent_rl import evaluation
+    from agent_rl.eval_report import to_markdown
+
+    try:
+        report = evaluation.merge(folder)
+    except evaluation.EvalMismatch as err:
+        if other_shards:  # the other shards are still running: the last one to finish writes the table
+            print(f"[eval] this shard is done; {err}. Then: agent-rl eval-report {folder}", file=sys.stderr)
+            return 0
+        print(f"agent-rl eval: error: {err}", file=sys.stderr)
+        return 2
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"checkpoint": args.checkpoint, "data": data, **metrics}, indent=1))
-    print(f"wrote {out}")
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    md = out.with_suffix(".md")
+    md.write_text(to_markdown(report))
+    print(md.read_text(), end="")
+    print(f"wrote {out} and {md} (per-question scores in {folder})")
     return 0
+
+
+def cmd_eval_report(args) -> int:
+    """The table of an evaluation from its questions folder (after `--shard` runs)."""
+    from agent_rl import evaluation
+
+    folder = Path(args.questions_dir)
+    if not (folder / evaluation.SPEC).exists():
+        print(
+            f"agent-rl eval-report: error: {folder} holds no {evaluation.SPEC} (not an agent-rl eval folder)",
+            file=sys.stderr,
+        )
+        return 2
+    out = Path(args.out) if args.out else folder.with_name(folder.name.removesuffix("_questions") + ".json")
+    return _write_eval_report(folder, out, other_shards=False)
 
 
 def cmd_view(args) -> int:
@@ -315,17 +412,61 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--group-size", type=int, help="samples per prompt (default algo.group_size)")
     p.set_defaults(func=cmd_rollout)
 
-    p = sub.add_parser("eval", help="greedy multi-turn evaluation: EM/F1 per data_source")
+    p = sub.add_parser(
+        "eval",
+        help="multi-turn evaluation over one or more test sets: the papers' table (EM/F1 per data_source, "
+        "their unweighted mean, bootstrap intervals); resumable, sharded under torchrun or --shard",
+    )
     _with_config(p)
     p.add_argument("--checkpoint", required=True, help="checkpoint dir (step_N) or model dir")
-    p.add_argument("--data", help="parquet of test prompts (default data.test_files)")
-    p.add_argument("--retriever-url", help="use this running retriever instead of starting one")
-    p.add_argument("--max-samples", type=int, default=0, help="evaluate at most N prompts (0 = all)")
-    p.add_argument("--out", help="JSON output (default OUTPUT_DIR/eval.json)")
     p.add_argument(
-        "--trajectories", help="also write the evaluated trajectories as JSON lines here (for `agent-rl view`)"
+        "--data",
+        nargs="+",
+        action="extend",
+        help="parquet files of test prompts from data-prep (default data.test_files)",
+    )
+    p.add_argument("--retriever-url", help="use this running retriever instead of starting one")
+    p.add_argument("--max-samples", type=int, default=0, help="evaluate the first N prompts over the files (0 = all)")
+    p.add_argument(
+        "--per-source",
+        type=int,
+        default=0,
+        help="at most N questions of each data_source, a sample seeded by run.seed (0 = all)",
+    )
+    p.add_argument(
+        "--pass-k",
+        type=int,
+        default=1,
+        help="1: one trajectory per question at rollout.eval_temperature (greedy); K > 1: K samples at "
+        "rollout.temperature, and pass@K counts a question when any sample is right",
+    )
+    p.add_argument(
+        "--chunk-size",
+        type=int,
+        default=128,
+        help="questions per rollout batch and per fsync'd write; a killed evaluation redoes at most one chunk",
+    )
+    p.add_argument(
+        "--shard", help="i/n: score only chunks c with c mod n == i (one process per shard, without torchrun)"
+    )
+    p.add_argument("--fresh", action="store_true", help="discard the per-question scores of an earlier evaluation")
+    p.add_argument(
+        "--out",
+        help="JSON table (default OUTPUT_DIR/eval.json); the Markdown table goes beside it (.md), the per-question "
+        "scores to the folder OUT_questions/",
+    )
+    p.add_argument(
+        "--trajectories",
+        help="also write the trajectories this process evaluated as JSON lines here (for `agent-rl view`)",
     )
     p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser(
+        "eval-report", help="merge the per-question scores of a (sharded) evaluation into its table, JSON and Markdown"
+    )
+    p.add_argument("questions_dir", help="an evaluation's OUT_questions folder (holds spec.json and part-*.jsonl)")
+    p.add_argument("--out", help="JSON table (default: beside the folder, OUT.json); the Markdown goes beside it")
+    p.set_defaults(func=cmd_eval_report)
 
     p = sub.add_parser(
         "view",

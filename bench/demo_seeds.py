@@ -16,22 +16,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from agent_rl.eval_report import paired_interval
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def paired_interval(before: list[float], after: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95% percentile bootstrap interval of mean(after - before) over the same questions."""
-    diffs = [a - b for a, b in zip(after, before, strict=True)]
-    rng = random.Random(seed)
-    n = len(diffs)
-    means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(draws))
-    return means[int(0.025 * draws)], means[int(0.975 * draws) - 1]
 
 
 def _scores(run_dir: Path, step: int) -> list[dict]:

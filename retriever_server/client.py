@@ -189,6 +189,12 @@ class RetrieverClient:
             self._fingerprint = fingerprint
             return fingerprint
 
+    @property
+    def index_info(self) -> dict | None:
+        """What `/health` said of the index (kind, count, encoder, corpus_sha256) and the URL, once
+        `fingerprint()` has asked; None before, or when replaying with no server."""
+        return self._index
+
     def _replayed(self, queries: list[str], topk: int) -> list[list[dict]]:
         assert self.record is not None
         fingerprint = self.fingerprint()

@@ -1,0 +1,221 @@
+"""`agent-rl eval` as the papers' table: several test sets, per-source rows with bootstrap intervals
+and their unweighted mean, the exact questions recorded; a killed evaluation resumes to the same
+scores; shards (processes or torchrun ranks) merge to the unsharded table. Plus the pure table
+math on hand-made records."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from agent_fixtures import start_server, torchrun_cmd
+
+from agent_rl.eval_report import macro_interval, paired_interval, summarise, to_markdown
+from agent_rl.evaluation import KILL_AFTER_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+# One thread everywhere: torchrun's ranks run with one, and greedy scores must match bit for bit.
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+
+
+def _overrides(cache: Path, out: Path) -> list[str]:
+    return [
+        f"run.output_dir={out}",
+        "run.tensorboard=false",
+        f"model.path={cache}/model",
+        "model.init_size=tiny",
+        "model.warm_start=",
+        f"data.toy_world={cache}/world",
+        "data.toy_entities=200",
+        f"data.train_files=[{cache}/world/train.parquet]",
+        f"data.test_files=[{cache}/world/test.parquet]",
+        f"retriever.index_dir={cache}/index",
+        f"retriever.corpus={cache}/world/corpus.jsonl",
+        "budget.max_turns=3",
+    ]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The toy world, tiny model and index, and a short SFT warm start of the model (150 steps: it
+    searches and answers, wrong mostly, so trajectories differ from question to question); two test
+    sets cut from the toy test split (`toy_a`, 6 questions; `toy_b`, 5); one retriever server."""
+    cache = tmp_path_factory.mktemp("eval_cache")
+    sft = [sys.executable, "-m", "agent_rl.cli", "sft", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, cache / "run")]
+    sft += [f"model.warm_start={cache}/sft", "sft.steps=150", "sft.batch_size=16"]
+    res = subprocess.run(sft, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    rows = pq.read_table(cache / "world" / "test.parquet").to_pylist()
+    files = []
+    for name, part in (("toy_a", rows[:6]), ("toy_b", rows[6:11])):
+        for r in part:
+            r["uid"] = f"{name}-{r['uid']}"
+            r["data_source"] = name
+        files.append(cache / f"{name}.parquet")
+        pq.write_table(pa.Table.from_pylist(part), files[-1])
+    with start_server(cache / "index") as (_, url):
+        yield {"cache": cache, "files": files, "url": url}
+
+
+def _eval(world, out: Path, *extra: str, env=None, launcher=None):
+    cmd = [*(launcher or [sys.executable, "-m", "agent_rl.cli"]), "eval", "configs/tiny_cpu_grpo.yaml"]
+    cmd += [*_overrides(world["cache"], out.parent), "--checkpoint", str(world["cache"] / "sft")]
+    cmd += ["--retriever-url", world["url"], "--data", *map(str, world["files"]), "--out", str(out), *extra]
+    return subprocess.run(cmd, cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=900)
+
+
+def _records(out: Path) -> list[dict]:
+    folder = out.with_name(out.stem + "_questions")
+    rows = [json.loads(line) for p in sorted(folder.glob("part-*.jsonl")) for line in p.read_text().splitlines()]
+    return sorted(rows, key=lambda r: (r["id"], r["sample"]))
+
+
+@pytest.fixture(scope="module")
+def whole(world, tmp_path_factory) -> Path:
+    """One uninterrupted, unsharded greedy evaluation of both sets in chunks of 2 questions."""
+    out = tmp_path_factory.mktemp("whole") / "eval.json"
+    res = _eval(world, out, "--chunk-size", "2")
+    assert res.returncode == 0, res.stderr[-4000:]
+    return out
+
+
+def test_two_test_sets_give_per_source_rows_their_mean_and_the_subset(world, whole):
+    """Two data sources: a row each (EM, F1, n, searches, response tokens, end-reason shares, 95%
+    intervals), the unweighted mean over them, the question ids in order and the retriever's index
+    fingerprint, in JSON and in Markdown; a progress line per chunk on stderr."""
+    report = json.loads(whole.read_text())
+    table = report["table"]
+    assert set(table["sources"]) == {"toy_a", "toy_b"}
+    a, b = table["sources"]["toy_a"], table["sources"]["toy_b"]
+    assert (a["n"], b["n"]) == (6, 5)
+    for row in (a, b):
+        assert {"em", "f1", "searches_mean", "response_tokens_mean", "end_reasons"} <= set(row)
+        for key in ("em", "f1"):
+            lo, hi = row[f"{key}_ci95"]
+            assert lo <= row[key] <= hi
+        assert sum(row["end_reasons"].values()) == pytest.approx(1.0)
+    mean = table["mean_over_datasets"]
+    assert mean["em"] == pytest.approx((a["em"] + b["em"]) / 2)
+    assert mean["response_tokens_mean"] == pytest.approx((a["response_tokens_mean"] + b["response_tokens_mean"]) / 2)
+    assert len(mean["em_ci95"]) == 2 and mean["datasets"] == 2
+    want = [r["uid"] for f in world["files"] for r in pq.read_table(f).to_pylist()]
+    assert report["subset"]["ids"] == want and report["subset"]["n"] == 11
+    assert report["retriever"]["index_fingerprint"] and report["retriever"]["topk"] >= 1
+    assert report["decoding"]["pass_k"] == 1 and report["decoding"]["temperature"] == 0
+    md = whole.with_suffix(".md").read_text()
+    assert "| toy_a | 6 |" in md and "| toy_b | 5 |" in md and "mean over datasets" in md
+    assert report["retriever"]["index_fingerprint"] in md
+    records = _records(whole)
+    assert len(records) == 11 and {r["chunk"] for r in records} == set(range(6))
+
+
+def test_killed_evaluation_resumes_to_the_same_scores(world, whole, tmp_path):
+    """SIGKILL after two chunks, a torn write left behind (half a chunk and a cut line); the rerun
+    skips the scored chunks, redoes the torn one and gives the uninterrupted run's records and table."""
+    out = tmp_path / "eval.json"
+    res = _eval(world, out, "--chunk-size", "2", env={**ENV, KILL_AFTER_ENV: "2"})
+    assert res.returncode == -9, res.stderr[-4000:]
+    part = tmp_path / "eval_questions" / "part-0.jsonl"
+    lines = part.read_text().splitlines()
+    assert len(lines) == 4 and not out.exists()
+    torn = next(r for r in _records(whole) if r["chunk"] == 2)  # half of chunk 2, altered, then a cut line
+    with part.open("a") as fh:
+        fh.write(json.dumps(torn | {"em": 1.0}) + "\n" + '{"chunk": 3, "id": "toy_a-')
+    res = _eval(world, out, "--chunk-size", "2")
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "resuming: 4 of 11 questions already scored" in res.stderr
+    assert _records(out) == _records(whole)
+    assert json.loads(out.read_text())["table"] == json.loads(whole.read_text())["table"]
+    # Another evaluation into the same folder is refused, not mixed in.
+    res = _eval(world, out, "--chunk-size", "3")
+    assert res.returncode == 2 and "chunk_size" in res.stderr and "--fresh" in res.stderr
+
+
+def test_two_shards_merge_to_the_unsharded_table(world, whole, tmp_path):
+    """`--shard 0/2` and `--shard 1/2`: each scores its chunks; the first leaves the merge to the
+    other, whose table and records equal the unsharded run's; `eval-report` rewrites it."""
+    out = tmp_path / "eval.json"
+    res = _eval(world, out, "--chunk-size", "2", "--shard", "0/2")
+    assert res.returncode == 0 and "eval-report" in res.stderr and not out.exists(), res.stderr[-4000:]
+    res = _eval(world, out, "--chunk-size", "2", "--shard", "1/2")
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert _records(out) == _records(whole)
+    assert json.loads(out.read_text())["table"] == json.loads(whole.read_text())["table"]
+    out.unlink()
+    res = subprocess.run(
+        [sys.executable, "-m", "agent_rl.cli", "eval-report", str(tmp_path / "eval_questions")],
+        cwd=ROOT,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0 and json.loads(out.read_text())["table"] == json.loads(whole.read_text())["table"]
+
+
+def test_torchrun_two_ranks_merge_to_the_unsharded_table(world, whole, tmp_path):
+    """`torchrun --nproc-per-node 2 -m agent_rl eval`: gloo ranks score alternate chunks into their own
+    part files; rank 0 merges them into the unsharded run's table."""
+    out = tmp_path / "eval.json"
+    res = _eval(world, out, "--chunk-size", "2", launcher=torchrun_cmd(2, "-m", "agent_rl"))
+    assert res.returncode == 0, res.stderr[-4000:]
+    folder = tmp_path / "eval_questions"
+    assert (folder / "part-0.jsonl").exists() and (folder / "part-1.jsonl").exists()
+    assert _records(out) == _records(whole)
+    assert json.loads(out.read_text())["table"] == json.loads(whole.read_text())["table"]
+
+
+def test_pass_at_k_samples_k_per_question(world, tmp_path):
+    """`--pass-k 2`: two sampled trajectories per question at rollout.temperature; pass@2 is reported
+    beside the per-sample EM, and is at least it."""
+    out = tmp_path / "eval.json"
+    res = _eval(world, out, "--pass-k", "2", "--chunk-size", "4", "--per-source", "3")
+    assert res.returncode == 0, res.stderr[-4000:]
+    report = json.loads(out.read_text())
+    row = report["table"]["sources"]["toy_a"]
+    assert row["n"] == 3 and row["trajectories"] == 6 and row["pass@2"] >= row["em"]
+    assert report["decoding"]["temperature"] > 0 and report["subset"]["n"] == 6
+    assert "pass@2" in out.with_suffix(".md").read_text()
+
+
+def _rec(source, qid, em, sample=0, reason="answer", searches=1, tokens=10):
+    return {"id": qid, "data_source": source, "type": "", "sample": sample, "em": em, "f1": em,
+            "searches": searches, "response_tokens": tokens, "end_reason": reason}  # fmt: skip
+
+
+def test_table_math_on_hand_made_records():
+    """Per-source means over trajectories, pass@k over questions, end-reason shares, the unweighted
+    mean over sources (not the pooled one), intervals that bracket the means."""
+    records = [
+        _rec("a", "a1", 1.0, 0), _rec("a", "a1", 0.0, 1, reason="max_turns", tokens=30),
+        _rec("a", "a2", 0.0, 0), _rec("a", "a2", 0.0, 1),
+        _rec("b", "b1", 1.0, 0), _rec("b", "b1", 1.0, 1),
+    ]  # fmt: skip
+    t = summarise(records, pass_k=2)
+    a, b = t["sources"]["a"], t["sources"]["b"]
+    assert (a["n"], a["trajectories"], a["em"], a["pass@2"]) == (2, 4, 0.25, 0.5)
+    assert a["end_reasons"] == {"answer": 0.75, "max_turns": 0.25} and a["response_tokens_mean"] == 15
+    assert (b["em"], b["pass@2"]) == (1.0, 1.0)
+    assert t["mean_over_datasets"]["em"] == pytest.approx(0.625)  # (0.25 + 1.0) / 2
+    assert t["all"]["em"] == pytest.approx(0.5)  # pooled over 3 questions: (0.5 + 0 + 1) / 3
+    lo, hi = t["mean_over_datasets"]["em_ci95"]
+    assert 0.5 <= lo <= 0.625 <= hi <= 0.75  # b never varies; a's question means are 0.5 and 0
+    assert macro_interval([[1.0] * 5]) == (1.0, 1.0)
+    lo, hi = paired_interval([0.0] * 50, [1.0] * 25 + [0.0] * 25)
+    assert lo < 0.5 < hi
+    subset = {"n": 3, "ids_sha256": "0" * 64, "max_samples": 0, "per_source": 0, "seed": 0, "dropped": {}}
+    report = {
+        "table": t,
+        "decoding": {"pass_k": 2, "temperature": 1.0, "top_p": 1.0},
+        "checkpoint": "c",
+        "model_fingerprint": "m",
+        "data": ["d"],
+        "retriever": {"index_fingerprint": "f", "topk": 3, "url": "u"},
+        "subset": subset,
+    }
+    md = to_markdown(report)
+    assert "| a | 2 | 0.250 [" in md and "pass@2" in md and "2 sets" in md
