@@ -136,6 +136,9 @@ def describe_retriever(client: RetrieverClient, cfg: Config) -> dict:
     except Exception as err:  # noqa: BLE001  # an unreadable /health only leaves the fingerprint unknown
         print(f"[eval] no index fingerprint from the retriever ({err}); results record none", file=sys.stderr)
     out["index"] = client.index_info
+    about = Path(cfg.retriever.replay or ".") / str(out["index_fingerprint"]) / "index.json"
+    if out["index"] is None and cfg.retriever.replay and about.exists():  # replayed with no server: the record's
+        out["index"] = json.loads(about.read_text())
     return out
 
 
