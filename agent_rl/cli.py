@@ -101,7 +101,7 @@ def _loop(cfg, model_path: str, url: str | None):
     engine = build_engine(cfg, model, tokenizer, model_path=model_path)
     client = RetrieverClient.from_config(cfg.retriever, url)
     budget = TokenBudget.from_config(cfg.budget)
-    loop = AgentLoop(engine, tokenizer, client, budget, cfg.retriever.topk, cfg.rollout.mode, cfg.rollout.max_inflight)
+    loop = AgentLoop.from_config(cfg, engine, tokenizer, client, budget)
     return loop, tokenizer, budget
 
 

@@ -218,6 +218,13 @@ class RolloutConfig:
         "(agent_rl/rollout/async_loop.py).",
     )
     max_inflight: int = _f(0, "async mode: most trajectories in flight at once (0 = all of the step's).")
+    tools: list = _f(
+        ["search"],
+        "The tools the policy may call, each by its tag <name> input </name>: search (Search-R1's) | read (the full "
+        "text of a document by the id search then shows, from the retriever's /read) | the import path "
+        "`module:Class` of a tool of your own (agent_rl/rollout/tools.py: a name, a description, call(inputs) -> "
+        "one ToolOutput per input). Any set other than [search] is listed in the prompt, before its `Question:`.",
+    )
     generation_batch_size: int = _f(128, "Most sequences generated at once by the HF engine.")
     gpu_memory_utilization: float = _f(0.4, "vLLM: fraction of GPU memory it reserves (weights + KV cache).")
     tensor_parallel_size: int = _f(
@@ -385,7 +392,7 @@ class TrainConfig:
 # Built-in rewards and tools by name (agent_rl/rollout/rewards.py, agent_rl/rollout/tools.py); any other
 # name is a dotted import path `module:attr` (or `module.attr`), loaded by `load_object`.
 BUILTIN_REWARDS = ("em", "f1", "em_format")
-BUILTIN_TOOLS = ("search",)
+BUILTIN_TOOLS = ("search", "read")
 
 
 @dataclass
@@ -400,6 +407,14 @@ class RewardConfig:
     format_coef: float = _f(
         0.0, "Bonus added to the reward when the response is well formed, the total capped at 1 (0 = off)."
     )
+
+    @property
+    def name(self) -> str:
+        """The old `reward.name`, for callers not yet scoring with `agent_rl.rollout.rewards.Reward`
+        (which alone knows lists, `em_format` and the user's functions)."""
+        if not isinstance(self.fn, str):
+            raise ConfigError("reward.fn is a list: score with agent_rl.rollout.rewards.Reward(cfg.reward)")
+        return self.fn
 
     def terms(self) -> list[tuple[str, float]]:
         """`fn` as (function spec, weight) pairs."""
@@ -528,6 +543,11 @@ class Config:
         """Reject bad combinations with the key's name and the fix."""
         self.budget.validate()
         self.reward.validate()
+        if not self.rollout.tools or not all(isinstance(t, str) and t for t in self.rollout.tools):
+            raise ConfigError(f"rollout.tools = {self.rollout.tools!r}: a list of tool names or paths, e.g. [search]")
+        for i, spec in enumerate(self.rollout.tools):
+            if spec not in BUILTIN_TOOLS:
+                load_object(spec, f"rollout.tools[{i}]")
         choices = {
             ("algo", "name"): ("grpo", "ppo"),
             ("algo", "loss_agg"): ("token-mean", "seq-mean-token-mean"),

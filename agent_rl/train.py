@@ -519,9 +519,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
     with local_retriever(cfg) if world.is_main else nullcontext(None) as url:
         url = world.broadcast_object(url)  # the server rank 0 started, or retriever.url
         client = RetrieverClient.from_config(cfg.retriever, url)
-        loop = AgentLoop(
-            engine, run.tokenizer, client, run.budget, cfg.retriever.topk, cfg.rollout.mode, cfg.rollout.max_inflight
-        )
+        loop = AgentLoop.from_config(cfg, engine, run.tokenizer, client, run.budget)  # rollout.tools' tools
         reward = Reward(cfg.reward)  # reward.fn: built-ins or the user's functions
         if run.test_set is not None and run.step == 0:
             last_eval = run.evaluate(loop)

@@ -8,6 +8,8 @@ GRPO's repeated queries; every input is validated (limits on queries, query leng
 body size answer 4xx naming the limit); an optional bearer API key; 127.0.0.1 by default.
 Queries are whitespace-normalised before encoding, so a cached answer is always the answer the
 index would give. `/metrics` is Prometheus text (prometheus_client), from a registry per app.
+`/read` returns whole documents by id (the ids `/retrieve` answered with), under the same limits
+and API key: the agent's `read` tool.
 
 The parts, top to bottom: `Settings` (every limit and its default, which the CLI reads),
 `Metrics`, `ResultCache`, `Batcher`, `Retriever` (validation, cache, search, answer), `Guard`
@@ -43,7 +45,7 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Count
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from retriever_server.schema import RetrieveRequest, RetrieveResponse
+from retriever_server.schema import ReadRequest, ReadResponse, RetrieveRequest, RetrieveResponse
 
 Hits = tuple[np.ndarray, np.ndarray]  # (scores (n, k) float32, rows (n, k) int64; -1 = no document)
 
@@ -346,6 +348,27 @@ class Retriever:
         self.metrics.latency.observe(time.perf_counter() - start)
         return JSONResponse({"result": result})  # already plain JSON types: skips FastAPI's jsonable_encoder walk
 
+    async def read(self, req: ReadRequest) -> JSONResponse:
+        """The full documents of `req.ids` (null for an unknown id), under `/retrieve`'s per-request limits."""
+        s = self.s
+        if len(req.ids) > s.max_queries:
+            return self.error(
+                413, f"{len(req.ids)} ids exceed the limit of {s.max_queries} per request (--max-queries)"
+            )
+        for i, doc_id in enumerate(req.ids):
+            if len(doc_id) > s.max_query_chars:
+                return self.error(
+                    413,
+                    f"id {i} has {len(doc_id)} characters, over the limit of {s.max_query_chars} (--max-query-chars)",
+                )
+        try:
+            rows = self.store.row_of(list(req.ids))
+            found = iter(self.store.get(rows))
+        except Exception as err:  # the store itself failed: say so, stay up
+            return self.error(503, f"read failed: {type(err).__name__}: {err}")
+        self.metrics.count(200)
+        return JSONResponse({"result": [next(found) if row >= 0 else None for row in rows.tolist()]})
+
     def health(self) -> dict[str, Any]:
         s = self.s
         return {
@@ -396,7 +419,7 @@ class Guard:
             return await self.app(scope, receive, send)
         s, error = self.retriever.s, self.retriever.error
         headers = dict(scope["headers"])
-        if s.api_key and scope["path"] == "/retrieve":
+        if s.api_key and scope["path"] in ("/retrieve", "/read"):
             if headers.get(b"authorization", b"") != f"Bearer {s.api_key}".encode():
                 refusal = error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")
                 return await refusal(scope, receive, send)
@@ -465,6 +488,11 @@ async def retrieve(req: RetrieveRequest, request: Request) -> Response:
     return await retriever_of(request.app).retrieve(req)
 
 
+@router.post("/read", response_model=ReadResponse, responses=ERROR_RESPONSES)
+async def read(req: ReadRequest, request: Request) -> Response:
+    return await retriever_of(request.app).read(req)
+
+
 @router.get("/health", response_model=None)
 async def health(request: Request) -> dict[str, Any]:
     return retriever_of(request.app).health()
@@ -478,7 +506,7 @@ async def metrics(request: Request) -> Response:
 async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
     # FastAPI answers 400 when the body is not decodable JSON at all (invalid UTF-8, nesting
     # past the recursion limit); the contract says malformed JSON is a 422.
-    if exc.status_code == 400 and request.url.path == "/retrieve":
+    if exc.status_code == 400 and request.url.path in ("/retrieve", "/read"):
         return retriever_of(request.app).error(422, f"malformed request body: {exc.detail} (send UTF-8 JSON)")
     retriever_of(request.app).metrics.count(exc.status_code)
     return await http_exception_handler(request, exc)
@@ -510,6 +538,9 @@ def openapi_with_limits(app: FastAPI) -> dict[str, Any]:
             "title": "Topk",
             "description": f"documents per query (default {s.topk})",
         }
+        ids = doc["components"]["schemas"]["ReadRequest"]["properties"]["ids"]
+        ids["maxItems"] = s.max_queries
+        ids["items"]["maxLength"] = s.max_query_chars
         doc["components"]["schemas"].pop("HTTPValidationError", None)
         doc["components"]["schemas"].pop("ValidationError", None)
         app.openapi_schema = doc

@@ -20,17 +20,20 @@ from __future__ import annotations
 
 import copy
 import email.utils
+import functools
 import hashlib
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 from retriever_server.record import ReplayMiss, RetrievalRecord
-from retriever_server.schema import parse_response
+from retriever_server.schema import parse_read_response, parse_response
 
 
 def base_url(url: str) -> str:
@@ -236,6 +239,24 @@ class RetrieverClient:
 
     def _retrieve_chunk(self, queries: list[str], topk: int) -> list[list[dict]]:
         payload = {"queries": queries, "topk": topk, "return_scores": True}
+        return self._post("/retrieve", payload, lambda body: parse_response(body, len(queries)), len(queries))
+
+    def read(self, ids: list[str]) -> list[dict | None]:
+        """The full documents of `ids` from `/read` (None: not in the corpus), with `/retrieve`'s
+        retries and errors; split into requests of at most `max_queries_per_request` ids. A live
+        server only: a replayed record holds search answers, not documents."""
+        if not ids:
+            return []
+        if self.url is None:
+            raise RetrievalError("no retriever URL to read documents from (replaying with no live server)")
+        out: list[dict | None] = []
+        for lo in range(0, len(ids), self.max_queries_per_request):
+            chunk = ids[lo : lo + self.max_queries_per_request]
+            out += self._post("/read", {"ids": chunk}, functools.partial(parse_read_response, n_ids=len(chunk)), 0)
+        return out
+
+    def _post(self, path: str, payload: dict, parse: Callable[[Any], Any], queries: int) -> Any:
+        """POST with retries (see the module docstring); `queries` is what `stats["queries"]` counts."""
         last_err: Exception | None = None
         server_wait = 0.0  # the last answer's Retry-After
         for attempt in range(self.max_retries + 1):
@@ -245,7 +266,7 @@ class RetrieverClient:
             server_wait = 0.0
             start = time.perf_counter()
             try:
-                resp = self._http.post(f"{self.url}/retrieve", json=payload)
+                resp = self._http.post(f"{self.url}{path}", json=payload)
                 if resp.status_code >= 500 or resp.status_code == 429:
                     server_wait = retry_after_s(resp.headers.get("retry-after"), self.max_retry_after_s)
                     raise httpx.HTTPStatusError(
@@ -254,9 +275,9 @@ class RetrieverClient:
                 if resp.status_code >= 400:  # our own request is wrong: retrying will not help
                     self._count("errors", 1)
                     raise RetrievalError(f"retriever rejected the request: HTTP {resp.status_code}: {resp.text[:300]}")
-                docs = parse_response(resp.json(), len(queries))
+                docs = parse(resp.json())
                 self._count("requests", 1)
-                self._count("queries", len(queries))
+                self._count("queries", queries)
                 self._count("latency_s", time.perf_counter() - start)
                 return docs
             except RetrievalError:

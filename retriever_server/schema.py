@@ -9,6 +9,9 @@ Request: `{"queries": [str], "topk": int | null, "return_scores": bool}`. Respon
 OpenAPI document. `parse_response` reads the same shape from any server (Search-R1's, verl's)
 and forgives what they may leave out: a missing `id` or `contents` is read as empty.
 
+`/read` (`ReadRequest`, `ReadResponse`) returns whole documents by id: `{"ids": [str]}` ->
+`{"result": [document | null per id]}`.
+
 Only pydantic here: `agent_rl` imports this module, never the server's internals.
 """
 
@@ -60,6 +63,19 @@ class RetrieveResponse(BaseModel):
     result: list[list[ScoredDocument | Document]]
 
 
+class ReadRequest(BaseModel):
+    """`/read`: the full documents of the given ids (ids a `/retrieve` answer carried)."""
+
+    model_config = ConfigDict(extra="ignore")
+    ids: list[StrictStr]
+
+
+class ReadResponse(BaseModel):
+    """One item per id, in order: the document, or null for an id the corpus does not hold."""
+
+    result: list[Document | None]
+
+
 class ResponseError(ValueError):
     """A /retrieve answer that is not Search-R1's format."""
 
@@ -74,6 +90,15 @@ def parse_response(payload: Any, n_queries: int) -> list[list[dict]]:
         n = len(result) if isinstance(result, list) else type(result).__name__
         raise ResponseError(f"sent {n_queries} queries, got {n} result lists")
     return [[_document(item) for item in (items or [])] for items in result]
+
+
+def parse_read_response(payload: Any, n_ids: int) -> list[dict | None]:
+    """The documents of a /read answer, one per id (None: not in the corpus), with `id`, `contents`, `title`."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("result"), list):
+        raise ResponseError(f"response is not {{'result': [...]}}: got {type(payload).__name__}")
+    if len(payload["result"]) != n_ids:
+        raise ResponseError(f"sent {n_ids} ids, got {len(payload['result'])} documents")
+    return [None if item is None else {**_document(item), "score": None} for item in payload["result"]]
 
 
 def _document(item: Any) -> dict:

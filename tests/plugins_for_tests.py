@@ -8,3 +8,37 @@ def searched_once(trajectory, golden_answers: list[str]) -> float:
 
 
 not_a_function = 3
+
+
+class Calculator:
+    """A tool: `<calc> 2 + 3 </calc>` -> `5`. `fail` raises ToolError (a dead tool); `long` answers
+    with a very long text (the observation budget must cut it). Records each batch's size."""
+
+    name = "calc"
+    description = "<calc> expression </calc> returns its value"
+    batches: list[int] = []  # noqa: RUF012 (shared on purpose: the test reads it from the class)
+
+    def call(self, inputs: list[str]):
+        from agent_rl.rollout.tools import ToolError, ToolOutput
+
+        Calculator.batches.append(len(inputs))
+        if any(x == "fail" for x in inputs):
+            raise ToolError("the calculator is down")
+        out = []
+        for x in inputs:
+            if x == "long":
+                out.append(ToolOutput(["digits " * 2000]))
+            else:
+                a, op, b = x.split()
+                out.append(ToolOutput([str({"+": int(a) + int(b), "*": int(a) * int(b)}[op])]))
+        return out
+
+
+class AsyncCalculator(Calculator):
+    """The same tool with a coroutine `call` (awaited by the asynchronous driver)."""
+
+    name = "acalc"
+    description = "<acalc> expression </acalc> returns its value"
+
+    async def call(self, inputs: list[str]):
+        return Calculator.call(self, inputs)

@@ -95,3 +95,229 @@ def test_a_reward_from_a_test_file_scores_a_rollout_and_its_grpo_advantages(toke
     assert [t.reward for t in trajs] == [1.5 if s else 1.0 for s in searched]
     adv = grpo_advantages(torch.tensor([t.reward for t in trajs]), [t.prompt_id for t in trajs])
     assert all((a > 0) == s for a, s in zip(adv.tolist(), searched))
+
+
+# ---------------------------------------------------------------- tools
+
+TOOLS = "rollout.tools=[search, 'plugins_for_tests:Calculator']"
+
+
+def _spans(t):
+    """(sampled?, text ids) runs of the response."""
+    runs, cur, flag = [], [], None
+    for i, m in zip(t.response_ids, t.loss_mask):
+        if m != flag and cur:
+            runs.append((flag, cur))
+            cur = []
+        flag = m
+        cur.append(i)
+    if cur:
+        runs.append((flag, cur))
+    return runs
+
+
+def _calc_loop(tokenizer, script, mode="sync", budget=BUDGET, tools=TOOLS):
+    cfg = load_config(None, [tools, f"rollout.mode={mode}"])
+    return AgentLoop.from_config(cfg, ScriptedEngine(tokenizer, script), tokenizer, None, budget)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_tool_from_a_test_file_runs_end_to_end(tokenizer, mode):
+    """A tool defined outside the package, enabled by `rollout.tools`: its call is parsed, batched
+    across the turn's trajectories (sync: one call per turn), its answer inserted as an observation
+    with loss mask 0 and recorded in the turn; the prompt lists the tools."""
+    from plugins_for_tests import Calculator
+
+    def script(ctx):
+        return "<answer> 5 </answer>" if "<information>5</information>" in ctx else "<calc> 2 + 3 </calc>"
+
+    Calculator.batches.clear()
+    loop = _calc_loop(tokenizer, script, mode)
+    trajs = loop.run(_items(tokenizer, 2), group_size=2)
+    assert len(trajs) == 4
+    for t in trajs:
+        prompt = tokenizer.decode(t.prompt_ids, skip_special_tokens=False)
+        assert prompt.startswith("Tools: <search> query </search> returns the top searched results; <calc> expression")
+        assert prompt.endswith("Question: Who directed Inception?\n")
+        assert [x.action for x in t.turns] == ["calc", "answer"] and t.end_reason == "answer"
+        assert t.turns[0].query == "2 + 3" and t.turns[0].retrieval_ms > 0 and t.turns[0].retriever_error is None
+        runs = _spans(t)
+        assert [r[0] for r in runs] == [1, 0, 1]
+        assert tokenizer.decode(runs[1][1], skip_special_tokens=False) == "\n\n<information>5</information>\n\n"
+        assert t.turns[0].obs_tokens == len(runs[1][1])
+    assert sum(Calculator.batches) == 4
+    if mode == "sync":
+        assert Calculator.batches == [4]  # the whole turn's calls in one batch
+    assert loop.counters["tool/calc_calls"] == 4 and loop.counters["retriever/queries"] == 0
+
+
+def test_a_coroutine_tool_and_a_failing_tool(tokenizer):
+    """A tool whose `call` is a coroutine runs under both drivers; a tool that raises ToolError
+    gives the error observation and marks the trajectory as after a failed search."""
+    tools = "rollout.tools=[search, 'plugins_for_tests:AsyncCalculator']"
+    for mode in ("sync", "async"):
+        loop = _calc_loop(
+            tokenizer,
+            lambda ctx: "<answer> 6 </answer>" if "<information>6" in ctx else "<acalc> 2 * 3 </acalc>",
+            mode,
+            tools=tools,
+        )
+        (t,) = loop.run(_items(tokenizer, 1), group_size=1)
+        assert [x.action for x in t.turns] == ["acalc", "answer"] and "<information>6</information>" in t.response_text
+    for mode in ("sync", "async"):
+        loop = _calc_loop(tokenizer, lambda ctx: "<calc> fail </calc>", mode)
+        (t,) = loop.run(_items(tokenizer, 1), group_size=1)
+        assert t.turns[0].retriever_error == "the calculator is down" and t.retrieval_failed
+        assert "calc failed: the tool did not answer." in t.response_text
+        assert loop.counters["tool/calc_errors"] == BUDGET.max_turns and loop.counters["retriever/errors"] == 0
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_budgets_hold_with_a_tool_under_a_runaway_policy(tokenizer, mode):
+    """A policy that calls the tool every turn, whose answers are far over the observation budget:
+    each observation is cut to `max_obs_tokens`, the total never passes `max_total_tokens`, the
+    forced final turn comes after `max_turns` calls, and only sampled tokens are trained."""
+    tight = TokenBudget(
+        max_turns=50, max_prompt_tokens=64, max_tokens_per_turn=24, max_obs_tokens=60, max_total_tokens=400
+    )
+    loop = _calc_loop(tokenizer, lambda ctx: "<calc> long </calc>", mode, budget=tight)
+    trajs = loop.run(_items(tokenizer, 2), group_size=2)
+    for t in trajs:
+        assert t.total_tokens <= tight.max_total_tokens and t.end_reason == "max_turns"
+        assert all(x.obs_tokens <= tight.max_obs_tokens for x in t.turns)
+        assert all(x.obs_truncated for x in t.turns if x.obs_tokens)
+        assert sum(t.loss_mask) == sum(x.gen_tokens for x in t.turns)
+    assert loop.counters["budget/obs_truncated"] > 0 and loop.counters["budget/forced_answer_total"] == 4
+
+
+def test_a_bad_tool_fails_at_load_naming_the_key():
+    """A tool path that does not import, or an object that is not a tool, is a ConfigError naming the key."""
+    with pytest.raises(ConfigError, match=r"rollout\.tools\[1\] = 'nope_xyz:T': cannot import"):
+        load_config(None, ["rollout.tools=[search, 'nope_xyz:T']"])
+    cfg = load_config(None, ["rollout.tools=[search, 'plugins_for_tests:searched_once']"])
+    with pytest.raises(ConfigError, match=r"rollout\.tools\[1\] .* is not a tool: it lacks name, description"):
+        AgentLoop.from_config(cfg, None, None, None, BUDGET)
+
+
+def test_the_default_tool_set_keeps_search_r1s_prompt_and_stop_tags(tokenizer):
+    """With `rollout.tools=[search]` the prompt is untouched and the engines stop at Search-R1's
+    tags; another tool adds its closing tag."""
+    from agent_rl.rollout.protocol import STOP_TAGS, close_tags
+    from agent_rl.rollout.tools import tool_names
+
+    loop = AgentLoop.from_config(load_config(None), None, tokenizer, None, BUDGET)
+    [item] = _items(tokenizer, 1)
+    assert loop.new_trajectories([item], 1)[0].prompt_ids == item.prompt_ids
+    assert close_tags(tool_names(["search"])) == STOP_TAGS
+    assert close_tags(tool_names(["search", "plugins_for_tests:Calculator"])) == ("</search>", "</calc>", "</answer>")
+
+
+def test_one_grpo_step_on_tool_trajectories(tiny_model_dir, tokenizer):
+    """Trajectories with the test tool's observations, scored by the test reward, take one GRPO
+    update (prepare_batch, the loss, the step) and the parameters move."""
+    import random
+
+    from agent_rl.learn.policy import load_policy
+    from agent_rl.learn.update import prepare_batch, update
+
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_model_dir}",
+            TOOLS,
+            "algo.group_size=4",
+            "budget.max_total_tokens=800",
+            "reward.fn=[{fn: em, weight: 1.0}, {fn: 'plugins_for_tests:searched_once', weight: 0.5}]",
+        ],
+    )
+
+    def script(ctx):
+        script.calls += 1
+        if "<information>" in ctx:
+            return "<answer> 5 </answer>" if script.calls % 3 else "<answer> 4 </answer>"
+        return "<calc> 2 + 3 </calc>"
+
+    script.calls = 0
+    loop = AgentLoop.from_config(cfg, ScriptedEngine(tokenizer, script), tokenizer, None, BUDGET)
+    trajs = loop.run([PromptItem("toy-0", "toy", _items(tokenizer, 1)[0].prompt_ids, ["5"])], group_size=4)
+    reward = Reward(cfg.reward)
+    for t in trajs:
+        t.reward = reward(t)
+    assert len({t.reward for t in trajs}) == 2  # some right, some wrong: non-zero advantages
+    torch.manual_seed(0)
+    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    before = [p.detach().clone() for p in policy.parameters()]
+    batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=False)
+    update(cfg, policy, None, torch.optim.SGD(policy.parameters(), lr=0.5), None, batch, random.Random(0))
+    moved = max(float((a - b.detach()).abs().max()) for a, b in zip(before, policy.parameters()))
+    assert moved > 1e-5
+
+
+# ---------------------------------------------------------------- read: a second real tool
+
+
+@pytest.fixture(scope="module")
+def keyed_server(hotpot_index_dir):
+    """A real retriever-server behind an API key, with small limits."""
+    from agent_fixtures import start_server
+
+    with start_server(hotpot_index_dir, "--api-key", "k3y", "--max-queries", "4", "--max-query-chars", "64") as (
+        _,
+        url,
+    ):
+        yield url
+
+
+def test_read_endpoint_returns_whole_documents_under_retrieves_limits_and_key(keyed_server):
+    """POST /read: the full document of each id (null for an unknown id), in order; the API key,
+    the per-request count and length limits of /retrieve apply, with the same error shape."""
+    import requests
+
+    from retriever_server.client import RetrievalError, RetrieverClient
+
+    url, auth = keyed_server, {"Authorization": "Bearer k3y"}
+    hits = requests.post(f"{url}/retrieve", json={"queries": ["Inception"], "topk": 2}, headers=auth, timeout=60)
+    docs = hits.json()["result"][0]
+    ids = [d["id"] for d in docs]
+    resp = requests.post(f"{url}/read", json={"ids": [ids[1], "no-such-id", ids[0]]}, headers=auth, timeout=60)
+    assert resp.status_code == 200
+    assert resp.json()["result"] == [docs[1], None, docs[0]]
+    assert requests.post(f"{url}/read", json={"ids": ids}, timeout=60).status_code == 401
+    too_many = requests.post(f"{url}/read", json={"ids": ["a"] * 5}, headers=auth, timeout=60)
+    assert too_many.status_code == 413 and "--max-queries" in too_many.json()["detail"]
+    too_long = requests.post(f"{url}/read", json={"ids": ["a" * 65]}, headers=auth, timeout=60)
+    assert too_long.status_code == 413 and "--max-query-chars" in too_long.json()["detail"]
+    client = RetrieverClient(url, api_key="k3y", max_queries_per_request=4)
+    got = client.read([ids[0], "nope"] * 3)  # 6 ids: split into requests under the limit
+    assert [g and g["id"] for g in got] == [ids[0], None] * 3 and got[0]["contents"] == docs[0]["contents"]
+    with pytest.raises(RetrievalError, match="401"):
+        RetrieverClient(url, max_retries=0).read(ids)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_search_then_read_end_to_end(tokenizer, keyed_server, mode):
+    """`rollout.tools=[search, read]`: search shows each document's id, `<read> id </read>` inserts
+    that document whole (mask 0, recorded in the turn); the default search format has no ids."""
+    import re
+
+    from retriever_server.client import RetrieverClient
+
+    def script(ctx):
+        if "<answer>" in ctx or ctx.count("<information>") >= 2:
+            return "<answer> Christopher Nolan </answer>"
+        found = re.findall(r"id: ([^)]+)\)", ctx)
+        return f"<read> {found[0]} </read>" if found else "<search> Inception </search>"
+
+    cfg = load_config(None, ["rollout.tools=[search, read]", f"rollout.mode={mode}", "retriever.topk=2"])
+    client = RetrieverClient(keyed_server, api_key="k3y")
+    budget = TokenBudget(
+        max_turns=3, max_prompt_tokens=128, max_tokens_per_turn=24, max_obs_tokens=400, max_total_tokens=1400
+    )
+    loop = AgentLoop.from_config(cfg, ScriptedEngine(tokenizer, script), tokenizer, client, budget)
+    (t,) = loop.run(_items(tokenizer, 1), group_size=1)
+    assert [x.action for x in t.turns] == ["search", "read", "answer"]
+    doc_id = t.turns[1].query
+    assert t.turns[0].docs[0]["id"] == doc_id and t.turns[1].docs[0]["id"] == doc_id
+    assert re.search(r"<information>\(Title: [^)]+\) ", t.response_text)
+    assert loop.counters["tool/read_calls"] == 1 and loop.counters["retriever/queries"] == 2
+    assert sum(t.loss_mask) == sum(x.gen_tokens for x in t.turns)

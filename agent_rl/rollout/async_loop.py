@@ -14,10 +14,10 @@ trajectory's search overlaps other trajectories' generation, and a straggler hol
   call form the next one. A call is one left-padded batch, so a row that arrives mid-call waits
   for it to end, and a finished row waits for the call's longest: that wait is this engine's
   cost (turn batching inside the engine, trajectories async around it).
-- Search: `SearchBatcher` sends every query that is waiting as one `/retrieve` request (the
-  client splits over-limit batches), at most four requests in flight, so concurrent trajectories
-  still reach the server as few HTTP requests. Retries, timeouts and the error observation are
-  the client's and the loop's, as in the synchronous loop.
+- Tools: a `ToolBatcher` per tool sends every call that is waiting as one batch call (search: one
+  `/retrieve` request, the client splitting over-limit batches), at most four in flight, so
+  concurrent trajectories still reach the server as few HTTP requests. Retries, timeouts and the
+  error observation are the client's and the loop's, as in the synchronous loop.
 - Budgets, the forced final turn, the loss mask and the corrective message are the same code as
   the synchronous loop (`turns.Turns.take_turn`, `turns.Turns.observe`).
 - Determinism: each trajectory's turns draw with their own seeds, derived from one draw of the
@@ -30,15 +30,14 @@ trajectory's search overlaps other trajectories' generation, and a straggler hol
 from __future__ import annotations
 
 import asyncio
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from agent_rl.rollout.engines import Generation
+from agent_rl.rollout.tools import SearchTool, Tool, ToolOutput, call_batch_async
 from agent_rl.rollout.trajectory import Trajectory
 from agent_rl.rollout.turns import PromptItem, Turns
-from retriever_server.client import RetrievalError
 
 _SEED_MOD = 2**31 - 1
 
@@ -156,29 +155,30 @@ class StepBatcher(_Batcher):
             raise
 
 
-class SearchBatcher(_Batcher):
-    """Turns single queries into `/retrieve` requests over every query that is waiting.
+class ToolBatcher(_Batcher):
+    """Turns single calls of one tool into batch calls over every call that is waiting (search:
+    one `/retrieve` request for all the waiting queries).
 
-    Up to `max_requests` requests are in flight at once (the client's pool holds 8 connections, and
-    the server batches across requests); queries that arrive while all are out wait and go
-    together in the next one. One request at a time would make a query that just missed a request
-    wait for that whole answer before its own is sent: up to twice the retriever's latency.
+    Up to `max_requests` batches are in flight at once (the retriever client's pool holds 8
+    connections, and the server batches across requests); calls that arrive while all are out wait
+    and go together in the next one. One batch at a time would make a call that just missed a batch
+    wait for that whole answer before its own is sent: up to twice the tool's latency.
     """
 
-    def __init__(self, client, topk: int, max_requests: int = 4):
+    def __init__(self, tool: Tool, max_requests: int = 4):
         super().__init__()
-        self.client, self.topk = client, topk
+        self.tool = tool
         self.slots = asyncio.Semaphore(max(1, max_requests))
         self.sending: set[asyncio.Task] = set()
         self.requests = 0
 
-    async def search(self, query: str) -> tuple[list[dict] | None, str | None, float]:
-        """(documents or None, error or None, milliseconds of the request that carried it)."""
-        return await self._submit(query)
+    async def call(self, text: str) -> tuple[ToolOutput | None, str | None, float]:
+        """(output or None, error or None, milliseconds of the batch that carried it)."""
+        return await self._submit(text)
 
     async def _drain(self) -> None:
         while self.pending:
-            await asyncio.sleep(0)  # let every task that is ready queue its query first
+            await asyncio.sleep(0)  # let every task that is ready queue its call first
             await self.slots.acquire()
             batch, self.pending = self.pending, []
             task = asyncio.get_running_loop().create_task(self._send(batch))
@@ -187,26 +187,29 @@ class SearchBatcher(_Batcher):
 
     async def _send(self, batch: list[tuple[str, asyncio.Future]]) -> None:
         try:
-            start = time.perf_counter()
-            error, results = None, None
             try:
-                if self.client is None:
-                    raise RetrievalError("no retriever configured")
-                results = await asyncio.to_thread(self.client.retrieve, [q for q, _ in batch], self.topk)
-            except RetrievalError as err:
-                error = str(err)
-            except Exception as err:  # any other fault: every query of the request raises it
+                outputs, error, ms = await call_batch_async(self.tool, [x for x, _ in batch])
+            except Exception as err:  # any other fault: every call of the batch raises it
                 for _, future in batch:
                     if not future.done():
                         future.set_exception(err)
                 return
             self.requests += 1
-            ms = (time.perf_counter() - start) * 1000.0
             for i, (_, future) in enumerate(batch):
                 if not future.done():
-                    future.set_result((None if results is None else results[i], error, ms))
+                    future.set_result((None if outputs is None else outputs[i], error, ms))
         finally:
             self.slots.release()
+
+
+class SearchBatcher(ToolBatcher):
+    """`ToolBatcher` over Search-R1's search on `client`."""
+
+    def __init__(self, client, topk: int, max_requests: int = 4):
+        super().__init__(SearchTool(client, topk), max_requests)
+
+    async def search(self, query: str) -> tuple[ToolOutput | None, str | None, float]:
+        return await self.call(query)
 
 
 async def _run_one(
@@ -215,7 +218,7 @@ async def _run_one(
     index: int,
     base: int,
     gen: GenerationBatcher | StepBatcher,
-    search: SearchBatcher,
+    tools: dict[str, ToolBatcher],
     slots: asyncio.Semaphore,
 ) -> None:
     async with slots:
@@ -227,19 +230,17 @@ async def _run_one(
                 break
             final = loop.must_answer(t, turn)
             g = await gen.generate(t.prompt_ids + t.response_ids, allowance, turn_seed(base, index, turn))
-            query = loop.take_turn(t, g, final)
-            if query is not None:
-                docs, error, ms = await search.search(query)
-                loop.counters["retriever/queries"] += 1
-                if docs is None:
-                    loop.counters["retriever/errors"] += 1
-                loop.observe(t, docs, error, ms)
+            call = loop.take_turn(t, g, final)
+            if call is not None:
+                output, error, ms = await tools[call[0].name].call(call[1])
+                loop.count_calls(call[0], 1, error is not None)
+                loop.observe(t, output, error, ms)
             turn += 1
 
 
 async def _run_all(
     loop: Turns, trajs: list[Trajectory], base: int, temperature: float, top_p: float, max_inflight: int
-) -> tuple[int, int]:
+) -> tuple[int, dict[str, int]]:
     # All engine work in one thread of the rollout's own: spread over asyncio's default pool, each
     # pool thread took its own glibc malloc arena (a higher peak RSS than sync on vLLM).
     thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-rl-engine")
@@ -248,16 +249,16 @@ async def _run_all(
         gen = StepBatcher(loop.engine, temperature, top_p, thread)
     else:
         gen = GenerationBatcher(loop.engine, temperature, top_p, loop.engine.batch_size or max(1, len(trajs)), thread)
-    search = SearchBatcher(loop.client, loop.topk)
+    tools = {name: ToolBatcher(tool) for name, tool in loop.tools.items()}
     slots = asyncio.Semaphore(max_inflight or max(1, len(trajs)))
-    tasks = [asyncio.create_task(_run_one(loop, t, i, base, gen, search, slots)) for i, t in enumerate(trajs)]
+    tasks = [asyncio.create_task(_run_one(loop, t, i, base, gen, tools, slots)) for i, t in enumerate(trajs)]
     try:
         await asyncio.gather(*tasks)
     finally:
         for task in tasks:
             task.cancel()
         thread.shutdown(wait=False)
-    return gen.calls, search.requests
+    return gen.calls, {name: b.requests for name, b in tools.items()}
 
 
 def run_async(
@@ -269,6 +270,7 @@ def run_async(
     base = int(torch.randint(0, _SEED_MOD, (1,), generator=loop.engine.generator).item())
     calls, requests = asyncio.run(_run_all(loop, trajs, base, temperature, top_p, max_inflight))
     loop.counters["rollout/engine_calls"] += calls
-    loop.counters["rollout/search_requests"] += requests
+    for name, n in requests.items():
+        loop.counters[f"rollout/{name}_requests"] += n  # batch calls (search: /retrieve requests)
     loop.finish(trajs)
     return trajs

@@ -1,4 +1,4 @@
-"""The multi-turn agent loop: generate, parse the action, search, insert the observation.
+"""The multi-turn agent loop: generate, parse the action, call the tool (search), insert the observation.
 
 `AgentLoop` is the entry point of a rollout: the turn logic (`turns.Turns`) run by the driver
 `rollout.mode` names, Search-R1's turn-synchronous loop (`sync_loop`) or each trajectory on its
@@ -7,10 +7,12 @@ own (`async_loop`). Both drivers give the same trajectories' contract.
 
 from __future__ import annotations
 
+from agent_rl.config import Config
 from agent_rl.rollout.async_loop import run_async
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.engines import Engine
 from agent_rl.rollout.sync_loop import run_sync
+from agent_rl.rollout.tools import Tool, build_tools
 from agent_rl.rollout.trajectory import Trajectory
 from agent_rl.rollout.turns import ObservationBuilder, PromptItem, Turns, rollout_metrics
 from retriever_server.client import RetrieverClient
@@ -19,7 +21,8 @@ __all__ = ["AgentLoop", "ObservationBuilder", "PromptItem", "rollout_metrics"]
 
 
 class AgentLoop(Turns):
-    """Runs batched multi-turn rollouts for a list of prompts."""
+    """Runs batched multi-turn rollouts for a list of prompts. `tools`: what `rollout.tools` names
+    (`tools.build_tools`); None is search alone on `client`."""
 
     def __init__(
         self,
@@ -30,12 +33,21 @@ class AgentLoop(Turns):
         topk: int = 3,
         mode: str = "sync",
         max_inflight: int = 0,
+        tools: list[Tool] | None = None,
     ):
         if mode not in ("sync", "async"):
             raise ValueError(f"rollout mode {mode!r}: use sync or async")
-        super().__init__(engine, tokenizer, client, budget, topk)
+        super().__init__(engine, tokenizer, client, budget, topk, tools)
         self.mode = mode
         self.max_inflight = max_inflight  # async: most trajectories in flight (0: all of the call's)
+
+    @classmethod
+    def from_config(cls, cfg: Config, engine: Engine, tokenizer, client: RetrieverClient | None, budget: TokenBudget):
+        """The loop a config describes: `rollout.mode`, `rollout.max_inflight`, `rollout.tools`."""
+        tools = build_tools(cfg.rollout.tools, client, cfg.retriever.topk)
+        return cls(
+            engine, tokenizer, client, budget, cfg.retriever.topk, cfg.rollout.mode, cfg.rollout.max_inflight, tools
+        )
 
     def run(
         self, items: list[PromptItem], group_size: int = 1, temperature: float = 1.0, top_p: float = 1.0

@@ -1,14 +1,17 @@
 """The agent's tag protocol (Search-R1's): what the policy writes, what the environment inserts.
 
 The policy reasons, then either searches, `<search> query </search>`, or answers,
-`<answer> text </answer>`; generation stops at either closing tag. The environment answers a
+`<answer> text </answer>`; generation stops at either closing tag. Another tool is called the same
+way, `<name> input </name>` (`rollout.tools`), and its closing tag stops a turn too. The environment answers a
 search with `<information>...</information>` (loss mask 0) and an action it cannot parse with
 `INVALID_MESSAGE`. Everything that writes or reads these strings takes them from here.
 """
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Sequence
 
 SEARCH_OPEN, SEARCH_CLOSE = "<search>", "</search>"
 ANSWER_OPEN, ANSWER_CLOSE = "<answer>", "</answer>"
@@ -51,15 +54,28 @@ def answer_action(answer: str) -> str:
     return f"{ANSWER_OPEN} {answer} {ANSWER_CLOSE}"
 
 
-def parse_action(text: str) -> tuple[str, str | None]:
-    """The first complete `<search>` or `<answer>` of a turn wins: ("search"|"answer"|"invalid", content)."""
-    search, answer = _SEARCH.search(text), _ANSWER.search(text)
-    if answer and (not search or answer.start() < search.start()):
-        return "answer", answer.group(1).strip()
-    if search:
-        query = search.group(1).strip()
-        return ("search", query) if query else ("invalid", None)
-    return "invalid", None
+def parse_action(text: str, tools: Sequence[str] = ("search",)) -> tuple[str, str | None]:
+    """The first complete `<answer>` or tool call (`<name> input </name>` for each name in `tools`)
+    of a turn wins: ("answer" | a tool's name | "invalid", content); an empty tool input is invalid."""
+    found = [(m.start(), "answer", m) for m in [_ANSWER.search(text)] if m]
+    found += [(m.start(), name, m) for name in tools for m in [_tag_pattern(name).search(text)] if m]
+    if not found:
+        return "invalid", None
+    _, action, match = min(found, key=lambda f: f[0])
+    content = match.group(1).strip()
+    if action == "answer":
+        return "answer", content
+    return (action, content) if content else ("invalid", None)
+
+
+def close_tags(tools: Sequence[str]) -> tuple[str, ...]:
+    """The tags a turn stops at: each tool's closing tag and `</answer>` (`STOP_TAGS` for search alone)."""
+    return tuple(dict.fromkeys([f"</{name}>" for name in tools] + [ANSWER_CLOSE]))
+
+
+@functools.lru_cache(maxsize=64)
+def _tag_pattern(name: str) -> re.Pattern:
+    return _SEARCH if name == "search" else re.compile(f"<{re.escape(name)}>(.*?)</{re.escape(name)}>", re.DOTALL)
 
 
 def policy_text(response_text: str) -> str:

@@ -17,11 +17,14 @@ def document_summaries(docs: list[dict], text_chars: int = 600) -> list[dict]:
     return out
 
 
-def format_documents(docs: list[dict]) -> list[str]:
-    """Search-R1's passage format: `Doc i(Title: T) text`, one string per document."""
+def format_documents(docs: list[dict], with_ids: bool = False) -> list[str]:
+    """Search-R1's passage format: `Doc i(Title: T) text`, one string per document; `with_ids`
+    (the `read` tool is enabled): `Doc i(Title: T, id: ID) text`, the id that `<read>` takes."""
     out = []
     for i, doc in enumerate(docs, 1):
         contents = doc.get("contents", "")
         title, _, text = contents.partition("\n")
-        out.append(f"Doc {i}(Title: {title}) {text}")
+        out.append(
+            f"Doc {i}(Title: {title}, id: {doc.get('id')}) {text}" if with_ids else f"Doc {i}(Title: {title}) {text}"
+        )
     return out

@@ -1,13 +1,11 @@
 """Search-R1's turn-synchronous driver: every active trajectory generates its turn, then one
-batched search for all of the turn's queries."""
+batched call per tool for all of the turn's calls (search: one `/retrieve` for all the queries)."""
 
 from __future__ import annotations
 
-import time
-
+from agent_rl.rollout.tools import Tool, call_batch
 from agent_rl.rollout.trajectory import Trajectory
 from agent_rl.rollout.turns import PromptItem, Turns
-from retriever_server.client import RetrievalError
 
 
 def run_sync(
@@ -31,32 +29,22 @@ def run_sync(
         gens = turns.engine.generate(
             [t.prompt_ids + t.response_ids for t, _ in pairs], [a for _, a in pairs], temperature, top_p
         )
-        searches: list[tuple[Trajectory, str]] = []
+        calls: dict[str, list[tuple[Trajectory, str]]] = {}  # per tool, in the turn's order
         for (t, _), g, final in zip(pairs, gens, finals):
-            query = turns.take_turn(t, g, final)
-            if query is not None:
-                searches.append((t, query))
-        if searches:
-            search_and_insert(turns, searches)
+            call = turns.take_turn(t, g, final)
+            if call is not None:
+                calls.setdefault(call[0].name, []).append((t, call[1]))
+        for name, batch in calls.items():
+            call_and_insert(turns, turns.tools[name], batch)
         turn += 1
     turns.finish(trajs)
     return trajs
 
 
-def search_and_insert(turns: Turns, searches: list[tuple[Trajectory, str]]) -> None:
-    """One batched `/retrieve` for every query of the turn; each trajectory gets its observation."""
-    queries = [q for _, q in searches]
-    start = time.perf_counter()
-    error = None
-    results: list[list[dict]] | list[None]
-    try:
-        if turns.client is None:
-            raise RetrievalError("no retriever configured")
-        results = turns.client.retrieve(queries, turns.topk)
-    except RetrievalError as err:
-        error, results = str(err), [None] * len(queries)
-        turns.counters["retriever/errors"] += len(queries)
-    ms = (time.perf_counter() - start) * 1000.0
-    turns.counters["retriever/queries"] += len(queries)
-    for (t, _), docs in zip(searches, results):
-        turns.observe(t, docs, error, ms)
+def call_and_insert(turns: Turns, tool: Tool, batch: list[tuple[Trajectory, str]]) -> None:
+    """One batch call of `tool` for every call of the turn (search: one `/retrieve`); each
+    trajectory gets its observation."""
+    outputs, error, ms = call_batch(tool, [x for _, x in batch])
+    turns.count_calls(tool, len(batch), error is not None)
+    for i, (t, _) in enumerate(batch):
+        turns.observe(t, None if outputs is None else outputs[i], error, ms)

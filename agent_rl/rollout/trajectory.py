@@ -19,14 +19,14 @@ END_REASONS = ("answer", "max_turns", "budget_total", "invalid", "retriever_erro
 class Turn:
     """One generation turn and what the environment did with it."""
 
-    action: str  # "search" | "answer" | "invalid"
+    action: str  # "search" (or another tool's name) | "answer" | "invalid"
     gen_tokens: int  # tokens the policy generated this turn
     truncated: bool  # the turn ran into its token allowance without a stop tag
-    query: str | None = None
+    query: str | None = None  # the tool call's input (search: the query)
     obs_tokens: int = 0  # tokens inserted after the turn (observation or corrective message)
     obs_truncated: bool = False  # the observation was cut to fit its budget
-    retrieval_ms: float = 0.0
-    retriever_error: str | None = None
+    retrieval_ms: float = 0.0  # the tool call's latency (the batch that carried it)
+    retriever_error: str | None = None  # the tool failed (search: the retriever did not answer)
     docs: list[dict] | None = None  # what the search returned: id, title, score, start of the text
 
 

@@ -1,12 +1,13 @@
 """The turn logic of a multi-turn search agent: what one generated turn does to a trajectory.
 
-A turn's text is parsed into an action (Search-R1's tags): an answer ends the trajectory, a search
-returns its query for the driver to run, anything else gets Search-R1's corrective message. The
-observation of a search is `\n\n<information>Doc 1(Title: T) ...</information>\n\n` (Search-R1's
-format) with loss mask 0; a dead retriever gives an observation saying retrieval failed. The token
-budget is asked before anything is appended; after `max_turns` search turns the policy must answer
-(as Search-R1's final rollout). Departure from Search-R1: no decode/re-tokenize of sampled text,
-stop at tags, hard budgets.
+A turn's text is parsed into an action (Search-R1's tags): an answer ends the trajectory, a tool
+call (`<search>` or another of `rollout.tools`) returns its tool and input for the driver to run,
+anything else gets Search-R1's corrective message. The observation of a search is
+`\n\n<information>Doc 1(Title: T) ...</information>\n\n` (Search-R1's format), every other tool's
+answer is framed the same way, all with loss mask 0; a dead retriever (a failed tool) gives an
+observation saying it failed. The token budget is asked before anything is appended, whatever the
+tool; after `max_turns` tool turns the policy must answer (as Search-R1's final rollout).
+Departure from Search-R1: no decode/re-tokenize of sampled text, stop at tags, hard budgets.
 
 The drivers sit above this module and it imports neither: `sync_loop` (Search-R1's
 turn-synchronous loop) and `async_loop` (each trajectory on its own); `loop.AgentLoop` picks one.
@@ -26,7 +27,7 @@ from agent_rl.rollout.protocol import (
     TRUNCATION_MARKER,
     parse_action,
 )
-from agent_rl.rollout.retriever import document_summaries, format_documents
+from agent_rl.rollout.tools import SearchTool, Tool, ToolOutput, prompt_note
 from agent_rl.rollout.trajectory import Trajectory, Turn
 from retriever_server.client import RetrieverClient
 
@@ -72,12 +73,24 @@ class Turns:
     """The turn logic over one rollout's trajectories, shared by both drivers: counters, the forced
     answer, taking a generated turn, inserting an observation."""
 
-    def __init__(self, engine: Engine, tokenizer, client: RetrieverClient | None, budget: TokenBudget, topk: int = 3):
+    def __init__(
+        self,
+        engine: Engine,
+        tokenizer,
+        client: RetrieverClient | None,
+        budget: TokenBudget,
+        topk: int = 3,
+        tools: list[Tool] | None = None,
+    ):
         self.engine = engine
         self.tok = tokenizer
         self.client = client
         self.budget = budget
         self.topk = topk
+        # `rollout.tools` (tools.build_tools); None: Search-R1's search alone
+        self.tools: dict[str, Tool] = {t.name: t for t in (tools or [SearchTool(client, topk)])}
+        self.note = prompt_note(list(self.tools.values()))
+        self._noted: dict[tuple[int, ...], list[int]] = {}  # prompt ids -> with the tools' note
         self.obs = ObservationBuilder(tokenizer)
         self.invalid_ids = self.obs._ids(INVALID_MESSAGE)
         self.counters: Counter = Counter()
@@ -90,7 +103,7 @@ class Turns:
             Trajectory(
                 prompt_id=it.prompt_id,
                 data_source=it.data_source,
-                prompt_ids=list(it.prompt_ids),
+                prompt_ids=self._prompt(it.prompt_ids),
                 golden_answers=list(it.golden_answers),
                 sample_idx=j,
             )
@@ -102,9 +115,25 @@ class Turns:
                 raise ValueError(
                     f"prompt {t.prompt_id} has {t.prompt_tokens} tokens > budget.max_prompt_tokens "
                     f"({self.budget.max_prompt_tokens}); "
-                    "prompts are filtered at data loading, never truncated"
+                    + (
+                        f"the list of rollout.tools added {len(self.obs._ids(self.note))} tokens to it: raise "
+                        "budget.max_prompt_tokens"
+                        if self.note
+                        else "prompts are filtered at data loading, never truncated"
+                    )
                 )
         return trajs
+
+    def _prompt(self, ids: list[int]) -> list[int]:
+        """The prompt with the tools' note before its last `Question:` (unchanged for search alone)."""
+        if not self.note:
+            return list(ids)
+        key = tuple(ids)
+        if key not in self._noted:
+            text = self.tok.decode(ids, skip_special_tokens=False)
+            at = max(0, text.rfind("Question:"))
+            self._noted[key] = self.obs._ids(text[:at] + self.note + text[at:])
+        return list(self._noted[key])
 
     def must_answer(self, t: Trajectory, turn: int) -> bool:
         """The budget's forced-answer rule for this trajectory's next turn; counts the total-budget case."""
@@ -113,19 +142,19 @@ class Turns:
             self.counters["budget/forced_answer_total"] += 1
         return final
 
-    def take_turn(self, t: Trajectory, g: Generation, final: bool) -> str | None:
+    def take_turn(self, t: Trajectory, g: Generation, final: bool) -> tuple[Tool, str] | None:
         """Append a generated turn and act on it: end the trajectory, insert the corrective
-        message, or return the query to search (the caller searches and calls `observe`)."""
+        message, or return the tool call to run (the caller calls the tool and then `observe`)."""
         t.append(g.token_ids, sampled=True, logprobs=g.logprobs)
         text = self.tok.decode(g.token_ids, skip_special_tokens=False)
-        action, content = parse_action(text)
+        action, content = parse_action(text, tuple(self.tools))
         truncated = g.finish_reason == "length"
         t.turns.append(
             Turn(
                 action=action,
                 gen_tokens=len(g.token_ids),
                 truncated=truncated,
-                query=content if action == "search" else None,
+                query=content if action in self.tools else None,
             )
         )
         self.counters["rollout/turns"] += 1
@@ -137,8 +166,9 @@ class Turns:
         elif final:
             last_err = len(t.turns) > 1 and t.turns[-2].retriever_error is not None
             self.end(t, "invalid" if action == "invalid" else ("retriever_error" if last_err else "max_turns"))
-        elif action == "search":
-            return content
+        elif action in self.tools:
+            assert content is not None
+            return self.tools[action], content
         else:
             self._insert(t, self.invalid_ids)
         return None
@@ -161,16 +191,29 @@ class Turns:
         t.append(ids, sampled=False)
         t.turns[-1].obs_tokens = len(ids)
 
-    def observe(self, t: Trajectory, docs: list[dict] | None, error: str | None, ms: float) -> None:
-        """Insert the observation for the last turn's search (`docs` None: retrieval failed)."""
+    def count_calls(self, tool: Tool, calls: int, failed: bool) -> None:
+        """Count a batch of a tool's calls (a retriever's also as `retriever/queries` and `/errors`)."""
+        self.counters[f"tool/{tool.name}_calls"] += calls
+        if failed:
+            self.counters[f"tool/{tool.name}_errors"] += calls
+        if getattr(tool, "uses_retriever", False):
+            self.counters["retriever/queries"] += calls
+            if failed:
+                self.counters["retriever/errors"] += calls
+
+    def observe(self, t: Trajectory, output: ToolOutput | None, error: str | None, ms: float) -> None:
+        """Insert the observation for the last turn's tool call (`output` None: the tool failed)."""
         turn = t.turns[-1]
         turn.retrieval_ms = ms
-        if docs is None:
+        if output is None:
             turn.retriever_error = error
-            parts = ["Retrieval failed: the search engine did not answer. Try again or answer from what you know."]
+            what = (
+                "Retrieval failed: the search engine" if turn.action == "search" else f"{turn.action} failed: the tool"
+            )
+            parts = [f"{what} did not answer. Try again or answer from what you know."]
         else:
-            parts = format_documents(docs) or ["No documents found."]
-            turn.docs = document_summaries(docs)
+            parts = output.parts
+            turn.docs = output.docs
         allowance = self.budget.obs_allowance(t.total_tokens)
         if allowance < self.obs.min_tokens():
             self.counters["budget/obs_no_room"] += 1

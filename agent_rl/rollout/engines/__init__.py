@@ -12,6 +12,8 @@ import torch
 from agent_rl.rollout.engines.base import Engine, FullParams, Generation, sample_tokens, stop_token_ids
 from agent_rl.rollout.engines.hf import HFEngine, rollout_copy
 from agent_rl.rollout.engines.vllm import VLLMEngine, VLLMWeightSync, hf_named_weights, vllm_dtype, vllm_engine_kwargs
+from agent_rl.rollout.protocol import close_tags
+from agent_rl.rollout.tools import tool_names
 
 __all__ = [
     "Engine",
@@ -59,6 +61,7 @@ def build_engine(
     unsharded copy), with a frozen copy moved there that `sync_weights` refreshes.
     """
     seed = cfg.run.seed if seed is None else seed
+    stop_tags = close_tags(tool_names(cfg.rollout.tools))  # Search-R1's STOP_TAGS for search alone
     if cfg.rollout.resolved_engine() == "vllm":
         if distributed and cfg.rollout.tensor_parallel_size > 1:
             raise ValueError(
@@ -66,7 +69,7 @@ def build_engine(
                 "(set it to 1)"
             )
         path = model_path or cfg.model.warm_start or cfg.model.path
-        return VLLMEngine(path, tokenizer, cfg, seed=seed, distributed=distributed)
+        return VLLMEngine(path, tokenizer, cfg, seed=seed, distributed=distributed, stop_tags=stop_tags)
     if policy is None:
         raise ValueError("the HF rollout engine generates with the policy's weights: pass the loaded model")
     device = cfg.rollout.device
@@ -78,4 +81,5 @@ def build_engine(
         batch_size=cfg.rollout.generation_batch_size,
         seed=seed,
         bf16=cfg.train.bf16,
+        stop_tags=stop_tags,
     )

@@ -8,7 +8,7 @@ and re-tokenizes what will be trained.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -67,10 +67,10 @@ class Engine(Protocol):
         read directly."""
 
 
-def stop_token_ids(tokenizer) -> list[int]:
+def stop_token_ids(tokenizer, stop_tags: Sequence[str] = STOP_TAGS) -> list[int]:
     """Ids of the stop tags when the tokenizer has them as single tokens, plus eos."""
     ids = []
-    for tag in STOP_TAGS:
+    for tag in stop_tags:
         tok = tokenizer.convert_tokens_to_ids(tag)
         if isinstance(tok, int) and tok != tokenizer.unk_token_id and tok is not None and tok >= 0:
             if tokenizer.decode([tok]) == tag:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -42,6 +42,7 @@ class HFEngine:
         batch_size: int = 128,
         seed: int = 0,
         bf16: bool = False,
+        stop_tags: Sequence[str] = STOP_TAGS,
     ):
         self.model = model
         # bf16 compute over the model's own weights (autocast), as the trainer computes with `train.bf16`:
@@ -50,10 +51,10 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.batch_size = batch_size
-        self.stop_ids = stop_token_ids(tokenizer)
+        self.stop_ids = stop_token_ids(tokenizer, stop_tags)  # the tools' closing tags and </answer>
         # Multi-token tags (real hub tokenizers) are caught as stop strings on the decoded tail.
         single = {tokenizer.decode([i]) for i in self.stop_ids}
-        self.stop_strings = [t for t in STOP_TAGS if t not in single]
+        self.stop_strings = [t for t in stop_tags if t not in single]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.stats = {"generated_tokens": 0, "generate_s": 0.0}

@@ -7,7 +7,7 @@ after each update through a worker extension (`VLLMWeightSync`), LoRA merged (`h
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -127,7 +127,15 @@ class VLLMEngine:
     continuous = True
     batch_size = 0  # the engine's scheduler sizes its own batches
 
-    def __init__(self, model_path: str, tokenizer, cfg, seed: int = 0, distributed: bool = False):
+    def __init__(
+        self,
+        model_path: str,
+        tokenizer,
+        cfg,
+        seed: int = 0,
+        distributed: bool = False,
+        stop_tags: Sequence[str] = STOP_TAGS,
+    ):
         import os
 
         device = str(cfg.rollout.device)
@@ -168,7 +176,8 @@ class VLLMEngine:
         self.in_process = (
             os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and kwargs.get("tensor_parallel_size", 1) == 1
         )
-        self.stop_ids = stop_token_ids(tokenizer)
+        self.stop_tags = list(stop_tags)  # the tools' closing tags and </answer>
+        self.stop_ids = stop_token_ids(tokenizer, stop_tags)
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.stats = {"generated_tokens": 0, "generate_s": 0.0, "weight_syncs": 0}
         self.asleep = False
@@ -209,7 +218,7 @@ class VLLMEngine:
             temperature=temperature,
             top_p=top_p,
             seed=seed,
-            stop=list(STOP_TAGS),
+            stop=self.stop_tags,
             stop_token_ids=self.stop_ids,
             include_stop_str_in_output=True,
             logprobs=0,

@@ -1,0 +1,185 @@
+"""Tools the policy calls by tag: `<name> input </name>` runs the tool `name`, whose answer is
+inserted as an observation, `<information>...</information>` with loss mask 0.
+
+A tool is any object with a `name` (its tag, and the turn's recorded action), a `description`
+(one line the prompt lists when the tool set is not the default) and `call(inputs)`, a batch:
+the inputs of many trajectories in, one `ToolOutput` each out, so a tool that serves a batch
+(the retriever) keeps its cross-trajectory batching. The turn-synchronous driver calls it once per
+turn with all of that turn's calls; the asynchronous one with every call waiting at the time.
+`call` may be a plain function (run in a thread by the async driver) or a coroutine function.
+A tool that fails raises `ToolError`: every call of the batch gets an observation saying so, and
+the trajectory is handled as after a failed search (`Turn.retriever_error`, kept out of the loss
+with `retriever.exclude_failed`). Budgets, the mask and the turn record are the driver's, the
+same for every tool (`turns.Turns.observe`).
+
+`rollout.tools` chooses the tools by name: `search` (Search-R1's, the default), `read` (a document
+whole, by the id search then shows) or the import path of a tool of the user's (`module:Class`,
+instantiated with no arguments, or `module:instance`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, cast
+
+from agent_rl.config import BUILTIN_TOOLS, ConfigError, load_object
+from agent_rl.rollout.retriever import document_summaries, format_documents
+from retriever_server.client import RetrievalError, RetrieverClient
+
+
+@dataclass
+class ToolOutput:
+    """One call's answer: the observation's body in pieces (whole pieces are kept first when the
+    observation budget binds, then the first is cut with a marker) and what the turn records."""
+
+    parts: list[str]
+    docs: list[dict] | None = None  # documents shown by `agent-rl view` (id, title, score, text)
+
+
+class ToolError(RuntimeError):
+    """A tool could not answer a batch; its message goes into each call's observation and turn."""
+
+
+class Tool(Protocol):
+    name: str  # the tag: the policy writes <name> input </name>
+    description: str  # what the prompt says of it, e.g. "<calc> expression </calc> returns its value"
+
+    def call(self, inputs: list[str]) -> list[ToolOutput]: ...
+
+
+class SearchTool:
+    """Search-R1's search: one batched `/retrieve` for all the inputs, the top `topk` documents each."""
+
+    name = "search"
+    description = "<search> query </search> returns the top searched results"
+    uses_retriever = True  # optional on a tool: its calls and failures count as retriever/queries and /errors
+
+    def __init__(self, client: RetrieverClient | None, topk: int, with_ids: bool = False):
+        self.client, self.topk = client, topk
+        self.with_ids = with_ids  # show each document's id (for `read`); off: Search-R1's format, byte for byte
+
+    def call(self, inputs: list[str]) -> list[ToolOutput]:
+        if self.client is None:
+            raise ToolError("no retriever configured")
+        try:
+            results = self.client.retrieve(inputs, self.topk)
+        except RetrievalError as err:
+            raise ToolError(str(err)) from err
+        return [
+            ToolOutput(format_documents(docs, self.with_ids) or ["No documents found."], document_summaries(docs))
+            for docs in results
+        ]
+
+
+class ReadTool:
+    """The full text of one document by its id (which `search` shows when `read` is enabled), from
+    the retriever's `/read`: the agent searches short passages, then reads the one it wants whole
+    (ASearcher's `access`). The observation budget cuts a long document, with the marker."""
+
+    name = "read"
+    description = "<read> document id </read> returns the full text of that document"
+    uses_retriever = True
+
+    def __init__(self, client: RetrieverClient | None):
+        self.client = client
+
+    def call(self, inputs: list[str]) -> list[ToolOutput]:
+        if self.client is None:
+            raise ToolError("no retriever configured")
+        try:
+            docs = self.client.read(inputs)
+        except RetrievalError as err:
+            raise ToolError(str(err)) from err
+        out = []
+        for doc_id, doc in zip(inputs, docs):
+            if doc is None:
+                out.append(ToolOutput([f"No document has the id {doc_id}."]))
+                continue
+            title, _, text = doc.get("contents", "").partition("\n")
+            out.append(ToolOutput([f"(Title: {title}) {text}"], document_summaries([doc])))
+        return out
+
+
+def load_tool(spec: str, key: str) -> Tool:
+    """A user's tool from its import path: a class is instantiated with no arguments."""
+    obj = load_object(spec, key)
+    tool = cast(Tool, obj() if inspect.isclass(obj) else obj)
+    missing = [a for a in ("name", "description", "call") if not hasattr(tool, a)]
+    if missing:
+        raise ConfigError(
+            f"{key} = {spec!r} is not a tool: it lacks {', '.join(missing)} (see agent_rl/rollout/tools.py)"
+        )
+    return tool
+
+
+def build_tools(specs: Sequence[str], client: RetrieverClient | None, topk: int) -> list[Tool]:
+    """The tools `rollout.tools` names, in order."""
+    tools: list[Tool] = []
+    for i, spec in enumerate(specs):
+        if spec == "search":
+            tools.append(SearchTool(client, topk, with_ids="read" in specs))
+        elif spec == "read":
+            tools.append(ReadTool(client))
+        else:
+            tools.append(load_tool(spec, f"rollout.tools[{i}]"))
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names) or "answer" in names:
+        raise ConfigError(f"rollout.tools = {list(specs)}: tool names {names} must be distinct and not 'answer'")
+    return tools
+
+
+def tool_names(specs: Sequence[str]) -> tuple[str, ...]:
+    """The tags of the tools `rollout.tools` names (a user's tool is loaded to read its name)."""
+    return tuple(
+        spec if spec in BUILTIN_TOOLS else load_tool(spec, f"rollout.tools[{i}]").name for i, spec in enumerate(specs)
+    )
+
+
+def is_default(tools: Sequence[Tool]) -> bool:
+    """Search alone: the prompt and the wire format stay Search-R1's, byte for byte."""
+    return [t.name for t in tools] == ["search"]
+
+
+def prompt_note(tools: Sequence[Tool]) -> str:
+    """What a prompt says of a non-default tool set, inserted before its `Question:` ('' for the default)."""
+    if is_default(tools):
+        return ""
+    return "Tools: " + "; ".join(t.description for t in tools) + ". "
+
+
+def call_batch(tool: Tool, inputs: list[str]) -> tuple[list[ToolOutput] | None, str | None, float]:
+    """(outputs or None, error or None, milliseconds) of one batch call, from a synchronous driver."""
+    start = time.perf_counter()
+    try:
+        result: Any = tool.call(inputs)
+        outputs = asyncio.run(result) if inspect.iscoroutine(result) else result
+    except ToolError as err:
+        return None, str(err), (time.perf_counter() - start) * 1000.0
+    _check(tool, inputs, outputs)
+    return outputs, None, (time.perf_counter() - start) * 1000.0
+
+
+async def call_batch_async(tool: Tool, inputs: list[str]) -> tuple[list[ToolOutput] | None, str | None, float]:
+    """The same from the asynchronous driver: a coroutine is awaited, a plain function runs in a thread."""
+    start = time.perf_counter()
+    try:
+        if inspect.iscoroutinefunction(tool.call):
+            outputs = await tool.call(inputs)
+        else:
+            outputs = await asyncio.to_thread(tool.call, inputs)
+    except ToolError as err:
+        return None, str(err), (time.perf_counter() - start) * 1000.0
+    _check(tool, inputs, outputs)
+    return outputs, None, (time.perf_counter() - start) * 1000.0
+
+
+def _check(tool: Tool, inputs: list[str], outputs: list[ToolOutput]) -> None:
+    if len(outputs) != len(inputs) or not all(isinstance(o, ToolOutput) for o in outputs):
+        raise TypeError(
+            f"tool {tool.name!r} answered {len(outputs)} items for {len(inputs)} calls: call(inputs) must return one "
+            "ToolOutput per input, in order"
+        )
