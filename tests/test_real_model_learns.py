@@ -68,11 +68,11 @@ def test_two_step_run_writes_the_report(tmp_path, smollm2_dir):
         "sft.batch_size=2",
         "run.preflight=false",
     ]
-    args = ["--data", str(data), "--out", str(out), "--nq-test", "4", "--triviaqa-test", "3", "--train-size", "40"]
+    args = ["--data", str(data), "--out", str(out), "--nq-test", "4", "--triviaqa-test", "3", "--train-size", "26"]
     assert main([*args, *overrides]) == 0
     res = json.loads((out / "results.json").read_text())
-    # 40 training questions: enough that some demonstrations read their answer (sft.answer_in_observation)
-    assert res["split"] == {"train": 40, "nq": 4, "triviaqa": 3}
+    # every training question of the fixture (26): some demonstrations read their answer (sft.answer_in_observation)
+    assert res["split"] == {"train": 26, "nq": 4, "triviaqa": 3}
     assert {s: r["n"] for s, r in res["held_out"].items()} == {"nq": 4, "triviaqa": 3}
     for r in res["held_out"].values():
         lo, hi = r["em_diff_ci95"]
