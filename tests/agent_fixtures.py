@@ -166,7 +166,6 @@ STOP_TAGS = ("</search>", "</answer>")
 
 
 class ScriptedEngine:
-    continuous = False  # whole calls, batched by the asynchronous loop's GenerationBatcher
     batch_size = 0
     """Deterministic engine (a scripted policy): the next turn is a function of the decoded context,
     cut at the first stop tag; it records the size of every call (how the async loop batched ready

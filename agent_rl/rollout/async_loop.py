@@ -5,15 +5,11 @@ trajectory, waits for the slowest row, then runs one batched search while the en
 every trajectory advances on its own (generate -> parse -> search -> observe), so one
 trajectory's search overlaps other trajectories' generation, and a straggler holds up nobody.
 
-- Generation on vLLM: `StepBatcher` drives the engine one step at a time (continuous batching,
-  as vLLM's AsyncLLM does, but on the in-process engine the weight sync writes to): a request
-  joins the running batch at the next step, and its trajectory goes on to search the moment its
-  turn ends while the other rows keep decoding.
-- Generation on the HF engine: `GenerationBatcher` gives the engine, one call at a time, every
-  request that is waiting (up to `rollout.generation_batch_size`); requests that arrive during a
-  call form the next one. A call is one left-padded batch, so a row that arrives mid-call waits
-  for it to end, and a finished row waits for the call's longest: that wait is this engine's
-  cost (turn batching inside the engine, trajectories async around it).
+- Generation: `GenerationBatcher` gives the engine, one call at a time, every request that is
+  waiting (up to the engine's `batch_size`; vLLM's `LLM.generate` takes them all); requests that
+  arrive during a call form the next one. A row that arrives mid-call waits for it to end, and a
+  finished row waits for the call's longest: that wait is the cost of driving the engine through
+  its public batch API (turn batching inside the engine, trajectories async around it).
 - Tools: a `ToolBatcher` per tool sends every call that is waiting as one batch call (search: one
   `/retrieve` request, the client splitting over-limit batches), at most four in flight, so
   concurrent trajectories still reach the server as few HTTP requests. Retries, timeouts and the
@@ -111,50 +107,6 @@ class GenerationBatcher(_Batcher):
                 future.set_result(g)
 
 
-class StepBatcher(_Batcher):
-    """Continuous batching on an engine with `submit`/`step` (vLLM): a request joins the running
-    batch at the next engine step and its trajectory resumes as soon as it finishes, while the
-    other requests keep decoding; no turn waits for the slowest row of a call."""
-
-    def __init__(self, engine, temperature: float, top_p: float, thread: ThreadPoolExecutor):
-        super().__init__()
-        self.engine, self.temperature, self.top_p = engine, temperature, top_p
-        self.thread = thread  # the rollout's engine thread (see `_run_all`)
-        self.running: dict[str, asyncio.Future] = {}
-        self.calls = 0  # engine steps
-
-    async def generate(self, prompt: list[int], max_new: int, seed: int) -> Generation:
-        if max_new <= 0:
-            return Generation([], [], "length")
-        return await self._submit(prompt, max_new, seed)
-
-    async def _drain(self) -> None:
-        try:
-            while self.pending or self.running:
-                await asyncio.sleep(0)  # let every task that is ready queue its request first
-                for prompt, max_new, seed, future in self.pending:
-                    self.running[self.engine.submit(prompt, max_new, self.temperature, self.top_p, seed)] = future
-                self.pending = []
-                step = asyncio.get_running_loop().run_in_executor(self.thread, self.engine.step)
-                try:
-                    done = await asyncio.shield(step)
-                except asyncio.CancelledError:
-                    await step  # a step cannot be stopped mid-way: let it end before aborting the rest
-                    raise
-                self.calls += 1
-                for request_id, g in done:
-                    future = self.running.pop(request_id)
-                    if not future.done():
-                        future.set_result(g)
-        except BaseException as err:  # the engine failed or the rollout was cancelled
-            self.engine.abort(list(self.running))
-            for future in [f for *_, f in self.pending] + list(self.running.values()):
-                if not future.done():
-                    future.set_exception(err)
-            self.pending, self.running = [], {}
-            raise
-
-
 class ToolBatcher(_Batcher):
     """Turns single calls of one tool into batch calls over every call that is waiting (search:
     one `/retrieve` request for all the waiting queries).
@@ -217,7 +169,7 @@ async def _run_one(
     t: Trajectory,
     index: int,
     base: int,
-    gen: GenerationBatcher | StepBatcher,
+    gen: GenerationBatcher,
     tools: dict[str, ToolBatcher],
     slots: asyncio.Semaphore,
 ) -> None:
@@ -244,11 +196,7 @@ async def _run_all(
     # All engine work in one thread of the rollout's own: spread over asyncio's default pool, each
     # pool thread took its own glibc malloc arena (a higher peak RSS than sync on vLLM).
     thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-rl-engine")
-    gen: StepBatcher | GenerationBatcher
-    if loop.engine.continuous:
-        gen = StepBatcher(loop.engine, temperature, top_p, thread)
-    else:
-        gen = GenerationBatcher(loop.engine, temperature, top_p, loop.engine.batch_size or max(1, len(trajs)), thread)
+    gen = GenerationBatcher(loop.engine, temperature, top_p, loop.engine.batch_size or max(1, len(trajs)), thread)
     tools = {name: ToolBatcher(tool) for name, tool in loop.tools.items()}
     slots = asyncio.Semaphore(max_inflight or max(1, len(trajs)))
     tasks = [asyncio.create_task(_run_one(loop, t, i, base, gen, tools, slots)) for i, t in enumerate(trajs)]

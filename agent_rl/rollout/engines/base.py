@@ -38,10 +38,7 @@ class Engine(Protocol):
 
     generator: torch.Generator
     stats: dict
-    # Whether requests run step by step (`submit`, `step`, `abort`): the asynchronous loop then
-    # lets a request join the running batch at the next step; otherwise it batches whole calls
-    # of up to `batch_size` prompts (0: any number).
-    continuous: bool
+    # The most prompts the asynchronous loop puts in one `generate` call (0: any number).
     batch_size: int
 
     def generate(

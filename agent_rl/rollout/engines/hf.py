@@ -32,8 +32,6 @@ def rollout_copy(model: torch.nn.Module, device: str) -> torch.nn.Module:
 class HFEngine:
     """Batched sampling with a KV cache over a transformers causal LM."""
 
-    continuous = False
-
     def __init__(
         self,
         model,

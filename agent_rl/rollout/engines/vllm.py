@@ -124,8 +124,7 @@ class VLLMEngine:
       does); tensor parallelism across ranks is refused there.
     """
 
-    continuous = True
-    batch_size = 0  # the engine's scheduler sizes its own batches
+    batch_size = 0  # every waiting request in one call; the engine's scheduler sizes its own batches
 
     def __init__(
         self,
@@ -182,7 +181,6 @@ class VLLMEngine:
         self.stats = {"generated_tokens": 0, "generate_s": 0.0, "weight_syncs": 0}
         self.asleep = False
         self._said_no_sleep = False
-        self._next_request = 0
 
     def generate(
         self,
@@ -242,32 +240,6 @@ class VLLMEngine:
                 raise RuntimeError(f"vLLM returned no log-prob for the sampled token {tok}")
             lps.append(float(entry[tok].logprob))
         return Generation(ids, lps, "stop" if c.finish_reason == "stop" else "length")
-
-    def submit(self, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float, seed: int) -> str:
-        """Queue one request for `step` (continuous batching: a request joins the running batch at the
-        next step and leaves it when it finishes); returns its id."""
-        from vllm.sampling_params import RequestOutputKind
-
-        self.wake()
-        params = self._params(max_new_tokens, temperature, top_p, seed)
-        params.output_kind = RequestOutputKind.FINAL_ONLY
-        self._next_request += 1
-        request_id = f"agent-rl-{self._next_request}"  # outputs carry this id (vLLM suffixes it internally)
-        self.llm.llm_engine.add_request(request_id, self._prompt_cls(prompt_token_ids=list(prompt)), params)
-        return request_id
-
-    def step(self) -> list[tuple[str, Generation]]:
-        """One engine step over every running request; the requests that finished in it."""
-        start = time.perf_counter()
-        done = [(o.request_id, self._generation(o)) for o in self.llm.llm_engine.step() if o.finished]
-        self.stats["generated_tokens"] += sum(len(g.token_ids) for _, g in done)
-        self.stats["generate_s"] += time.perf_counter() - start
-        return done
-
-    def abort(self, request_ids: list[str]) -> None:
-        """Drop requests that `step` has not finished (a cancelled rollout)."""
-        if request_ids:
-            self.llm.llm_engine.abort_request(request_ids)
 
     def sleep(self) -> None:
         """Offload weights and free the KV cache while the trainer updates (CUDA); a no-op elsewhere."""
