@@ -26,6 +26,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def toy_world_overrides(cache: Path) -> list[str]:
+    """Config overrides that put the toy world (200 entities), the tiny model and its index under
+    `cache`, prepared there by the first command that needs them; no warm start."""
+    return [
+        f"model.path={cache}/model",
+        "model.init_size=tiny",
+        "model.warm_start=",
+        f"data.toy_world={cache}/world",
+        "data.toy_entities=200",
+        f"data.train_files=[{cache}/world/train.parquet]",
+        f"data.test_files=[{cache}/world/test.parquet]",
+        f"retriever.index_dir={cache}/index",
+        f"retriever.corpus={cache}/world/corpus.jsonl",
+    ]
+
+
 def torchrun_cmd(nproc: int, *target: str) -> list[str]:
     """`torch.distributed.run` on this machine with `nproc` ranks and a free rendezvous port, then
     `target` (a script and its arguments, or `-m module ...`)."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from agent_fixtures import start_server, torchrun_cmd
+from agent_fixtures import start_server, torchrun_cmd, toy_world_overrides
 
 from agent_rl.eval_report import macro_interval, paired_interval, summarise, to_markdown
 from agent_rl.evaluation import KILL_AFTER_ENV
@@ -26,15 +26,7 @@ def _overrides(cache: Path, out: Path) -> list[str]:
     return [
         f"run.output_dir={out}",
         "run.tensorboard=false",
-        f"model.path={cache}/model",
-        "model.init_size=tiny",
-        "model.warm_start=",
-        f"data.toy_world={cache}/world",
-        "data.toy_entities=200",
-        f"data.train_files=[{cache}/world/train.parquet]",
-        f"data.test_files=[{cache}/world/test.parquet]",
-        f"retriever.index_dir={cache}/index",
-        f"retriever.corpus={cache}/world/corpus.jsonl",
+        *toy_world_overrides(cache),
         "budget.max_turns=3",
     ]
 

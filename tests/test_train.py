@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from agent_fixtures import torchrun_cmd
+from agent_fixtures import torchrun_cmd, toy_world_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,15 +24,7 @@ def _overrides(cache: Path, out: Path, steps: int, extra=()):
         "run.keep_last=5",
         "run.eval_max_samples=8",
         "run.tensorboard=false",
-        f"model.path={cache}/model",
-        "model.init_size=tiny",
-        "model.warm_start=",
-        f"data.toy_world={cache}/world",
-        "data.toy_entities=200",
-        f"data.train_files=[{cache}/world/train.parquet]",
-        f"data.test_files=[{cache}/world/test.parquet]",
-        f"retriever.index_dir={cache}/index",
-        f"retriever.corpus={cache}/world/corpus.jsonl",
+        *toy_world_overrides(cache),
         "rollout.prompts_per_step=4",
         "algo.group_size=2",
         "train.lr=1e-3",
