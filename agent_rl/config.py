@@ -332,6 +332,18 @@ class AlgoConfig:
         "Report the policy's entropy at trained tokens (actor/entropy) even when entropy_coef is 0; costs one "
         "pass over the vocabulary per trained token, no backward.",
     )
+    filter_groups: bool = _f(
+        False,
+        "Dynamic sampling (DAPO; verl's algorithm.filter_groups): keep only groups whose rewards differ (a group "
+        "of equal rewards has zero advantage and teaches nothing) and sample further batches of "
+        "rollout.prompts_per_step prompts until that many groups are kept or algo.max_gen_batches is reached; "
+        "the update sees rollout.prompts_per_step informative groups (fewer when the batches run out).",
+    )
+    max_gen_batches: int = _f(
+        4,
+        "With algo.filter_groups: most rollout batches sampled in one step (>= 1); then the step trains on what "
+        "it kept.",
+    )
     ppo_epochs: int = _f(1, "Update epochs over each rollout batch.")
     mini_batch_size: int = _f(0, "Trajectories per optimizer step (0 = the whole rollout batch in one step).")
     tis_cap: float = _f(
@@ -586,6 +598,8 @@ class Config:
                 "algo.group_size must be >= 2 for GRPO (advantages are relative to the group); set algo.group_size=5 "
                 "or more"
             )
+        if self.algo.filter_groups and self.algo.max_gen_batches < 1:
+            raise ConfigError(f"algo.max_gen_batches must be >= 1, got {self.algo.max_gen_batches}")
         if self.algo.group_size < 1 or self.rollout.prompts_per_step < 1:
             raise ConfigError("algo.group_size and rollout.prompts_per_step must be >= 1")
         if self.run.save_trajectories_every < 0:

@@ -469,8 +469,49 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     return run
 
 
+def sample_groups(run: Run, loop: AgentLoop, reward: Reward) -> tuple[list[Trajectory], list[list[Trajectory]], dict]:
+    """This step's rollout, rewarded: (every sampled trajectory, the groups the update trains on, metrics).
+
+    Without algo.filter_groups that is one batch of rollout.prompts_per_step prompts, every group kept.
+    With it (DAPO's dynamic sampling), groups whose rewards are all equal are dropped and further
+    batches are sampled until each rank holds its share of rollout.prompts_per_step groups or
+    algo.max_gen_batches batches are spent; the ranks agree on every further batch (one all-reduce), so
+    they stay in step. The prompt stream moves on by every batch sampled."""
+    cfg, world = run.cfg, run.world
+    n = cfg.algo.group_size
+    sampled: list[Trajectory] = []
+    kept: list[list[Trajectory]] = []
+    target = None
+    batches = 0
+    while True:
+        picked = [run.train_set.items[i] for i in run.stream.next(cfg.rollout.prompts_per_step)]
+        picked = dist_lib.split_groups(picked, world.rank, world.world_size)
+        target = len(picked) if target is None else target
+        trajs = loop.run(picked, n, cfg.rollout.temperature, cfg.rollout.top_p)
+        batches += 1
+        for t in trajs:
+            t.reward = reward(t)
+        sampled += trajs
+        groups = [trajs[g : g + n] for g in range(0, len(trajs), n)]
+        last = groups
+        if cfg.algo.filter_groups:
+            groups = [g for g in groups if len({t.reward for t in g}) > 1]
+        kept += groups[: target - len(kept)]
+        if not cfg.algo.filter_groups or batches >= cfg.algo.max_gen_batches:
+            break
+        if world.all_reduce_sum(float(target - len(kept))) == 0:
+            break
+    metrics = {}
+    if cfg.algo.filter_groups:
+        metrics = {"rollout/gen_batches": float(batches), "rollout/kept_groups": float(len(kept))}
+    if not kept:  # no group's rewards differed in any batch: the last one goes through (a step of zero advantages)
+        kept = last
+    return sampled, kept, metrics
+
+
 def step_metrics(
     run: Run,
+    sampled: list[Trajectory],
     trajs: list[Trajectory],
     rollout_m: dict,
     client: RetrieverClient,
@@ -478,8 +519,9 @@ def step_metrics(
     times: dict[str, float],
     gen_tokens: int,
 ) -> dict[str, float]:
-    """One step's metrics, reduced over ranks (identical on every rank, so the guard agrees)."""
-    rewards = [t.reward for t in trajs]
+    """One step's metrics, reduced over ranks (identical on every rank, so the guard agrees). `sampled`
+    is every trajectory the step generated, `trajs` those the update trained on."""
+    rewards = [t.reward for t in sampled]
     t0, t1, t2, t3 = times["start"], times["rollout"], times["prepared"], times["updated"]
     metrics = {
         **rollout_m,
@@ -487,7 +529,7 @@ def step_metrics(
         **{
             f"retriever/total_{k}": float(v) for k, v in client.stats.items()
         },  # cumulative; retriever/queries|errors are this step's
-        "retriever/failed_trajectories": float(sum(t.retrieval_failed for t in trajs)),
+        "retriever/failed_trajectories": float(sum(t.retrieval_failed for t in sampled)),
         "train/excluded_trajectories": float(sum(t.excluded for t in trajs)),
         **upd,
         "reward/mean": sum(rewards) / max(1, len(rewards)),
@@ -531,20 +573,17 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             times = {"start": time.perf_counter()}
             # 1. rollout: n samples per prompt (this rank's share of whole groups), budgets enforced inside the loop
             resume_point = (run.stream.cursor, engine.generator.get_state())  # for a checkpoint of this step's start
-            picked = [run.train_set.items[i] for i in run.stream.next(cfg.rollout.prompts_per_step)]
-            picked = dist_lib.split_groups(picked, world.rank, world.world_size)
             loop.counters.clear()
             gen_before = engine.stats["generated_tokens"]
-            trajs = loop.run(picked, cfg.algo.group_size, cfg.rollout.temperature, cfg.rollout.top_p)
+            # 2. reward on the last <answer> of the response only; with algo.filter_groups, further batches
+            # until enough groups have rewards that differ
+            sampled, groups, gen_m = sample_groups(run, loop, reward)
             times["rollout"] = time.perf_counter()
-            # 2. reward on the last <answer> of the response only
-            for t in trajs:
-                t.reward = reward(t)
             # 3. buffer: whole groups, bounded by tokens
-            for g in range(0, len(trajs), cfg.algo.group_size):
-                run.buffer.add_group(trajs[g : g + cfg.algo.group_size])
+            for group in groups:
+                run.buffer.add_group(group)
             trajs = run.buffer.drain()
-            rollout_m = rollout_metrics(trajs, loop.counters)  # before any exclusion zeroes a mask
+            rollout_m = {**rollout_metrics(sampled, loop.counters), **gen_m}  # before any exclusion zeroes a mask
             # 3b. a dead retriever: wait for it, or checkpoint this step's start and exit
             if not run.retriever_ok(client, loop.counters):
                 run.step, (run.stream.cursor, rng) = run.step - 1, resume_point
@@ -609,7 +648,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
                 save_trajectories(run.out_dir, run.step, batch, report, run.tokenizer)
             # 6. log, and evaluate every run.eval_every steps
             metrics = step_metrics(
-                run, trajs, rollout_m, client, upd, times, engine.stats["generated_tokens"] - gen_before
+                run, sampled, trajs, rollout_m, client, upd, times, engine.stats["generated_tokens"] - gen_before
             )
             if (
                 cfg.run.eval_every

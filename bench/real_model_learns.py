@@ -87,8 +87,8 @@ def write_data(cfg, out: Path, split: dict, key: dict) -> None:
     (out / "split.json").write_text(json.dumps({**key, "ids": ids}, indent=1))
 
 
-def answer_recall(cfg, split: dict) -> dict[str, float]:
-    """Share of each set's questions whose top-k passages (searched with the question, as the
+def answer_hits(cfg, split: dict) -> dict[str, list[bool]]:
+    """Per set, per question: do its top-k passages (searched with the question, as the
     demonstrations search) hold a gold answer."""
     from agent_rl.infra.prepare import local_retriever
     from retriever_server.answers import contains_answer
@@ -99,10 +99,23 @@ def answer_recall(cfg, split: dict) -> dict[str, float]:
         client = RetrieverClient.from_config(cfg.retriever, url)
         for name, rows in split.items():
             docs = client.retrieve([r["question"] for r in rows], cfg.retriever.topk)
-            hits = [any(contains_answer(d["contents"], r["golden_answers"]) for d in ds) for r, ds in zip(rows, docs)]
-            out[name] = sum(hits) / max(1, len(hits))
+            out[name] = [
+                any(contains_answer(d["contents"], r["golden_answers"]) for d in ds) for r, ds in zip(rows, docs)
+            ]
         client.close()
     return out
+
+
+def write_rl_train(cfg, out: Path, rows: list[dict], hits: list[bool]) -> int:
+    """The GRPO training prompts: the training questions whose search finds a passage holding a gold
+    answer (the ones the warm start's demonstrations were kept for). A question whose passage never holds
+    its answer earns every sample the same reward and teaches nothing but costs a rollout."""
+    from agent_rl.infra.prepare import write_qa_parquet
+    from agent_rl.rollout.prompts import load_tokenizer
+
+    kept = [r for r, hit in zip(rows, hits) if hit]
+    write_qa_parquet(kept, out / "train_rl.parquet", "nq", "train", cfg.data.template, load_tokenizer(cfg.model.path))
+    return len(kept)
 
 
 def run_phase(name: str, cmd: list[str], log: Path) -> dict:
@@ -227,6 +240,10 @@ def summarise(out: Path, phases: dict, plan: dict, recall: dict, split_sizes: di
                 [m["rollout/logprob_diff_mean"] for m in steps if m.get("rollout/logprob_diff_max")]
             ),
             "logprob_diff_max": max([m.get("rollout/logprob_diff_max", 0.0) for m in steps], default=0.0),
+            # dynamic sampling (algo.filter_groups): rollout batches per step, groups with differing rewards kept
+            "gen_batches_mean": _mean([m.get("rollout/gen_batches", 1.0) for m in steps]),
+            "kept_groups_mean": _mean([m["rollout/kept_groups"] for m in steps if "rollout/kept_groups" in m]),
+            "skipped_rows_mean": _mean([m.get("train/skipped_zero_advantage_rows", 0.0) for m in steps]),
             "step_s_mean": _mean(step_s),
             "rollout_s_mean": _mean([m["timing/rollout_s"] for m in steps]),
             "update_s_mean": _mean([m["timing/update_s"] for m in steps]),
@@ -268,17 +285,21 @@ def render(res: dict, header: str) -> str:
             f"| {res['retrieval_answer_recall_at_topk'].get(source, float('nan')):.3f} |"
         )
     recall_train = res["retrieval_answer_recall_at_topk"].get("train", float("nan"))
+    rl = res["split"].get("train_rl")
     lines += [
         "",
         f"Training questions: {res['split']['train']}; a scripted demonstration's observation holds a gold answer "
         f"for {recall_train:.3f} of them (with sft.answer_in_observation, the warm start learns from those only; "
-        "otherwise the rest teach answering from memory).",
+        "otherwise the rest teach answering from memory)."
+        + (f" GRPO samples from those {rl} (--rl-answerable)." if rl else " GRPO samples from all of them."),
         "",
         "## GRPO",
         "",
         f"- steps: {tr['steps']} of {tr['trajectories_per_step']:.0f} trajectories; reward (EM of the samples) "
         f"{tr['reward_first_quarter']:.3f} over the first quarter -> {tr['reward_last_quarter']:.3f} over the last "
         "(curve: reward_curve.png)",
+        f"- rollout batches per step {tr['gen_batches_mean']:.2f}, groups with differing rewards trained on per "
+        f"step {tr['kept_groups_mean']:.2f}, rows of zero advantage per step {tr['skipped_rows_mean']:.1f}",
         f"- searches per trajectory (training samples): {tr['searches_per_trajectory_first_quarter']:.2f} -> "
         f"{tr['searches_per_trajectory_last_quarter']:.2f}",
         f"- engine-trainer log-prob difference at sampled tokens (rollout/logprob_diff_mean, _max): mean "
@@ -318,6 +339,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nq-test", type=int, default=300, help="held-out NQ questions")
     parser.add_argument("--triviaqa-test", type=int, default=300, help="held-out TriviaQA questions")
     parser.add_argument("--train-size", type=int, default=0, help="training questions (0 = every other NQ one)")
+    parser.add_argument(
+        "--rl-answerable",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="GRPO on the training questions whose top-k passages hold a gold answer only (default; SFT reads "
+        "every training question and keeps those by sft.answer_in_observation)",
+    )
     parser.add_argument(
         "--index",
         help="the corpus's MiniLM index, built there if missing (default OUT/index); give another run's to reuse it",
@@ -361,9 +389,15 @@ def main(argv: list[str] | None = None) -> int:
 
     start = time.perf_counter()
     ensure_index(cfg)
-    recall = answer_recall(cfg, split)
+    hits = answer_hits(cfg, split)
+    recall = {name: sum(h) / max(1, len(h)) for name, h in hits.items()}
     phases["index"] = {"wall_s": time.perf_counter() - start, "peak_rss_gib": 0.0}
     _log(f"index: top-{cfg.retriever.topk} answer recall {json.dumps({k: round(v, 3) for k, v in recall.items()})}")
+    train_overrides = overrides
+    if args.rl_answerable:
+        sizes["train_rl"] = write_rl_train(cfg, out / "data", split["train"], hits["train"])
+        train_overrides = [*overrides, f"data.train_files=[{out / 'data' / 'train_rl.parquet'}]"]
+        _log(f"data: GRPO trains on the {sizes['train_rl']} training questions whose search finds an answer")
 
     agent_rl = [sys.executable, "-m", "agent_rl"]
     plan = json.loads(
@@ -377,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         _log(f"sft: reusing the warm start in {out / 'sft'}")
     shutil.rmtree(out / "grpo", ignore_errors=True)
-    phases["train"] = run_phase("train", [*agent_rl, "train", config, *overrides], out / "logs" / "train.log")
+    phases["train"] = run_phase("train", [*agent_rl, "train", config, *train_overrides], out / "logs" / "train.log")
 
     res = summarise(out, phases, plan, recall, sizes)
     res.update(config=args.config, overrides=args.overrides, split_seed=args.seed, data=str(data))

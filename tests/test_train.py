@@ -116,15 +116,18 @@ def _optimizer_state(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 def test_kill_and_resume_matches_uninterrupted_run(cache, warm_start, tmp_path):
-    """From a warm start that earns reward: kill -9 during step 3, then --resume from step 2's
-    checkpoint. Every step's metrics (rollouts, rewards, losses, gradient norms) equal an
-    uninterrupted run's exactly, and the final weights and AdamW state are the same bit for bit."""
+    """From a warm start that earns reward, with dynamic sampling (algo.filter_groups): kill -9 during
+    step 3, then --resume from step 2's checkpoint. Every step's metrics (rollouts, rewards, losses,
+    gradient norms) equal an uninterrupted run's exactly, and the final weights and AdamW state are the
+    same bit for bit. The update trains only on groups whose rewards differ."""
     # T=0.5: the short warm start's samples earn reward (at T=1 its 96 samples earned none), so the steps update
     extra = [
         f"model.warm_start={warm_start}",
         "rollout.prompts_per_step=8",
         "algo.group_size=4",
         "rollout.temperature=0.5",
+        "algo.filter_groups=true",
+        "algo.max_gen_batches=2",
     ]
     full = tmp_path / "full"
     res = _run(["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, full, 3, extra)], timeout=900)
@@ -158,6 +161,12 @@ def test_kill_and_resume_matches_uninterrupted_run(cache, warm_start, tmp_path):
     a, b = _metrics(full), _metrics(cut)
     assert sorted(a) == sorted(b) == [1, 2, 3]
     assert sum(a[s]["reward/mean"] for s in a) > 0 and any(a[s]["loss/policy"] != 0 for s in a)  # a real update
+    for m in a.values():  # dynamic sampling: a further batch only while fewer than 8 groups are kept
+        kept, batches = m["rollout/kept_groups"], m["rollout/gen_batches"]
+        assert batches in (1, 2) and kept <= 8 and (kept == 8 or batches == 2), m
+        assert m["rollout/trajectories"] == 32 * batches
+        if kept:  # only groups with differing rewards, so no row has zero advantage
+            assert m["train/skipped_zero_advantage_rows"] == 0, m
     for s in a:
         for key in sorted(a[s]):
             if not key.startswith(("timing/", "memory/", "retriever/total_")):
