@@ -601,7 +601,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
                         t.excluded, t.loss_mask = True, [0] * len(t.loss_mask)
             # 4. old / reference log-probs, values, advantages (the engine sleeps where it can: weights offloaded, KV
             # freed)
-            engine.sleep()
+            engine.sleep(discard_weights=True)  # the weight sync after the update rewrites every weight
             allocator.release()  # the rollout's freed memory back to the system before the update's
             single_pass = cfg.algo.ppo_epochs == 1 and (
                 cfg.algo.mini_batch_size == 0 or cfg.algo.mini_batch_size // world.world_size >= len(trajs)

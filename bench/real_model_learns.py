@@ -114,6 +114,8 @@ def write_rl_train(cfg, out: Path, rows: list[dict], hits: list[bool]) -> int:
     from agent_rl.rollout.prompts import load_tokenizer
 
     kept = [r for r, hit in zip(rows, hits) if hit]
+    if not kept:
+        raise SystemExit("--rl-answerable: no training question's search finds a gold answer; use --no-rl-answerable")
     write_qa_parquet(kept, out / "train_rl.parquet", "nq", "train", cfg.data.template, load_tokenizer(cfg.model.path))
     return len(kept)
 

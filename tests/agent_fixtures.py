@@ -17,6 +17,7 @@ from agent_rl.infra.prepare import spawn_retriever, stop_process, wait_ready
 from agent_rl.rollout.engines import Generation
 
 FIXTURES = Path(__file__).parent / "fixtures"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -74,6 +75,25 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_model")
     init_model(out, size="tiny", texts=texts, seed=0)
     return out
+
+
+@pytest.fixture(scope="session")
+def toy_warm_start(tmp_path_factory) -> dict[str, Path]:
+    """The toy world (200 entities), the tiny model and its index in `cache`, and a short supervised
+    warm start of the model on that world in `sft` (`agent-rl sft`, 300 steps of 16 demonstrations):
+    it searches, reads and answers in the tags, right often enough at T=0.5 that GRPO steps from it earn
+    reward, and wrong on most questions. Built once per session for every module that reads it."""
+    import os
+
+    cache = tmp_path_factory.mktemp("toy_cache")
+    out = cache / "sft"
+    cmd = [sys.executable, "-m", "agent_rl.cli", "sft", "configs/tiny_cpu_grpo.yaml", *toy_world_overrides(cache)]
+    cmd += [f"run.output_dir={cache / 'sft_run'}", "run.tensorboard=false", f"model.warm_start={out}"]
+    cmd += ["sft.steps=300", "sft.batch_size=16"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return {"cache": cache, "sft": out}
 
 
 @pytest.fixture(scope="session")

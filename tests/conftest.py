@@ -5,4 +5,11 @@ imported into six modules runs six times (the SmolLM2 conversion took ~15 s, the
 ~10 s, each time). Registered here they run once per session; test modules use them by name.
 """
 
-from agent_fixtures import hotpot_index_dir, server, smollm2_dir, tiny_model_dir, tokenizer  # noqa: F401
+from agent_fixtures import (  # noqa: F401
+    hotpot_index_dir,
+    server,
+    smollm2_dir,
+    tiny_model_dir,
+    tokenizer,
+    toy_warm_start,
+)

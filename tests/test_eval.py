@@ -32,30 +32,27 @@ def _overrides(cache: Path, out: Path) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    """The toy world, tiny model and index, and a short SFT warm start of the model (150 steps: it
-    searches and answers, wrong mostly, so trajectories differ from question to question); two test
+def world(toy_warm_start, tmp_path_factory):
+    """The session's toy world, tiny model and index, and its short SFT warm start (`toy_warm_start`:
+    it searches and answers, wrong mostly, so trajectories differ from question to question); two test
     sets cut from the toy test split (`toy_a`, 6 questions; `toy_b`, 5); one retriever server."""
-    cache = tmp_path_factory.mktemp("eval_cache")
-    sft = [sys.executable, "-m", "agent_rl.cli", "sft", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, cache / "run")]
-    sft += [f"model.warm_start={cache}/sft", "sft.steps=150", "sft.batch_size=16"]
-    res = subprocess.run(sft, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-4000:]
+    cache = toy_warm_start["cache"]
+    sets = tmp_path_factory.mktemp("eval_sets")
     rows = pq.read_table(cache / "world" / "test.parquet").to_pylist()
     files = []
     for name, part in (("toy_a", rows[:6]), ("toy_b", rows[6:11])):
         for r in part:
             r["uid"] = f"{name}-{r['uid']}"
             r["data_source"] = name
-        files.append(cache / f"{name}.parquet")
+        files.append(sets / f"{name}.parquet")
         pq.write_table(pa.Table.from_pylist(part), files[-1])
     with start_server(cache / "index") as (_, url):
-        yield {"cache": cache, "files": files, "url": url}
+        yield {"cache": cache, "sft": toy_warm_start["sft"], "files": files, "url": url}
 
 
 def _eval(world, out: Path, *extra: str, env=None, launcher=None):
     cmd = [*(launcher or [sys.executable, "-m", "agent_rl.cli"]), "eval", "configs/tiny_cpu_grpo.yaml"]
-    cmd += [*_overrides(world["cache"], out.parent), "--checkpoint", str(world["cache"] / "sft")]
+    cmd += [*_overrides(world["cache"], out.parent), "--checkpoint", str(world["sft"])]
     cmd += ["--retriever-url", world["url"], "--data", *map(str, world["files"]), "--out", str(out), *extra]
     return subprocess.run(cmd, cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=900)
 

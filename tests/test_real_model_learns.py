@@ -72,7 +72,8 @@ def test_two_step_run_writes_the_report(tmp_path, smollm2_dir):
     assert main([*args, *overrides]) == 0
     res = json.loads((out / "results.json").read_text())
     # every training question of the fixture (26): some demonstrations read their answer (sft.answer_in_observation)
-    assert res["split"] == {"train": 26, "nq": 4, "triviaqa": 3}
+    rl = res["split"].pop("train_rl")  # GRPO's prompts: the training questions whose search finds the answer
+    assert res["split"] == {"train": 26, "nq": 4, "triviaqa": 3} and 0 < rl < 26
     assert {s: r["n"] for s, r in res["held_out"].items()} == {"nq": 4, "triviaqa": 3}
     for r in res["held_out"].values():
         lo, hi = r["em_diff_ci95"]

@@ -44,24 +44,15 @@ def _run(args, **kw):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """Toy world, tiny model and index prepared once by the first command that needs them."""
-    return tmp_path_factory.mktemp("train_cache")
+def cache(toy_warm_start):
+    """Toy world, tiny model and index, prepared once per session (`toy_warm_start`)."""
+    return toy_warm_start["cache"]
 
 
 @pytest.fixture(scope="module")
-def warm_start(cache, tmp_path_factory) -> Path:
-    """A short supervised warm start of the tiny model on the module's toy world (`agent-rl sft`,
-    300 steps of 16 demonstrations): it searches, reads and answers in the tags, and answers right
-    often enough that GRPO steps from it earn reward and have nonzero advantages."""
-    out = tmp_path_factory.mktemp("warm_start") / "sft"
-    args = _overrides(cache, tmp_path_factory.mktemp("sft_run"), 1)
-    res = _run(
-        ["sft", "configs/tiny_cpu_grpo.yaml", *args, f"model.warm_start={out}", "sft.steps=300", "sft.batch_size=16"],
-        timeout=900,
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-    return out
+def warm_start(toy_warm_start) -> Path:
+    """The session's short supervised warm start on that world (`toy_warm_start`)."""
+    return toy_warm_start["sft"]
 
 
 def _metrics(out: Path) -> dict[int, dict]:

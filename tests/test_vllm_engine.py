@@ -12,6 +12,8 @@ import json
 import os
 import subprocess
 import sys
+import weakref
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -142,6 +144,33 @@ def test_vllm_weight_sync_follows_the_trainer_and_returns(tiny_vllm, tiny_model_
     assert after == _greedy(hf, prompts)
     model.load_state_dict(saved)
     engine.load_weights(hf_named_weights(model))
+    assert _greedy(engine, prompts) == before
+
+
+def test_vllm_weight_sync_streams_a_layer_at_a_time(tiny_vllm, tiny_model_dir):
+    """The weight sync hands vLLM a stream, not a list: of the fresh tensors a sync makes (merged
+    LoRA weights, gathered shards), no more than one decoder layer's are alive at once, fewer than the
+    model's; every weight is loaded, and the engine's output is the same after a sync of the same weights."""
+    engine, tok = tiny_vllm
+    state = _hf_model(tiny_model_dir).state_dict()
+    per_layer = max(Counter(n.split(".")[2] for n in state if n.startswith("model.layers.")).values())
+    alive: set[int] = set()
+    peak = 0
+
+    def stream():
+        nonlocal peak
+        for i, (name, tensor) in enumerate(state.items()):
+            fresh = tensor.clone()
+            alive.add(i)
+            weakref.finalize(fresh, alive.discard, i)
+            peak = max(peak, len(alive))
+            yield name, fresh
+            del fresh
+
+    prompts = _prompts(tok)
+    before = _greedy(engine, prompts)
+    assert engine.load_weights(stream()) == len(state)
+    assert peak <= per_layer + 1 < len(state), (peak, per_layer, len(state))
     assert _greedy(engine, prompts) == before
 
 

@@ -31,7 +31,7 @@ plus what the trainer keeps resident between updates (parameters, optimizer stat
 critic); the gradients are freed right after the optimizer step (`agent_rl.train`), so they are
 not counted there. Update: parameters, gradients, optimizer state, reference/critic, activations
 and logits, plus the engine only where it cannot sleep (vLLM on CPU stays resident; on CUDA it
-sleeps: weights offloaded, KV cache freed).
+sleeps: weights dropped (the sync after the update rewrites them), KV cache freed).
 """
 
 from __future__ import annotations

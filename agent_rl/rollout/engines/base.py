@@ -50,8 +50,9 @@ class Engine(Protocol):
         seeds: list[int] | None = None,
     ) -> list[Generation]: ...
 
-    def sleep(self) -> None:
-        """Give memory back while the trainer updates."""
+    def sleep(self, discard_weights: bool = False) -> None:
+        """Give memory back while the trainer updates; with `discard_weights` the engine may drop its
+        weights outright, because the caller syncs every weight before the next generation."""
 
     def wake(self) -> None:
         """Take it again before generating."""

@@ -57,7 +57,7 @@ class HFEngine:
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.stats = {"generated_tokens": 0, "generate_s": 0.0}
 
-    def sleep(self) -> None:
+    def sleep(self, discard_weights: bool = False) -> None:
         """Nothing to free: the model is the policy itself or a plain copy, and the KV cache lives
         only inside `generate`."""
 

@@ -53,13 +53,23 @@ class VLLMWeightSync:
     """
 
     def agent_rl_load_weights(self, named) -> int:
+        """Reload from (name, tensor) pairs, read lazily: vLLM's layerwise reload buffers a layer's
+        tensors until the layer is complete, so an in-process generator is never held whole."""
         if isinstance(named, (bytes, bytearray)):
             from safetensors.torch import load as load_safetensors
 
-            named = list(load_safetensors(bytes(named)).items())
+            named = load_safetensors(bytes(named)).items()
+        count = 0
+
+        def counted():
+            nonlocal count
+            for item in named:
+                count += 1
+                yield item
+
         # `reload_weights` is the vLLM worker's own method: this class is mixed into that worker
-        self.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)  # type: ignore[attr-defined]
-        return len(named)
+        self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)  # type: ignore[attr-defined]
+        return count
 
 
 def vllm_dtype(cfg) -> str:
@@ -179,7 +189,7 @@ class VLLMEngine:
         self.stop_ids = stop_token_ids(tokenizer, stop_tags)
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.stats = {"generated_tokens": 0, "generate_s": 0.0, "weight_syncs": 0}
-        self.asleep = False
+        self.asleep = self.weights_discarded = False
         self._said_no_sleep = False
 
     def generate(
@@ -241,8 +251,10 @@ class VLLMEngine:
             lps.append(float(entry[tok].logprob))
         return Generation(ids, lps, "stop" if c.finish_reason == "stop" else "length")
 
-    def sleep(self) -> None:
-        """Offload weights and free the KV cache while the trainer updates (CUDA); a no-op elsewhere."""
+    def sleep(self, discard_weights: bool = False) -> None:
+        """Free the KV cache while the trainer updates (CUDA); a no-op elsewhere. The weights are
+        offloaded to host RAM (vLLM's level 1), or with `discard_weights` dropped (level 2: no host copy
+        and no copy back) where the caller syncs every weight before the next generation."""
         if not self.supports_sleep:
             if not self._said_no_sleep:
                 import sys
@@ -255,11 +267,13 @@ class VLLMEngine:
                 self._said_no_sleep = True
             return
         if not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
+            self.llm.sleep(level=2 if discard_weights else 1)
+            self.asleep, self.weights_discarded = True, discard_weights
 
     def wake(self) -> None:
         if self.asleep:
+            if self.weights_discarded:
+                raise RuntimeError("the engine slept with its weights discarded: sync_weights before generating")
             self.llm.wake_up()
             self.asleep = False
 
@@ -277,17 +291,26 @@ class VLLMEngine:
             self.load_weights(full_params(getattr(torch, self.dtype)))
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Replace the engine's weights with (Hugging Face name, tensor) pairs, then reset the prefix cache."""
-        self.wake()
-        named = [(n, t.detach()) for n, t in named_tensors]
-        payload: list[tuple[str, torch.Tensor]] | bytes
+        """Replace the engine's weights with (Hugging Face name, tensor) pairs, then reset the prefix cache.
+
+        In one process the pairs stream into vLLM one at a time (a merged LoRA weight or a gathered
+        shard is made, loaded and dropped before the next), and a sleeping engine wakes in the order
+        that needs least memory: its weights, the reload, then its KV cache. Across processes they
+        travel as one safetensors payload."""
+        asleep = self.asleep
+        if asleep:
+            self.llm.wake_up(tags=["weights"])
+        payload: Iterable[tuple[str, torch.Tensor]] | bytes
         if self.in_process:
-            payload = named
+            payload = ((n, t.detach()) for n, t in named_tensors)
         else:
             from safetensors.torch import save as save_safetensors
 
-            payload = save_safetensors({n: t.contiguous().cpu() for n, t in named})
+            payload = save_safetensors({n: t.detach().contiguous().cpu() for n, t in named_tensors})
         counts = self.llm.collective_rpc("agent_rl_load_weights", args=(payload,))
+        if asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = self.weights_discarded = False
         self.llm.reset_prefix_cache()
         self.stats["weight_syncs"] += 1
         return int(counts[0]) if counts else 0
