@@ -121,7 +121,7 @@ def cmd_rollout(args) -> int:
     )
     with local_retriever(cfg) as url:
         loop, tokenizer, budget = _loop(cfg, model_path, url)
-        prompts = load_prompts(cfg.data.train_files, tokenizer, budget, args.num_prompts)
+        prompts = loop.admit(load_prompts(cfg.data.train_files, tokenizer, budget, args.num_prompts))
         trajs = loop.run(
             prompts.items,
             cfg.algo.group_size if args.group_size is None else args.group_size,
@@ -185,7 +185,7 @@ def cmd_eval(args) -> int:
         url = world.broadcast_object(url)  # the server rank 0 started, or retriever.url
         loop, tokenizer, budget = _loop(cfg, model_path, url)
         prompts = evaluation.select(
-            load_prompts(data, tokenizer, budget, args.max_samples), args.per_source, cfg.run.seed
+            loop.admit(load_prompts(data, tokenizer, budget, args.max_samples)), args.per_source, cfg.run.seed
         )
         spec = evaluation.make_spec(
             cfg,
@@ -350,7 +350,7 @@ def cmd_demo(args) -> int:
         with local_retriever(cfg) as url:
             loop, tokenizer, budget = _loop(cfg, cfg.model.path, url)
             base = evaluate_all(
-                loop, load_prompts(cfg.data.test_files, tokenizer, budget, cfg.run.eval_max_samples), cfg
+                loop, loop.admit(load_prompts(cfg.data.test_files, tokenizer, budget, cfg.run.eval_max_samples)), cfg
             )
     final = train(cfg)
     out = Path(cfg.run.output_dir)

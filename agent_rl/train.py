@@ -563,6 +563,10 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
         client = RetrieverClient.from_config(cfg.retriever, url)
         loop = AgentLoop.from_config(cfg, engine, run.tokenizer, client, run.budget)  # rollout.tools' tools
         reward = Reward(cfg.reward)  # reward.fn: built-ins or the user's functions
+        for prompts in (run.train_set, run.test_set):  # what the tools' note pushes past the prompt budget
+            if prompts is not None:
+                loop.admit(prompts)
+        run.stream.size = len(run.train_set.items)  # the order is drawn on first use, over what is left
         if run.test_set is not None and run.step == 0:
             last_eval = run.evaluate(loop)
             run.logger.log(0, last_eval)

@@ -292,7 +292,8 @@ def trajectory_page(rec: dict, n: int, total: int) -> str:
                 f"retrieval {float(turn.get('retrieval_ms') or 0.0):.1f} ms</div>"
             )
             if turn.get("retriever_error"):
-                body.append(f"<div class='err'>retriever error: {_esc(turn['retriever_error'])}</div>")
+                tool = _esc(turn.get("action") or "tool")
+                body.append(f"<div class='err'>{tool} error: {_esc(turn['retriever_error'])}</div>")
             body.append(_docs_html(turn) or "<div><i>no documents</i></div>")
             body.append("</div>")
         if len(obs):

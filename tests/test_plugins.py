@@ -70,6 +70,8 @@ def test_builtins_and_the_format_bonus_keep_their_meaning():
     em_format = Reward(load_config(None, ["reward.fn=em_format"]).reward)
     assert em_format(_traj(good, 1)) == 1.0
     assert em_format(_traj(good + " trailing", 1)) == 0.0
+    assert em_format(_traj("<read> 3\n\n" + good, 1)) == 0.0  # a tool's tag left open
+    assert em_format(_traj("<read> 3 </read>" + good, 1)) == 1.0
     assert Reward(load_config(None, ["reward.fn=em"]).reward)(_traj(good + " trailing", 1)) == 1.0
 
 
@@ -188,6 +190,33 @@ def test_budgets_hold_with_a_tool_under_a_runaway_policy(tokenizer, mode):
         assert all(x.obs_truncated for x in t.turns if x.obs_tokens)
         assert sum(t.loss_mask) == sum(x.gen_tokens for x in t.turns)
     assert loop.counters["budget/obs_truncated"] > 0 and loop.counters["budget/forced_answer_total"] == 4
+
+
+def test_prompts_the_tools_note_pushes_past_the_budget_are_dropped_at_load(tokenizer, capsys):
+    """A prompt that fits budget.max_prompt_tokens alone but not with the list of tools the prompt
+    gains is dropped when the set is admitted, counted and reported, not at its first rollout; a
+    set with no prompt left is an error naming the key; search alone drops nothing."""
+    from agent_rl.rollout.prompts import PromptSet
+
+    short_ids = tokenizer("Question: Who?\n", add_special_tokens=False)["input_ids"]
+    [long_item] = _items(tokenizer, 1)
+    loop = _calc_loop(tokenizer, lambda ctx: "<answer> x </answer>")
+    room = len(loop.new_trajectories([PromptItem("s", "toy", short_ids, ["x"])], 1)[0].prompt_ids)
+    assert len(long_item.prompt_ids) < room  # fits alone; with the note only the short one fits
+    budget = TokenBudget(
+        max_turns=3, max_prompt_tokens=room, max_tokens_per_turn=24, max_obs_tokens=200, max_total_tokens=800
+    )
+    loop = _calc_loop(tokenizer, lambda ctx: "<answer> x </answer>", budget=budget)
+    items = [long_item, PromptItem("s", "other", short_ids, ["x"])]
+    prompts = loop.admit(PromptSet(list(items), [{}, {}], ["long", "short"]))
+    assert [it.prompt_id for it in prompts.items] == ["s"] and prompts.questions == ["short"]
+    assert prompts.dropped == {"toy": 1}
+    assert "dropped 1 toy prompts that the list of rollout.tools" in capsys.readouterr().err
+    assert len(loop.run(prompts.items, 1)) == 1
+    with pytest.raises(ValueError, match=r"no prompt fits budget\.max_prompt_tokens=.*raise budget\.max_prompt_tokens"):
+        loop.admit(PromptSet([long_item], [{}], ["long"]))
+    plain = AgentLoop.from_config(load_config(None), None, tokenizer, None, budget)
+    assert len(plain.admit(PromptSet(list(items), [{}, {}], ["long", "short"])).items) == 2
 
 
 def test_a_bad_tool_fails_at_load_naming_the_key():

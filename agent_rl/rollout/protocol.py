@@ -89,10 +89,14 @@ def extract_answer(response_text: str) -> str | None:
     return found[-1].strip() if found else None
 
 
+_OPEN_TAG = re.compile(r"<([A-Za-z_][\w-]*)>")
+
+
 def well_formed(response_text: str) -> bool:
-    """Every `<search>` closed, exactly one `<answer>...</answer>`, and nothing after it."""
+    """Every tag opened is closed (`<search>`, a tool's `<read>`, `<think>`), exactly one
+    `<answer>...</answer>`, and nothing after it."""
     text = response_text.replace("<|endoftext|>", "").rstrip()
-    if text.count(SEARCH_OPEN) != text.count(SEARCH_CLOSE):
+    if any(text.count(f"<{tag}>") != text.count(f"</{tag}>") for tag in set(_OPEN_TAG.findall(text))):
         return False
     if len(_ANSWER.findall(text)) != 1:
         return False

@@ -7,7 +7,7 @@ itself says "between <answer> and </answer>") are removed first, so they can nev
 answer or break the format check. Normalisation is SQuAD's (`retriever_server.answers`), shared
 with retrieval evaluation. Any other `reward.fn` is a function of the user's, named by its import
 path (`module:function`); a list of `{fn, weight}` sums its terms (`Reward`). The optional format
-bonus adds `reward.format_coef` when the response is well formed: every `<search>` is closed, it
+bonus adds `reward.format_coef` when the response is well formed: every tag it opens is closed, it
 ends with exactly one `<answer>...</answer>` and nothing after it; the total is capped at 1. It is
 off by default (Search-R1's format variant can pay for well-formed wrong answers).
 """
@@ -74,7 +74,7 @@ def f1(t: Scored, golden_answers: list[str]) -> float:
 
 def em_format(t: Scored, golden_answers: list[str]) -> float:
     """Exact match, counted only when the response is well formed (a right answer after an unclosed
-    `<search>` or followed by more text earns nothing)."""
+    `<search>` or tool tag, or followed by more text, earns nothing)."""
     return em(t, golden_answers) if well_formed(policy_text(t.response_text)) else 0.0
 
 

@@ -15,6 +15,7 @@ turn-synchronous loop) and `async_loop` (each trajectory on its own); `loop.Agen
 
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from dataclasses import dataclass
 
@@ -95,6 +96,33 @@ class Turns:
         self.invalid_ids = self.obs._ids(INVALID_MESSAGE)
         self.counters: Counter = Counter()
         self._forced: set[int] = set()  # trajectories whose next turn must answer (no room for the corrective message)
+
+    def admit(self, prompts):
+        """Drop from a loaded `prompts.PromptSet` the prompts that the tools' note pushes past
+        budget.max_prompt_tokens (counted per source and reported, as loading drops the long ones), so
+        none of them stops a run hours in; returns the set. Search alone adds no note: nothing to drop."""
+        if not self.note:
+            return prompts
+        keep = [i for i, it in enumerate(prompts.items) if self.budget.admits_prompt(len(self._prompt(it.prompt_ids)))]
+        if len(keep) == len(prompts.items):
+            return prompts
+        gone = Counter(it.data_source for i, it in enumerate(prompts.items) if i not in set(keep))
+        for source, n in gone.items():
+            print(
+                f"[data] dropped {n} {source} prompts that the list of rollout.tools ({len(self.obs._ids(self.note))} "
+                f"tokens) pushes past budget.max_prompt_tokens={self.budget.max_prompt_tokens}",
+                file=sys.stderr,
+            )
+        if not keep:
+            raise ValueError(
+                f"no prompt fits budget.max_prompt_tokens={self.budget.max_prompt_tokens} with the list of "
+                "rollout.tools added to it: raise budget.max_prompt_tokens"
+            )
+        prompts.items = [prompts.items[i] for i in keep]
+        prompts.metadata = [prompts.metadata[i] for i in keep]
+        prompts.questions = [prompts.questions[i] for i in keep]
+        prompts.dropped.update(gone)
+        return prompts
 
     def new_trajectories(self, items: list[PromptItem], group_size: int) -> list[Trajectory]:
         """`group_size` empty trajectories per prompt (a GRPO group's rows are adjacent)."""
