@@ -35,6 +35,13 @@ import httpx
 from retriever_server.record import ReplayMiss, RetrievalRecord
 from retriever_server.schema import parse_read_response, parse_response
 
+READ_K = 0  # the record's key of a /read answer: (document id, 0); a search's topk is at least 1
+
+
+def _as_docs(doc: dict | None) -> list[dict]:
+    """A read's answer as the record keeps it: [the document], or [] when the id is not in the corpus."""
+    return [doc] if doc is not None else []
+
 
 def base_url(url: str) -> str:
     """The server's base URL from either it or its full `/retrieve` endpoint."""
@@ -198,7 +205,9 @@ class RetrieverClient:
         `fingerprint()` has asked; None before, or when replaying with no server."""
         return self._index
 
-    def _replayed(self, queries: list[str], topk: int) -> list[list[dict]]:
+    def _replayed(self, queries: list[str], topk: int, live: Callable | None = None) -> list[list[dict]]:
+        """The recorded answers of `queries` at `topk`; a miss raises, or (replay_miss=live) goes to
+        `live` (default: a search at `topk`) and joins the record."""
         assert self.record is not None
         fingerprint = self.fingerprint()
         with self._record_lock:
@@ -209,15 +218,18 @@ class RetrieverClient:
         if missing:
             if self.replay_miss == "error" or self.url is None:
                 others = f" (and {len(missing) - 1} more of this batch)" if len(missing) > 1 else ""
+                what = f"the query {missing[0]!r}{others} at topk {topk}"
+                if topk == READ_K:
+                    what = f"the read of document {missing[0]!r}{others}"
                 raise ReplayMiss(
-                    f"no recorded answer for the query {missing[0]!r}{others} at topk {topk} in "
+                    f"no recorded answer for {what} in "
                     f"{self.record.root / fingerprint}; record it first (retriever.record) against a live "
                     "retriever, or send misses to one (retriever.replay_miss=live)"
                 )
-            live = self._live(missing, topk)
-            written = self.record.append(fingerprint, [(q, topk, d) for q, d in zip(missing, live)], self._index)
+            fresh = live(missing) if live is not None else self._live(missing, topk)
+            written = self.record.append(fingerprint, [(q, topk, d) for q, d in zip(missing, fresh)], self._index)
             self._count("recorded", written)
-            for q, docs in zip(missing, live):
+            for q, docs in zip(missing, fresh):
                 answers[(q, topk)] = docs
         self._count("replayed", len(queries) - len(missing))
         # copies: a caller that edits its documents must not edit the record
@@ -243,10 +255,22 @@ class RetrieverClient:
 
     def read(self, ids: list[str]) -> list[dict | None]:
         """The full documents of `ids` from `/read` (None: not in the corpus), with `/retrieve`'s
-        retries and errors; split into requests of at most `max_queries_per_request` ids. A live
-        server only: a replayed record holds search answers, not documents."""
+        retries and errors; split into requests of at most `max_queries_per_request` ids. Recorded and
+        replayed as searches are (`retriever_server.record`: a read is kept under k = 0)."""
         if not ids:
             return []
+        if self.replay:
+            answers = self._replayed(ids, READ_K, lambda missing: [_as_docs(d) for d in self._read_live(missing)])
+        elif self.record is not None:
+            fingerprint = self.fingerprint()
+            answers = [_as_docs(d) for d in self._read_live(ids)]
+            written = self.record.append(fingerprint, list(zip(ids, [READ_K] * len(ids), answers)), self._index)
+            self._count("recorded", written)
+        else:
+            return self._read_live(ids)
+        return [docs[0] if docs else None for docs in answers]
+
+    def _read_live(self, ids: list[str]) -> list[dict | None]:
         if self.url is None:
             raise RetrievalError("no retriever URL to read documents from (replaying with no live server)")
         out: list[dict | None] = []

@@ -1,7 +1,9 @@
-"""A record of `/retrieve` answers on disk, so rollouts and evaluations can be replayed without a server.
+"""A record of `/retrieve` and `/read` answers on disk, so rollouts and evaluations can be replayed
+without a server.
 
 An answer is keyed by what determines it: the index's fingerprint (`/health`'s
-`index_fingerprint`), the query as sent, and topk. Layout:
+`index_fingerprint`), the query as sent, and topk; a `/read` answer by the document id and k = 0 (a
+search's topk is at least 1), its docs `[the document]`, or `[]` for an id not in the corpus. Layout:
 
     DIR/<fingerprint>/index.json                       what /health said of the index (for people)
     DIR/<fingerprint>/<host>-<pid>-<time>-<rand>.jsonl one segment per writing process

@@ -132,6 +132,23 @@ def test_replay_miss_live_asks_the_server_and_records_the_answer(server, tmp_pat
     assert again == docs
 
 
+def test_reads_are_recorded_and_replayed_beside_searches(server, tmp_path):
+    """`/read` answers (the `read` tool's) join the record under k = 0, an unknown id as None; a
+    replay with no server gives the same documents, and an unrecorded id is a miss naming it."""
+    _, url = server
+    live = RetrieverClient(url, topk=3, record=RetrievalRecord(tmp_path))
+    ids = [d["id"] for d in live.retrieve(["Inception"])[0]][:2]
+    read = live.read([*ids, "no-such-id"])
+    live.close()
+    assert read[0]["id"] == ids[0] and read[0]["contents"] and read[2] is None
+    assert live.stats["recorded"] == 1 + 3
+    replay = RetrieverClient(None, topk=3, record=RetrievalRecord(tmp_path), replay=True)
+    assert replay.read([*ids, "no-such-id"]) == read and replay.stats["requests"] == 0
+    assert replay.retrieve(["Inception"])[0][0]["id"] == ids[0]
+    with pytest.raises(ReplayMiss, match=r"the read of document 'other-id'"):
+        replay.read(["other-id"])
+
+
 def _segment_lines(folder: Path) -> list[bytes]:
     return [line for seg in sorted(folder.glob("*/*.jsonl")) for line in seg.read_bytes().splitlines(keepends=True)]
 
