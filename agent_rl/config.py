@@ -59,6 +59,12 @@ class RunConfig:
         "algo.group_size; rank 0's share under torchrun). Bounds the files' size.",
     )
     seed: int = _f(0, "Seed for python, numpy and torch; rollouts and updates are reproducible on CPU.")
+    dist_timeout_s: float = _f(
+        1800.0,
+        "torchrun: seconds a collective waits for the slowest rank before the process group fails the run "
+        "(torch's own default, 30 minutes). Every rank rolls out and evaluates its own share, so a wait is one "
+        "share's imbalance; raise it where one rank's step can take longer than this.",
+    )
     deterministic: bool = _f(
         False,
         "Ask torch for deterministic kernels everywhere (torch.use_deterministic_algorithms, oneDNN's deterministic "
@@ -598,6 +604,8 @@ class Config:
                 "algo.group_size must be >= 2 for GRPO (advantages are relative to the group); set algo.group_size=5 "
                 "or more"
             )
+        if self.run.dist_timeout_s <= 0:
+            raise ConfigError(f"run.dist_timeout_s must be positive, got {self.run.dist_timeout_s}")
         if self.algo.filter_groups and self.algo.max_gen_batches < 1:
             raise ConfigError(f"algo.max_gen_batches must be >= 1, got {self.algo.max_gen_batches}")
         if self.algo.group_size < 1 or self.rollout.prompts_per_step < 1:

@@ -133,27 +133,36 @@ def evaluate(
     trajs = loop.run(prompts.items, group_size=1, temperature=temperature)
     if keep is not None:
         keep.extend(trajs)
-    groups: dict[str, list[tuple[float, float, int]]] = {prefix: []}
+    rows = []
     for t, meta in zip(trajs, prompts.metadata):
-        em = compute_reward("em", t.response_text, t.golden_answers)
-        f1 = compute_reward("f1", t.response_text, t.golden_answers)
-        v = (em, f1, sum(1 for x in t.turns if x.action == "search" and x.obs_tokens))  # searches run
-        groups[prefix].append(v)
-        if scores is not None:
-            scores.append(
-                {"eval": prefix, "prompt_id": t.prompt_id, "data_source": t.data_source, "type": meta.get("type", "")}
-                | {"em": em, "f1": f1}
-                | {"searches": v[2], "end_reason": t.end_reason}
-            )
-        groups.setdefault(f"{prefix}/{t.data_source}", []).append(v)
-        if meta.get("type"):
-            groups.setdefault(f"{prefix}/type/{meta['type']}", []).append(v)
+        rows.append(
+            {"eval": prefix, "prompt_id": t.prompt_id, "data_source": t.data_source, "type": meta.get("type", "")}
+            | {
+                "em": compute_reward("em", t.response_text, t.golden_answers),
+                "f1": compute_reward("f1", t.response_text, t.golden_answers),
+            }
+            | {"searches": sum(1 for x in t.turns if x.action == "search" and x.obs_tokens), "end_reason": t.end_reason}
+        )
+    if scores is not None:
+        scores.extend(rows)
+    return score_metrics(rows)
+
+
+def score_metrics(rows: list[dict]) -> dict[str, float]:
+    """EM, F1 and searches run per trajectory from per-question score rows (`evaluate`'s), under each
+    row's prefix (`eval`, `eval_sampled`): overall, per data source and per question type, with n."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["eval"], []).append(r)
+        groups.setdefault(f"{r['eval']}/{r['data_source']}", []).append(r)
+        if r["type"]:
+            groups.setdefault(f"{r['eval']}/type/{r['type']}", []).append(r)
     out: dict[str, float] = {}
-    for key, vs in groups.items():
-        out[f"{key}/em"] = sum(v[0] for v in vs) / len(vs)
-        out[f"{key}/f1"] = sum(v[1] for v in vs) / len(vs)
-        out[f"{key}/searches_mean"] = sum(v[2] for v in vs) / len(vs)
-    out[f"{prefix}/n"] = float(len(trajs))
+    for key, rs in groups.items():
+        for name, field_ in (("em", "em"), ("f1", "f1"), ("searches_mean", "searches")):
+            out[f"{key}/{name}"] = sum(r[field_] for r in rs) / len(rs)
+    for prefix in dict.fromkeys(r["eval"] for r in rows):
+        out[f"{prefix}/n"] = float(len(groups[prefix]))
     return out
 
 
@@ -308,16 +317,31 @@ class Run:
         print(f"[train] resumed from {path} at step {self.step}", file=sys.stderr)
 
     def evaluate(self, loop: AgentLoop) -> dict[str, float]:
-        """Rank 0 evaluates with its own unsharded rollout model (no collectives); the rest wait. Each
-        question's scores go to OUTPUT_DIR/eval/step_N.jsonl (for paired comparisons between steps), the
-        greedy trajectories to OUTPUT_DIR/eval_trajectories/step_N.jsonl (for `agent-rl view`), and the
-        evaluation's seconds to `timing/eval_s`."""
+        """Every rank evaluates its contiguous share of the test set with its own rollout engine (no
+        collectives inside); rank 0 gathers the per-question scores and trajectories, in the test set's
+        order, and computes the metrics. Each question's scores go to OUTPUT_DIR/eval/step_N.jsonl (for
+        paired comparisons between steps, with the rank that ran it), the greedy trajectories to
+        OUTPUT_DIR/eval_trajectories/step_N.jsonl (for `agent-rl view`), and the evaluation's seconds
+        to `timing/eval_s`."""
         result: dict[str, float] = {}
-        if self.world.is_main and self.test_set is not None:
-            scores: list[dict] = []
-            trajs: list[Trajectory] = []
-            start = time.perf_counter()
-            result = evaluate_all(loop, self.test_set, self.cfg, scores, keep=trajs)
+        if self.test_set is None:
+            return result
+        world, ts = self.world, self.test_set
+        lo, hi = (len(ts.items) * r // world.world_size for r in (world.rank, world.rank + 1))
+        share = PromptSet(ts.items[lo:hi], ts.metadata[lo:hi], ts.questions[lo:hi])
+        scores: list[dict] = []
+        trajs: list[Trajectory] = []
+        start = time.perf_counter()
+        if share.items:
+            evaluate_all(loop, share, self.cfg, scores, keep=trajs)
+        for r in scores:
+            r["rank"] = world.rank
+        parts, traj_parts = world.gather_object(scores), world.gather_object(trajs)
+        if world.is_main:
+            prefixes = dict.fromkeys(r["eval"] for part in parts for r in part)
+            scores = [r for prefix in prefixes for part in parts for r in part if r["eval"] == prefix]
+            trajs = [t for part in traj_parts for t in part]
+            result = score_metrics(scores)
             result["timing/eval_s"] = time.perf_counter() - start
             path = self.out_dir / "eval" / f"step_{self.step}.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)

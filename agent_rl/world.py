@@ -36,6 +36,8 @@ class World(Protocol):
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
 
+    def gather_object(self, obj: Any) -> list[Any]: ...
+
     def close(self) -> None: ...
 
 
@@ -69,6 +71,9 @@ class LocalWorld:
 
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return obj
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
 
     def close(self) -> None:
         pass

@@ -251,6 +251,13 @@ def test_torchrun_two_ranks_trains_checkpoints_and_resumes(cache, tmp_path):
     assert len([line for line in lines if '"step": 1,' in line and "reward/mean" in line]) == 1, (
         "a rank other than 0 wrote metrics"
     )
+    # the evaluation is sharded: each rank ran its half of the 8 questions, rank 0 merged them in order
+    evals = [json.loads(line) for line in lines if '"eval/em"' in line]
+    assert evals and all(e["eval/n"] == 8 for e in evals)
+    rows = [json.loads(line) for line in (out / "eval" / "step_2.jsonl").read_text().splitlines()]
+    greedy = [r for r in rows if r["eval"] == "eval"]
+    assert [r["rank"] for r in greedy] == [0] * 4 + [1] * 4
+    assert sum(r["em"] for r in greedy) / 8 == pytest.approx(evals[-1]["eval/em"])
 
     res = torchrun(3, "--resume")
     assert res.returncode == 0, res.stderr[-4000:]

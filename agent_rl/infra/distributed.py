@@ -21,6 +21,7 @@ is a separate HTTP service that all ranks share.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
@@ -122,6 +123,12 @@ class DistInfo:
         torch_dist.broadcast_object_list(box, src=src)
         return box[0]
 
+    def gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank (pickled; an evaluation's share of scores)."""
+        out: list[Any] = [None] * self.world_size
+        torch_dist.all_gather_object(out, obj)
+        return out
+
     def close(self) -> None:
         if torch_dist.is_initialized():
             torch_dist.destroy_process_group()
@@ -189,7 +196,11 @@ def init_distributed(cfg) -> DistInfo | LocalWorld:
         )
     if not torch_dist.is_initialized():
         torch_dist.init_process_group(
-            process_group_backend(device), rank=rank, world_size=world, device_id=device if backend == "nccl" else None
+            process_group_backend(device),
+            rank=rank,
+            world_size=world,
+            device_id=device if backend == "nccl" else None,
+            timeout=datetime.timedelta(seconds=cfg.run.dist_timeout_s),
         )
     cfg.train.device = str(device)
     if cfg.rollout.device.startswith("cuda"):
