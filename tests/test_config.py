@@ -161,7 +161,9 @@ def test_an_old_checkpoint_config_record_migrates_without_loss():
     old["trainer"] = old.pop("run")
     old["trainer"]["max_steps"] = 11
     saved = json.loads(json.dumps(old, indent=1, default=str))  # as save_checkpoint writes it
-    with pytest.warns(FutureWarning, match="read trainer.deterministic as run.deterministic, .*trainer.eval_every as run.eval_every"):
+    with pytest.warns(
+        FutureWarning, match="read trainer.deterministic as run.deterministic, .*trainer.eval_every as run.eval_every"
+    ):
         new = migrate_sections(saved, "checkpoint config.json")
     assert "trainer" not in new and new["run"] == old["trainer"]
     assert RunConfig(**new["run"]) == RunConfig(**{**dataclasses.asdict(RunConfig()), "max_steps": 11})
