@@ -488,7 +488,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     if resume:
         run.resume()
     if cfg.run.preflight and run.step == 0:
-        report = run_preflight(policy, cfg, cfg.train.device)
+        report = run_preflight(policy, cfg, cfg.train.device, optimizer)
         print(f"[train] preflight at the largest admissible micro-batch passed: {report}", file=sys.stderr)
     return run
 

@@ -485,20 +485,27 @@ def test_plan_predicts_the_peak_rss_drop_of_lora(medium_model_dir):
 
 def test_preflight_runs_forward_backward_at_the_largest_micro_batch(tiny_model_dir):
     """A config whose cap fits passes; the pass is one forward at (cap // max_total_tokens) rows of
-    max_total_tokens tokens, followed by a backward that reaches the weights, whose gradients are freed after."""
+    max_total_tokens tokens, followed by a backward that reaches the weights, whose gradients are freed after.
+    AdamW's state, which exists only after the first step, is stood in for during the pass (two fp32
+    moments per trained parameter) and the optimizer is left as it was."""
     from agent_rl.learn.policy import load_policy
     from agent_rl.learn.preflight import run_preflight
+    from agent_rl.learn.update import adamw
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", *DEMO_BUDGET, "train.max_tokens_per_microbatch=2000"])
     policy = load_policy(cfg, str(tiny_model_dir), "cpu")
     shapes, grads = [], []
     h1 = policy.model.embed_tokens.register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
     h2 = policy.model.layers[0].mlp.down_proj.weight.register_hook(lambda g: grads.append(float(g.abs().sum())))
+    optimizer = adamw([p for p in policy.parameters() if p.requires_grad], 1e-3)
     try:
-        report = run_preflight(policy, cfg, "cpu")
+        report = run_preflight(policy, cfg, "cpu", optimizer)
     finally:
         h1.remove()
         h2.remove()
+    params = sum(p.numel() * 4 for p in policy.parameters() if p.requires_grad)
+    assert report["optimizer_state_gib"] == round(2 * params / 2**30, 6) > 0
+    assert not optimizer.state  # the first step allocates its own, as it would have
     assert shapes == [(4, 440)]  # 2000 // 440 rows at the budget's worst case
     assert report["rows"] == 4 and report["tokens"] == 4 * 440
     assert grads and grads[0] > 0

@@ -31,7 +31,26 @@ def _is_oom(err: BaseException) -> bool:
     )
 
 
-def run_preflight(model, cfg: Config, device: str) -> dict:
+def _optimizer_state_stand_in(optimizer) -> list[torch.Tensor]:
+    """Zeros the size of the state AdamW allocates at its first step (two moments per trained
+    parameter), held through the pass so its peak is a real step's; the
+    optimizer's own state stays empty, so the first step is the step it would have been."""
+    if optimizer is None or any(optimizer.state.values()):
+        return []
+    return [
+        torch.zeros_like(p)  # beside the parameter, as AdamW keeps them (FSDP's offload: in host RAM)
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.requires_grad
+        for _ in range(2)
+    ]
+
+
+def run_preflight(model, cfg: Config, device: str, optimizer=None) -> dict:
+    """One forward and backward at the largest admissible micro-batch, with `optimizer`'s state
+    (not allocated before its first step) stood in for, so what runs out of memory here would run out
+    in the first update."""
+    held = _optimizer_state_stand_in(optimizer)
     rows = max(1, cfg.train.max_tokens_per_microbatch // cfg.budget.max_total_tokens)
     length = cfg.budget.max_total_tokens
     vocab = model.config.vocab_size if hasattr(model, "config") else 1000
@@ -75,7 +94,9 @@ def run_preflight(model, cfg: Config, device: str) -> dict:
         "tokens": rows * length,
         "seconds": round(time.perf_counter() - start, 2),
         "peak_rss_gib": round(peak_rss_bytes() / 2**30, 3),
+        "optimizer_state_gib": round(sum(t.numel() * t.element_size() for t in held) / 2**30, 6),
     }
+    del held
     if torch.cuda.is_available() and str(device).startswith("cuda"):
         report["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
     return report
