@@ -26,17 +26,6 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-BASELINE = r"""
-import json, sys
-from agent_rl.config import load_config
-from agent_rl.rollout.prompts import load_tokenizer
-from agent_rl.infra.memory import peak_rss_bytes
-import agent_rl.train  # noqa: F401
-cfg = load_config(sys.argv[1], sys.argv[2:])
-load_tokenizer(cfg.model.path)
-print(json.dumps({"peak_rss": peak_rss_bytes()}))
-"""
-
 
 def measure(config: str, overrides: list[str]) -> dict:
     import random
@@ -115,23 +104,15 @@ def main() -> None:
     config = args[0] if args and "=" not in args[0] else str(ROOT / "configs" / "smollm2_hotpotqa_grpo.yaml")
     overrides = [a for a in args if "=" in a]
     from agent_rl.config import load_config
+    from agent_rl.infra.memory import import_baseline_bytes
     from agent_rl.infra.plan import BASELINE_HOST_BYTES, plan
     from agent_rl.infra.prepare import ensure_model
 
     cfg = load_config(config, overrides)
     ensure_model(cfg)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    base = subprocess.run(
-        [sys.executable, "-c", BASELINE, config, *overrides],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    baseline = json.loads(base.stdout.strip().splitlines()[-1])["peak_rss"]
     # The point runs under the allocator this command was launched with (LD_PRELOAD passes on), as
-    # the planner in this process assumes; the import baseline above likewise.
+    # the planner in this process assumes; the planner measures its import baseline on this machine.
     res = subprocess.run(
         [sys.executable, __file__, "--point", config, *overrides],
         cwd=ROOT,
@@ -143,17 +124,17 @@ def main() -> None:
         raise SystemExit(res.stderr[-4000:])
     measured = json.loads(res.stdout.strip().splitlines()[-1])
     p = plan(cfg)
-    shift = baseline - BASELINE_HOST_BYTES
     print(f"config {config} {' '.join(overrides)}")
-    print(f"import baseline measured {baseline / 2**30:.2f} GiB (planner constant {BASELINE_HOST_BYTES / 2**30:.2f})")
+    baseline = import_baseline_bytes() or BASELINE_HOST_BYTES
+    print(f"import baseline {baseline / 2**30:.2f} GiB (planner fallback constant {BASELINE_HOST_BYTES / 2**30:.2f})")
     for name, ph in p.phases.items():
         print(
-            f"plan {name:>7}: {(ph['host_bytes'] + shift) / 2**30:6.2f} GiB  "
+            f"plan {name:>7}: {ph['host_bytes'] / 2**30:6.2f} GiB  "
             + ", ".join(f"{k.split('/')[-1]} {v / 2**30:.2f}" for k, v in ph["components"].items())
         )
     for name, v in measured["peaks"].items():
         print(f"measured VmHWM after {name:>14}: {v / 2**30:6.2f} GiB")
-    predicted, actual = p.host_peak_bytes + shift, max(measured["peaks"].values())
+    predicted, actual = p.host_peak_bytes, max(measured["peaks"].values())
     print(
         f"peak: planned {predicted / 2**30:.2f} GiB, measured {actual / 2**30:.2f} GiB, ratio {predicted / actual:.3f}"
     )

