@@ -79,12 +79,12 @@ def test_bf16_step_at_lr_1e6_moves_parameters_as_fp32_does(tiny_model_dir):
     assert moved(pure) < 0.1  # the fault: updates below half a bf16 ulp round away
 
 
-def test_ppo_critic_under_fsdp2_bf16_on_two_gloo_ranks(tmp_path):
+def test_ppo_critic_under_fsdp2_bf16_on_two_gloo_ranks(toy_warm_start, tmp_path):
     """torchrun, 2 gloo ranks, PPO with `train.bf16=true`: the critic's value head is all-gathered
     in bf16 and fed bf16 hidden states (it used to raise a dtype error); the run trains 1 step."""
     from test_train import _overrides
 
-    cache = tmp_path / "cache"
+    cache = toy_warm_start["cache"]  # the session's toy world, tiny model and index
     out = tmp_path / "run"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     cmd = [

@@ -277,14 +277,14 @@ def test_report_renders_real_rollouts_in_headless_chromium(rollout_file, tmp_pat
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
 
 
-def test_training_run_keeps_trajectories_for_the_viewer(tmp_path):
+def test_training_run_keeps_trajectories_for_the_viewer(toy_warm_start, tmp_path):
     """`run.save_trajectories_every=1` on a real 2-step tiny run: each step's file holds
     `save_trajectories_per_step` records whose trainer log-probs and advantages align with the
     response ids (trained tokens: the trainer's log-prob equals the engine's; masked: 0), and
     `agent-rl rollout` and `agent-rl eval --trajectories` files join them in one report."""
     from test_train import _overrides, _run
 
-    cache, out = tmp_path / "cache", tmp_path / "run"
+    cache, out = toy_warm_start["cache"], tmp_path / "run"  # the session's toy world, tiny model and index
     res = _run(
         [
             "train",

@@ -258,13 +258,13 @@ def test_vllm_config_errors_name_the_key():
         load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", ["algo.tis_cap=0.5"])
 
 
-def test_grpo_with_vllm_checkpoints_and_resumes_exactly(tmp_path_factory, tmp_path):
+def test_grpo_with_vllm_checkpoints_and_resumes_exactly(toy_warm_start, tmp_path):
     """`agent-rl train` with rollout.engine=vllm: 3 steps straight, and 2 steps then `--resume`
     for the third, give the same step-3 metrics (per-request seeds come from the checkpointed
     generator); engine and trainer log-probs agree (fp32, mean < 1e-5); parameters change."""
     from test_train import _metrics, _overrides, _run, _weights
 
-    cache = tmp_path_factory.mktemp("vllm_train_cache")
+    cache = toy_warm_start["cache"]  # the session's toy world, tiny model and index
     extra = ["rollout.engine=vllm", "algo.tis_cap=2.0"]
     full, cut = tmp_path / "full", tmp_path / "cut"
     res = _run(["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, full, 3, extra)], timeout=900)
