@@ -100,7 +100,7 @@ class ExplodingPolicy:
         self.calls = 0
         self.stats = {"generated_tokens": 0}
 
-    def sleep(self) -> None:
+    def sleep(self, discard_weights: bool = False) -> None:
         pass
 
     def wake(self) -> None:
