@@ -505,12 +505,11 @@ def sample_groups(run: Run, loop: AgentLoop, reward: Reward) -> tuple[list[Traje
     n = cfg.algo.group_size
     sampled: list[Trajectory] = []
     kept: list[list[Trajectory]] = []
-    target = None
     batches = 0
     while True:
         picked = [run.train_set.items[i] for i in run.stream.next(cfg.rollout.prompts_per_step)]
         picked = dist_lib.split_groups(picked, world.rank, world.world_size)
-        target = len(picked) if target is None else target
+        target = len(picked)  # this rank's share, the same in every batch
         trajs = loop.run(picked, n, cfg.rollout.temperature, cfg.rollout.top_p)
         batches += 1
         for t in trajs:

@@ -63,7 +63,8 @@ def import_baseline_bytes(cache_dir: str | Path | None = None) -> int | None:
     cache keyed by the interpreter and the versions of torch, transformers, tokenizers and this
     package. None where it cannot be measured (the caller falls back to its constant). Measured
     without a preloaded allocator, whose share the planner adds on its own."""
-    key = hashlib.sha256(f"{sys.executable}|{sys.version}|{_versions()}".encode()).hexdigest()[:16]
+    versions = _versions()
+    key = hashlib.sha256(f"{sys.executable}|{sys.version}|{versions}".encode()).hexdigest()[:16]
     root = Path(cache_dir or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "agent_rl"
     path = root / f"import_baseline-{key}.json"
     try:
@@ -84,7 +85,7 @@ def import_baseline_bytes(cache_dir: str | Path | None = None) -> int | None:
     try:
         root.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"bytes": measured, "python": sys.executable, "versions": _versions()}) + "\n")
+        tmp.write_text(json.dumps({"bytes": measured, "python": sys.executable, "versions": versions}) + "\n")
         os.replace(tmp, path)
     except OSError:
         pass  # measured again next time

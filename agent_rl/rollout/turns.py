@@ -106,7 +106,8 @@ class Turns:
         keep = [i for i, it in enumerate(prompts.items) if self.budget.admits_prompt(len(self._prompt(it.prompt_ids)))]
         if len(keep) == len(prompts.items):
             return prompts
-        gone = Counter(it.data_source for i, it in enumerate(prompts.items) if i not in set(keep))
+        kept = set(keep)
+        gone = Counter(it.data_source for i, it in enumerate(prompts.items) if i not in kept)
         for source, n in gone.items():
             print(
                 f"[data] dropped {n} {source} prompts that the list of rollout.tools ({len(self.obs._ids(self.note))} "
