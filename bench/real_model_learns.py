@@ -23,8 +23,10 @@ Nothing is copied from it but the derived prompt files. One command runs every p
    peak RSS per phase against `agent-rl plan`, and `agent-rl view` reports of a few held-out
    trajectories before and after: OUT/results.json and OUT/results.md.
 
-A phase whose output exists is reused (data with the same split, index, warm start); training always
-starts afresh in OUT/grpo.
+A phase whose output exists is reused (data with the same split, index, warm start); training
+starts afresh in OUT/grpo, or with --resume continues OUT/grpo's last checkpoint up to run.max_steps
+(e.g. `--resume run.max_steps=60` after a 30-step run: with a constant learning rate and exact resume,
+the same weights a 60-step run reaches; the held-out comparison is still step 0 against the last step).
 """
 
 from __future__ import annotations
@@ -352,6 +354,11 @@ def main(argv: list[str] | None = None) -> int:
         "--index",
         help="the corpus's MiniLM index, built there if missing (default OUT/index); give another run's to reuse it",
     )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue OUT/grpo from its last checkpoint (to run.max_steps) instead of starting afresh",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides for every agent-rl command (key=value)")
     args = parser.parse_args(argv)
     from agent_rl.config import load_config
@@ -412,8 +419,16 @@ def main(argv: list[str] | None = None) -> int:
         phases["sft"] = run_phase("sft", [*agent_rl, "sft", config, *overrides], out / "logs" / "sft.log")
     else:
         _log(f"sft: reusing the warm start in {out / 'sft'}")
-    shutil.rmtree(out / "grpo", ignore_errors=True)
-    phases["train"] = run_phase("train", [*agent_rl, "train", config, *train_overrides], out / "logs" / "train.log")
+    train_cmd = [*agent_rl, "train", config, *train_overrides]
+    if args.resume:
+        if not (out / "grpo" / "checkpoints").is_dir():
+            raise SystemExit(f"--resume: no checkpoint under {out / 'grpo' / 'checkpoints'}")
+        train_cmd.append("--resume")
+        log = out / "logs" / f"train_resume_{time.strftime('%H%M%S')}.log"
+    else:
+        shutil.rmtree(out / "grpo", ignore_errors=True)
+        log = out / "logs" / "train.log"
+    phases["train"] = run_phase("train", train_cmd, log)
 
     res = summarise(out, phases, plan, recall, sizes)
     res.update(config=args.config, overrides=args.overrides, split_seed=args.seed, data=str(data))
