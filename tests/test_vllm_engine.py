@@ -259,29 +259,29 @@ def test_vllm_config_errors_name_the_key():
 
 
 def test_grpo_with_vllm_checkpoints_and_resumes_exactly(toy_warm_start, tmp_path):
-    """`agent-rl train` with rollout.engine=vllm: 3 steps straight, and 2 steps then `--resume`
-    for the third, give the same step-3 metrics (per-request seeds come from the checkpointed
+    """`agent-rl train` with rollout.engine=vllm: 2 steps straight, and 1 step then `--resume`
+    for the second, give the same step-2 metrics (per-request seeds come from the checkpointed
     generator); engine and trainer log-probs agree (fp32, mean < 1e-5); parameters change."""
     from test_train import _metrics, _overrides, _run, _weights
 
     cache = toy_warm_start["cache"]  # the session's toy world, tiny model and index
     extra = ["rollout.engine=vllm", "algo.tis_cap=2.0"]
     full, cut = tmp_path / "full", tmp_path / "cut"
-    res = _run(["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, full, 3, extra)], timeout=900)
+    res = _run(["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, full, 2, extra)], timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
-    res = _run(["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, cut, 2, extra)], timeout=900)
+    res = _run(["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, cut, 1, extra)], timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
-    res = _run(["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, cut, 3, extra), "--resume"], timeout=900)
+    res = _run(["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, cut, 2, extra), "--resume"], timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     assert "resumed from" in res.stderr and "no sleep mode on this platform" in res.stderr
     a, b = _metrics(full), _metrics(cut)
     for key in ("reward/mean", "loss/policy", "rollout/response_length_mean", "actor/grad_norm"):
-        assert a[3][key] == pytest.approx(b[3][key], rel=1e-5, abs=1e-7), key
-    for step in (1, 2, 3):
+        assert a[2][key] == pytest.approx(b[2][key], rel=1e-5, abs=1e-7), key
+    for step in (1, 2):
         assert a[step]["rollout/logprob_diff_mean"] < 1e-5 and a[step]["rollout/logprob_diff_max"] < 1e-3
         assert a[step]["timing/weight_sync"] > 0
         assert 0.5 < a[step]["actor/tis_weight_mean"] <= 2.0
-    before, after = _weights(cache / "model"), _weights(full / "checkpoints" / "step_3")
+    before, after = _weights(cache / "model"), _weights(full / "checkpoints" / "step_2")
     assert any(not torch.equal(before[k], after[k]) for k in before if k in after)
 
 
@@ -322,46 +322,3 @@ def test_real_model_both_engines_stop_at_merged_tags_and_agree(smollm2_dir):
         assert tok.decode(a.token_ids).endswith("</answer><") and tok.decode(a.token_ids[-1:]) == "><"
         assert eos.token_ids[-1] == tok.eos_token_id and len(short.token_ids) == 3
         assert "</search>" not in tok.decode(s.token_ids[:-1])  # nothing generated past the tag
-
-
-@pytest.mark.real_model
-def test_real_model_grpo_with_vllm_checkpoints_and_resumes(smollm2_dir, hotpot_index_dir, tmp_path):
-    """configs/smollm2_hotpotqa_grpo.yaml on the real model, vLLM rollout, LoRA: 2 GRPO steps
-    (checkpoint each), then `--resume` runs step 3 from step 2's checkpoint; engine and trainer
-    log-probs agree within 1e-3 on average (fp32 on CPU) and the merged LoRA weights reach vLLM."""
-    from test_train import _metrics, _run
-
-    out = tmp_path / "run"
-    data = tmp_path / "data"
-    overrides = [
-        f"run.output_dir={out}",
-        "run.save_every=1",
-        "run.eval_max_samples=2",
-        "run.eval_sampled=false",
-        "run.tensorboard=false",
-        "run.preflight=false",
-        f"model.path={smollm2_dir}",
-        "model.warm_start=",
-        f"data.train_files=[{data}/train.parquet]",
-        f"data.test_files=[{data}/test.parquet]",
-        f"retriever.index_dir={hotpot_index_dir}",
-        "retriever.topk=1",
-        "rollout.prompts_per_step=2",
-        "algo.group_size=2",
-        "budget.max_turns=1",
-        "budget.max_tokens_per_turn=16",
-        "budget.max_obs_tokens=96",
-        "budget.max_total_tokens=352",
-        "algo.entropy_coef=0.01",  # the base model earns little reward: entropy gives every step a gradient
-    ]
-    res = _run(["train", "configs/smollm2_hotpotqa_grpo.yaml", "run.max_steps=2", *overrides], timeout=1200)
-    assert res.returncode == 0, res.stderr[-4000:]
-    assert (out / "checkpoints" / "step_2" / "model" / "adapter_config.json").exists()
-    res = _run(["train", "configs/smollm2_hotpotqa_grpo.yaml", "run.max_steps=3", *overrides, "--resume"], timeout=1200)
-    assert res.returncode == 0, res.stderr[-4000:]
-    assert "resumed from" in res.stderr and "step_2" in res.stderr
-    m = _metrics(out)
-    assert sorted(m) == [1, 2, 3]
-    for step in (1, 2, 3):
-        assert m[step]["rollout/logprob_diff_mean"] < 1e-3, m[step]["rollout/logprob_diff_mean"]
-        assert m[step]["timing/weight_sync"] > 0
