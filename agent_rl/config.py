@@ -516,12 +516,65 @@ class SftConfig:
 @dataclass
 class GuardConfig:
     action: str = _f("warn", "Collapse guard: off | warn | stop | rollback.")
-    window: int = _f(10, "Steps in the moving window the guard compares against.")
-    length_factor: float = _f(3.0, "Trigger when mean response length exceeds this factor times the window median.")
-    budget_hit_frac: float = _f(0.3, "Trigger when more than this share of trajectories ends on budget_total.")
-    invalid_frac: float = _f(0.9, "Trigger when more than this share of actions is invalid.")
+    window: int = _f(10, "Healthy steps (no signal) the relative signals compare a step with.")
+    min_history: int = _f(3, "Healthy steps the window must hold before a relative signal can fire.")
+    replay_size: int = _f(
+        16,
+        "Responses that earned a reward in earlier steps (one per prompt) scored under the policy after every "
+        "update: guard/replay_logprob, one forward pass over this many rows. 0 = off.",
+    )
+    replay_drop: float = _f(
+        0.5,
+        "replay signal: the replay set's mean log-prob per token fell this many nats below its best (the policy is "
+        "unlearning what it got right). 0 = a metric only.",
+    )
+    grad_z: float = _f(
+        6.0,
+        "grad_norm signal: the gradient norm (before clipping) is this many standard deviations above the window's "
+        "mean (the sd is floored at a tenth of the mean). 0 = a metric only.",
+    )
+    entropy_factor: float = _f(
+        0.0,
+        "entropy signal: actor/entropy (algo.log_entropy) above this factor x, or below 1/factor x, the window "
+        "median. 0 = a metric only.",
+    )
+    format_rise: float = _f(
+        0.3, "format signal: the share of malformed responses is this much above the window median. 0 = a metric only."
+    )
+    repeat_rise: float = _f(
+        0.2,
+        "repeat signal: the share of responses repeating a 4-token n-gram 3+ times is this much above the window "
+        "median. 0 = a metric only.",
+    )
+    search_ratio: float = _f(
+        0.5,
+        "search signal: searches per trajectory fell below this fraction of the window median (only when that "
+        "median is 0.5 or more). 0 = a metric only.",
+    )
+    logprob_gap: float = _f(
+        0.0,
+        "logprob_gap signal: the engine-trainer log-prob gap at sampled tokens (rollout/logprob_diff_mean) above "
+        "this. 0 = a metric only.",
+    )
+    length_factor: float = _f(
+        3.0, "length signal (late): mean response length above this factor x the window median. 0 = off."
+    )
+    budget_hit_frac: float = _f(
+        0.3, "budget_total signal (late): more than this share of trajectories ends on budget_total. 0 = off."
+    )
+    invalid_frac: float = _f(0.9, "invalid signal (late): more than this share of actions is invalid. 0 = off.")
+    healthy_every: int = _f(
+        5,
+        "rollback: also checkpoint every N steps that raised no signal (besides run.save_every), so the last "
+        "healthy checkpoint is at most N steps back. 0 = run.save_every's checkpoints only.",
+    )
     lr_factor: float = _f(0.5, "rollback: multiply the learning rate by this.")
-    kl_factor: float = _f(2.0, "rollback: multiply the KL coefficient by this (set 0.001 when it was 0).")
+    kl_factor: float = _f(2.0, "rollback: multiply the KL coefficient by this.")
+    kl_floor: float = _f(
+        0.001,
+        "rollback with algo.kl_coef 0: the KL coefficient to start from; the reference is the restored healthy "
+        "policy (the LoRA base with LoRA). A torchrun FSDP run has no reference then: it lowers the rate only.",
+    )
     max_rollbacks: int = _f(3, "rollback: give up (stop) after this many rollbacks.")
 
 

@@ -42,6 +42,7 @@ from agent_rl.infra.prepare import local_retriever, prepare
 from agent_rl.learn.batch import RolloutBatch
 from agent_rl.learn.policy import _DTYPES, ValueModel, assert_no_data_parallel, frozen_copy, load_policy
 from agent_rl.learn.preflight import run_preflight
+from agent_rl.learn.signals import ReplaySet
 from agent_rl.learn.update import adamw, prepare_batch, update
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.buffer import TrajectoryBuffer
@@ -241,6 +242,7 @@ class Run:
     buffer: TrajectoryBuffer
     logger: MetricsLogger
     guard: CollapseGuard
+    replay: ReplaySet | None  # the guard's replay set (guard.replay_size)
     stop: StopFlag
     update_rng: random.Random
     step: int = 0
@@ -261,6 +263,9 @@ class Run:
             "cursor": self.stream.cursor,
             "update_rng": self.update_rng.getstate(),
             "engine_rng": self.engine.generator.get_state(),
+            "guard": self.guard.state_dict(),  # with what a rollback changed, so --resume keeps it
+            "kl_coef": self.cfg.algo.kl_coef,
+            "replay": self.replay.state_dict() if self.replay is not None else [],
         }
         if self.world.sharded:
             return dist_lib.save_sharded(
@@ -304,7 +309,37 @@ class Run:
         if "engine_rng" in extra:
             self.engine.generator.set_state(extra["engine_rng"])
         self.update_rng.setstate(extra["update_rng"])
+        if "guard" in extra:
+            self.guard.load_state_dict(extra["guard"])
+            self._set_kl(extra["kl_coef"])
+            if self.replay is not None:
+                self.replay.load_state_dict(extra["replay"])
         self.push_weights()
+
+    def _set_kl(self, kl_coef: float) -> None:
+        if kl_coef > 0 and self.ref is None and not hasattr(self.policy, "disable_adapter"):
+            if self.world.sharded:
+                print("[guard] no reference model on this FSDP run: the KL coefficient stays 0", file=sys.stderr)
+                return
+            # a rollback's first KL: the reference is the policy as restored (the last healthy one)
+            self.ref = frozen_copy(self.policy, self.cfg.train.device, _DTYPES[self.cfg.model.dtype])
+        self.cfg = dataclasses.replace(self.cfg, algo=dataclasses.replace(self.cfg.algo, kl_coef=kl_coef))
+
+    def replay_signal(self, sampled: list[Trajectory]) -> dict[str, float]:
+        """guard/replay_logprob of the replay set under the updated policy (once every rank's set is full), then
+        this step's rewarded responses into the set while it fills."""
+        if self.replay is None:
+            return {}
+        out = {}
+        start = time.perf_counter()
+        if self.replay.ready(self.world):
+            pad = self.tokenizer.pad_token_id
+            out["guard/replay_logprob"] = self.replay.logprob(
+                self.policy, pad, self.cfg.train.device, self.cfg.rollout.temperature, self.world
+            )
+            out["timing/replay_s"] = time.perf_counter() - start
+        self.replay.add(sampled)
+        return out
 
     def resume(self) -> None:
         """Restore the latest checkpoint under the output directory, if there is one."""
@@ -375,21 +410,26 @@ class Run:
             )
         return self.world.all_reduce_max(back) > 0
 
-    def rollback(self) -> None:
-        """The guard's rollback: the latest checkpoint, a lower learning rate, a stronger KL."""
+    def rollback(self) -> Path | None:
+        """The guard's rollback: the last healthy checkpoint (the newest: a step with a signal never saves one
+        under guard.action=rollback), a lower learning rate, a stronger KL; saved again with them, so a
+        --resume after it keeps them. Returns the checkpoint it went back to."""
         path = self.world.broadcast_object(latest_checkpoint(self.ckpt_root))
         # Lower the scheduler's base rates, not just the live ones: LambdaLR recomputes
         # lr from base_lrs at every step (and the restore brings back the old ones).
         base_lrs = [lr * self.cfg.guard.lr_factor for lr in self.scheduler.base_lrs]
+        kl = self.cfg.algo.kl_coef * self.cfg.guard.kl_factor if self.cfg.algo.kl_coef > 0 else self.cfg.guard.kl_floor
+        rollbacks, first = self.guard.rollbacks, self.guard.first_signal_step
         if path is not None:
-            self.restore(path)
+            self.restore(path)  # the guard's window and replay set as they were then
+        self.guard.rollbacks, self.guard.first_signal_step = rollbacks, first
         self.scheduler.base_lrs = base_lrs
         for group, base, factor in zip(self.optimizer.param_groups, base_lrs, self.scheduler.lr_lambdas):
             group["lr"] = base * factor(self.scheduler.last_epoch)
-        algo = self.cfg.algo
-        self.cfg = dataclasses.replace(
-            self.cfg, algo=dataclasses.replace(algo, kl_coef=algo.kl_coef * self.cfg.guard.kl_factor)
-        )
+        self._set_kl(kl)
+        if path is not None:
+            self.checkpoint()
+        return path
 
     def exit(self, message: str) -> None:
         """Save this step, close the logs and the process group, and stop with `message`."""
@@ -482,6 +522,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
         buffer=TrajectoryBuffer(cfg.buffer.max_tokens, cfg.buffer.max_trajectories),
         logger=MetricsLogger(out_dir, cfg.run.tensorboard, enabled=world.is_main),  # only rank 0 writes
         guard=CollapseGuard(cfg.guard),
+        replay=ReplaySet(cfg.guard.replay_size) if cfg.guard.action != "off" and cfg.guard.replay_size > 0 else None,
         stop=install_signal_handlers(),
         update_rng=random.Random(cfg.run.seed),
     )
@@ -677,6 +718,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             metrics = step_metrics(
                 run, sampled, trajs, rollout_m, client, upd, times, engine.stats["generated_tokens"] - gen_before
             )
+            metrics.update(run.replay_signal(sampled))
             if (
                 cfg.run.eval_every
                 and run.step % cfg.run.eval_every == 0
@@ -685,21 +727,32 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             ):
                 last_eval = run.evaluate(loop)
                 metrics.update(last_eval)
+            # 7. collapse guard: its signals are metrics of the step whether or not it acts
+            decision, signals = run.guard.observe(run.step, metrics)
+            metrics.update(signals)
+            if decision.action != "none":
+                print(f"[guard] {decision.action}: {decision.message}", file=sys.stderr)
+                metrics[f"guard/{decision.action}"] = 1.0
             run.logger.log(run.step, metrics)
             if run.step % cfg.run.log_every == 0:
                 run.logger.progress(run.step, cfg.run.max_steps, metrics)
-            # 7. collapse guard
-            decision = run.guard.observe(run.step, metrics)
-            if decision.action != "none":
-                print(f"[guard] step {run.step}: {decision.action}: {decision.message}", file=sys.stderr)
-                run.logger.log(run.step, {f"guard/{decision.action}": 1.0})
             if decision.action == "stop":
                 run.exit(f"collapse guard stopped the run at step {run.step}: {decision.message}")
             if decision.action == "rollback":
-                run.rollback()
+                path = run.rollback()
+                print(
+                    f"[guard] rolled back to {path} (step {run.step}): lr {run.scheduler.get_last_lr()[0]:.3g}, "
+                    f"kl_coef {run.cfg.algo.kl_coef:g} ({run.guard.rollbacks} of {cfg.guard.max_rollbacks} rollbacks)",
+                    file=sys.stderr,
+                )
                 continue
             # 8. checkpoint
-            if run.step % cfg.run.save_every == 0 or run.step == cfg.run.max_steps:
+            healthy = cfg.guard.action == "rollback" and cfg.guard.healthy_every > 0
+            if (
+                run.step % cfg.run.save_every == 0
+                or run.step == cfg.run.max_steps
+                or (healthy and run.step % cfg.guard.healthy_every == 0)  # the last healthy one, for a rollback
+            ):
                 run.checkpoint()
         if run.stop.is_set():
             print(f"[train] signal received: saving step {run.step} and exiting", file=sys.stderr)

@@ -45,7 +45,7 @@ def _stream(k: int, steps: int, key: str = "rollout/response_length_mean") -> li
 
 def _decisions(cfg: GuardConfig, stream: list[dict]):
     guard = CollapseGuard(cfg)
-    return [guard.observe(step, m) for step, m in enumerate(stream, start=1)]
+    return [guard.observe(step, m)[0] for step, m in enumerate(stream, start=1)]
 
 
 def test_guard_warns_at_the_step_lengths_explode():
@@ -83,6 +83,127 @@ def test_guard_rollback_then_stop_after_max_rollbacks_and_off():
     assert [x.action for x in d] == ["none"] * 3 + ["rollback", "rollback", "stop", "stop", "stop"]
     assert "gave up after 2 rollbacks" in d[5].message
     assert all(x.action == "none" for x in _decisions(GuardConfig(action="off"), stream))
+
+
+def _healthy(step: int) -> dict:
+    """A steady step: every early signal's metric with a little step-to-step noise."""
+    wobble = (step % 3) - 1
+    return {
+        "rollout/response_length_mean": 60.0 + wobble,
+        "actor/grad_norm": 1.0 + 0.1 * wobble,
+        "actor/entropy": 0.8 + 0.02 * wobble,
+        "rollout/format_error_frac": 0.05,
+        "rollout/repeat_frac": 0.0,
+        "rollout/searches_mean": 1.5 + 0.05 * wobble,
+        "rollout/logprob_diff_mean": 1e-6,
+        "guard/replay_logprob": -0.30 + 0.01 * wobble,
+    }
+
+
+@pytest.mark.parametrize(
+    "change,signal_name,metric",
+    [
+        ({"guard/replay_logprob": -0.95}, "replay", "guard/replay_drop"),
+        ({"actor/grad_norm": 9.0}, "grad_norm", "guard/grad_norm_z"),
+        ({"actor/entropy": 2.5}, "entropy", "guard/entropy_ratio"),
+        ({"actor/entropy": 0.1}, "entropy", "guard/entropy_ratio"),
+        ({"rollout/format_error_frac": 0.6}, "format", None),
+        ({"rollout/repeat_frac": 0.4}, "repeat", None),
+        ({"rollout/searches_mean": 0.2}, "search", "guard/search_ratio"),
+        ({"rollout/logprob_diff_mean": 0.5}, "logprob_gap", None),
+    ],
+)
+def test_guard_early_signals_each_fire_on_their_own_metric(change, signal_name, metric):
+    """Eight healthy steps raise nothing; a step where one early signal's metric moves fires that signal (and
+    only then), and the signal's own value is reported as a metric at every step after the window fills."""
+    cfg = GuardConfig(action="warn", entropy_factor=2.0, logprob_gap=0.1)
+    guard = CollapseGuard(cfg)
+    for step in range(1, 9):
+        decision, signals = guard.observe(step, _healthy(step))
+        assert decision.action == "none", decision.message
+        assert signals["guard/signal"] == 0.0
+        if metric and step > cfg.min_history + 1:
+            assert metric in signals
+    decision, signals = guard.observe(9, {**_healthy(9), **change})
+    assert (decision.action, decision.signal) == ("warn", signal_name), decision.message
+    assert signals["guard/signal"] == 1.0 and guard.first_signal_step == 9
+    assert guard.observe(10, _healthy(10))[0].action == "none"  # the bad step stayed out of the window
+
+
+def test_guard_relative_signals_ignore_a_weak_start_and_a_signal_at_0_is_a_metric_only():
+    """A run that starts malformed and rarely searching raises nothing for it (the window's median is its own
+    start), and a threshold of 0 keeps the signal out of the rule while its metric is still reported."""
+    weak = [{**_healthy(s), "rollout/format_error_frac": 0.9, "rollout/searches_mean": 0.1} for s in range(1, 12)]
+    assert all(x.action == "none" for x in _decisions(GuardConfig(action="stop"), weak))
+    guard = CollapseGuard(GuardConfig(action="stop", replay_drop=0.0))
+    for step in range(1, 6):
+        guard.observe(step, _healthy(step))
+    decision, signals = guard.observe(6, {**_healthy(6), "guard/replay_logprob": -5.0})
+    assert decision.action == "none" and signals["guard/replay_drop"] > 4
+
+
+def test_guard_state_round_trips():
+    """What a checkpoint keeps of the guard (its window, the replay best, rollbacks, the first signal) restores
+    a guard that decides as the original does."""
+    a = CollapseGuard(GuardConfig(action="warn"))
+    for step in range(1, 7):
+        a.observe(step, _healthy(step))
+    b = CollapseGuard(GuardConfig(action="warn"))
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    bad = {**_healthy(7), "guard/replay_logprob": -2.0}
+    assert a.observe(7, bad) == b.observe(7, bad)
+
+
+def test_replay_set_scores_its_responses_under_the_policy(tiny_model_dir):
+    """The replay set keeps rewarded, trained-on responses, one per prompt, until full; its log-prob is the mean
+    over the policy's tokens of the model's own log-probs (computed here from the logits), and a gradient step
+    that raises those tokens' likelihood raises it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agent_rl.learn.signals import ReplaySet
+    from agent_rl.rollout.trajectory import Trajectory
+
+    g = torch.Generator().manual_seed(0)
+    trajs = []
+    for i in range(6):
+        t = Trajectory(f"p{i // 2}", "toy", torch.randint(5, 200, (6,), generator=g).tolist(), ["x"])
+        t.append(torch.randint(5, 200, (4,), generator=g).tolist(), sampled=True, logprobs=[0.0] * 4)
+        t.append(torch.randint(5, 200, (3,), generator=g).tolist(), sampled=False)  # an observation: not scored
+        t.append(torch.randint(5, 200, (2,), generator=g).tolist(), sampled=True, logprobs=[0.0] * 2)
+        t.reward = float(i != 0)
+        trajs.append(t)
+    replay = ReplaySet(size=2)
+    replay.add(trajs)
+    assert [t.prompt_id for t in replay.trajs] == ["p0", "p1"] and replay.full  # p0's rewarded one, then p1's
+    assert replay.trajs[0].response_ids == trajs[1].response_ids
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+
+    def by_hand() -> float:
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for t in replay.trajs:
+                ids = torch.tensor([t.prompt_ids + t.response_ids])
+                lp = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+                for k, m in enumerate(t.loss_mask):
+                    if m:
+                        pos = t.prompt_tokens + k
+                        total, count = total + float(lp[pos - 1, ids[0, pos]]), count + 1
+        return total / count
+
+    before = replay.logprob(model, 0, "cpu", 1.0)
+    assert before == pytest.approx(by_hand(), abs=1e-4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for t in replay.trajs:
+        ids = torch.tensor([t.prompt_ids + t.response_ids])
+        lp = torch.log_softmax(model(ids).logits[0, :-1], -1)
+        pos = torch.tensor([t.prompt_tokens + k for k, m in enumerate(t.loss_mask) if m])
+        (-lp[pos - 1, ids[0, pos]].mean()).backward()
+    opt.step()
+    assert replay.logprob(model, 0, "cpu", 1.0) > before + 0.01
+    again = ReplaySet(size=2)
+    again.load_state_dict(json.loads(json.dumps(replay.state_dict())))
+    assert replay.logprob(model, 0, "cpu", 1.0) == again.logprob(model, 0, "cpu", 1.0)
 
 
 # ---------------------------------------------------------------- the guard inside the trainer
@@ -206,8 +327,11 @@ def test_trainer_stop_checkpoints_and_exits_naming_the_signal(
     tiny_model_dir, tmp_path, monkeypatch, keep_signal_handlers
 ):
     """guard.action=stop: lengths explode at step 4, the trainer saves step_4 and exits non-zero with the signal
-    in the message."""
-    cfg, rows, error = _train(tiny_model_dir, tmp_path, monkeypatch, lambda call: call >= 4, 8, "guard.action=stop")
+    in the message (the late length signal: the early repeat signal, which the looping block fires first at the
+    same step, is set to a metric only)."""
+    cfg, rows, error = _train(
+        tiny_model_dir, tmp_path, monkeypatch, lambda call: call >= 4, 8, "guard.action=stop", "guard.repeat_rise=0"
+    )
     assert error is not None and error.code not in (0, None)
     assert "collapse guard stopped the run at step 4" in str(error.code) and "response length" in str(error.code)
     assert (tmp_path / "run" / "checkpoints" / "step_4").is_dir()

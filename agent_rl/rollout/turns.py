@@ -27,6 +27,8 @@ from agent_rl.rollout.protocol import (
     OBSERVATION_TAIL,
     TRUNCATION_MARKER,
     parse_action,
+    policy_text,
+    well_formed,
 )
 from agent_rl.rollout.tools import SearchTool, Tool, ToolOutput, prompt_note
 from agent_rl.rollout.trajectory import Trajectory, Turn
@@ -256,6 +258,15 @@ class Turns:
         t.append(ids, sampled=False)
 
 
+def repeats_ngram(t: Trajectory, n: int = 4, times: int = 3) -> bool:
+    """The policy's own tokens (loss mask 1) hold some n-gram `times` or more times: a response caught in a
+    loop. The tags of a well-formed trajectory are shorter than 4 tokens apart from their content, and a
+    query repeated across a trajectory's searches counts twice, so a healthy response stays under 3."""
+    ids = [tok for tok, m in zip(t.response_ids, t.loss_mask) if m]
+    seen = Counter(tuple(ids[i : i + n]) for i in range(len(ids) - n + 1))
+    return max(seen.values(), default=0) >= times
+
+
 def rollout_metrics(trajs: list[Trajectory], counters: Counter) -> dict[str, float]:
     """Namespaced rollout/budget/retriever metrics for one batch."""
     n = max(1, len(trajs))
@@ -272,6 +283,11 @@ def rollout_metrics(trajs: list[Trajectory], counters: Counter) -> dict[str, flo
         / max(1, sum(len(t.turns) for t in trajs)),
         "rollout/total_tokens_max": float(max((t.total_tokens for t in trajs), default=0)),
     }
+    # Early signs of a degenerating policy (the collapse guard reads them; each is a metric either way):
+    # malformed responses, responses looping on a repeated n-gram, and trajectories that never search.
+    m["rollout/format_error_frac"] = sum(not well_formed(policy_text(t.response_text)) for t in trajs) / n
+    m["rollout/repeat_frac"] = sum(repeats_ngram(t) for t in trajs) / n
+    m["rollout/no_search_frac"] = sum(not any(x.action == "search" for x in t.turns) for t in trajs) / n
     reasons = Counter(t.end_reason for t in trajs)
     for reason in ("answer", "max_turns", "budget_total", "invalid", "retriever_error"):
         m[f"budget/end_{reason}_frac"] = reasons.get(reason, 0) / n

@@ -1,0 +1,75 @@
+"""The replay log-likelihood, the collapse guard's earliest signal.
+
+A small fixed set of responses that earned a reward in earlier steps (one per prompt, the first
+`size` rewarded ones the run samples) is scored under the current policy after every update: the
+mean log-prob per trained token. A policy on its way to collapse unlearns what it had got right
+before test EM shows it (in the LLDS analysis of Search-R1 the likelihood of once-correct responses
+falls from about step 60 while EM holds until step 300). One forward pass over `size` rows, no
+backward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agent_rl.learn.batch import collate
+from agent_rl.learn.policy import forward_logprobs
+from agent_rl.rollout.trajectory import Trajectory
+from agent_rl.world import LOCAL, World
+
+
+class ReplaySet:
+    """Rewarded responses of earlier steps, fixed once `size` are held (each rank holds its own)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.trajs: list[Trajectory] = []
+        self._prompts: set[str] = set()
+
+    @property
+    def full(self) -> bool:
+        return len(self.trajs) >= self.size
+
+    def add(self, trajs: list[Trajectory]) -> None:
+        """Keep rewarded, trained-on responses, at most one per prompt, until the set is full."""
+        for t in trajs:
+            if self.full:
+                return
+            if t.reward > 0 and not t.excluded and any(t.loss_mask) and t.prompt_id not in self._prompts:
+                self._keep(t.prompt_id, t.prompt_ids, t.response_ids, t.loss_mask)
+
+    def _keep(self, prompt_id: str, prompt_ids: list[int], response_ids: list[int], mask: list[int]) -> None:
+        self._prompts.add(prompt_id)
+        row = Trajectory(prompt_id, "", list(prompt_ids), [], response_ids=list(response_ids), loss_mask=list(mask))
+        row.logprobs = [0.0] * len(row.response_ids)
+        self.trajs.append(row)
+
+    def ready(self, world: World = LOCAL) -> bool:
+        """Every rank's set is full (the ranks then all run the forward: FSDP's gathers are collectives)."""
+        return world.all_reduce_sum(0.0 if self.full else 1.0) == 0
+
+    @torch.no_grad()
+    def logprob(
+        self, policy: torch.nn.Module, pad_id: int, device: str, temperature: float, world: World = LOCAL
+    ) -> float:
+        """Mean log-prob per policy token of the set under `policy`, over every rank's set."""
+        was_training = policy.training
+        policy.eval()
+        try:
+            mb = collate(self.trajs, list(range(len(self.trajs))), pad_id, device)
+            logprobs, _ = forward_logprobs(policy, mb, temperature)
+            total, count = float((logprobs * mb.loss_mask).sum()), float(mb.loss_mask.sum())
+        finally:
+            policy.train(was_training)
+        return world.all_reduce_sum(total) / max(1.0, world.all_reduce_sum(count))
+
+    def state_dict(self) -> list[dict]:
+        return [
+            {"prompt_id": t.prompt_id, "prompt_ids": t.prompt_ids, "response_ids": t.response_ids, "mask": t.loss_mask}
+            for t in self.trajs
+        ]
+
+    def load_state_dict(self, rows: list[dict]) -> None:
+        self.trajs, self._prompts = [], set()
+        for r in rows:
+            self._keep(r["prompt_id"], r["prompt_ids"], r["response_ids"], r["mask"])
