@@ -528,10 +528,10 @@ class GuardConfig:
         "replay signal: the replay set's mean log-prob per token fell this many nats below its best (the policy is "
         "unlearning what it got right). 0 = a metric only.",
     )
-    grad_z: float = _f(
-        6.0,
-        "grad_norm signal: the gradient norm (before clipping) is this many standard deviations above the window's "
-        "mean (the sd is floored at a tenth of the mean). 0 = a metric only.",
+    grad_factor: float = _f(
+        3.0,
+        "grad_norm signal: the median gradient norm (before clipping) of the last 3 steps is above this factor x the "
+        "window median (a sustained rise; single steps of a healthy run reach 3-10x). 0 = a metric only.",
     )
     entropy_factor: float = _f(
         0.0,

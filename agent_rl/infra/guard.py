@@ -9,8 +9,9 @@ Early (the policy degenerates before test EM falls):
 - `replay`: the mean log-prob per token, under the current policy, of responses that earned a
   reward in earlier steps (`learn.signals.ReplaySet`, computed by the trainer) has fallen more
   than `replay_drop` nats below the best it reached (`guard/replay_drop`);
-- `grad_norm`: the gradient norm (before clipping) is more than `grad_z` standard deviations above
-  the window's mean (`guard/grad_norm_z`);
+- `grad_norm`: the median gradient norm (before clipping) of the last three steps is more than
+  `grad_factor` x the window's median (`guard/grad_norm_ratio`): a sustained rise, not one spike
+  (healthy GRPO runs of the demo have single steps at 3-10x their median);
 - `entropy`: the policy's entropy at trained tokens is above `entropy_factor` x or below
   1/`entropy_factor` x the window median (`guard/entropy_ratio`; needs `actor/entropy`, which
   `algo.log_entropy` or an entropy bonus gives);
@@ -60,6 +61,7 @@ class CollapseGuard:
     def __init__(self, cfg: GuardConfig):
         self.cfg = cfg
         self.history: deque[dict[str, float]] = deque(maxlen=max(1, cfg.window))
+        self.recent_grads: deque[float] = deque(maxlen=3)  # every step's, healthy or not
         self.replay_best = -math.inf
         self.rollbacks = 0
         self.first_signal_step = 0  # the step of the first signal of the run (0: none yet)
@@ -74,11 +76,11 @@ class CollapseGuard:
         replay = metrics.get("guard/replay_logprob")
         if replay is not None:
             out["guard/replay_drop"] = max(0.0, self.replay_best - replay) if self.replay_best > -math.inf else 0.0
-        grads = [h["actor/grad_norm"] for h in self.history if "actor/grad_norm" in h]
-        grad = metrics.get("actor/grad_norm")
-        if grad is not None and len(grads) >= max(2, self.cfg.min_history):
-            mean, sd = statistics.fmean(grads), statistics.pstdev(grads)
-            out["guard/grad_norm_z"] = (grad - mean) / max(sd, 0.1 * abs(mean), 1e-12)
+        grad, median = metrics.get("actor/grad_norm"), self._median("actor/grad_norm")
+        if grad is not None:
+            self.recent_grads.append(float(grad))
+            if median:
+                out["guard/grad_norm_ratio"] = statistics.median(self.recent_grads) / median
         entropy, median = metrics.get("actor/entropy"), self._median("actor/entropy")
         if entropy is not None and median:
             out["guard/entropy_ratio"] = entropy / median
@@ -92,9 +94,9 @@ class CollapseGuard:
         drop = measured.get("guard/replay_drop")
         if c.replay_drop > 0 and drop is not None and drop > c.replay_drop:
             return "replay", f"log-prob of earlier rewarded responses fell {drop:.2f} nats/token below its best"
-        z = measured.get("guard/grad_norm_z")
-        if c.grad_z > 0 and z is not None and z > c.grad_z:
-            return "grad_norm", f"gradient norm {metrics['actor/grad_norm']:.3g} is {z:.1f} sd above the window mean"
+        ratio = measured.get("guard/grad_norm_ratio")
+        if c.grad_factor > 0 and ratio is not None and ratio > c.grad_factor:
+            return "grad_norm", f"gradient norm over the last 3 steps is {ratio:.1f} x the window median"
         ratio = measured.get("guard/entropy_ratio")
         if c.entropy_factor > 0 and ratio is not None and not 1 / c.entropy_factor <= ratio <= c.entropy_factor:
             return "entropy", f"entropy {metrics['actor/entropy']:.3f} is {ratio:.2f} x the window median"
@@ -151,6 +153,7 @@ class CollapseGuard:
         return {
             "history": list(self.history),
             "replay_best": self.replay_best,
+            "recent_grads": list(self.recent_grads),
             "rollbacks": self.rollbacks,
             "first_signal_step": self.first_signal_step,
         }
@@ -158,5 +161,6 @@ class CollapseGuard:
     def load_state_dict(self, state: dict) -> None:
         self.history = deque(state["history"], maxlen=max(1, self.cfg.window))
         self.replay_best = state["replay_best"]
+        self.recent_grads = deque(state["recent_grads"], maxlen=3)
         self.rollbacks = state["rollbacks"]
         self.first_signal_step = state["first_signal_step"]
