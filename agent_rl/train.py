@@ -522,7 +522,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
         buffer=TrajectoryBuffer(cfg.buffer.max_tokens, cfg.buffer.max_trajectories),
         logger=MetricsLogger(out_dir, cfg.run.tensorboard, enabled=world.is_main),  # only rank 0 writes
         guard=CollapseGuard(cfg.guard),
-        replay=ReplaySet(cfg.guard.replay_size) if cfg.guard.action != "off" and cfg.guard.replay_size > 0 else None,
+        replay=ReplaySet(cfg.guard.replay_size) if cfg.guard.replay_size > 0 else None,
         stop=install_signal_handlers(),
         update_rng=random.Random(cfg.run.seed),
     )
@@ -741,7 +741,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             if decision.action == "rollback":
                 path = run.rollback()
                 print(
-                    f"[guard] rolled back to {path} (step {run.step}): lr {run.scheduler.get_last_lr()[0]:.3g}, "
+                    f"[guard] rolled back to {path} (step {run.step}): lr {run.optimizer.param_groups[0]['lr']:.3g}, "
                     f"kl_coef {run.cfg.algo.kl_coef:g} ({run.guard.rollbacks} of {cfg.guard.max_rollbacks} rollbacks)",
                     file=sys.stderr,
                 )

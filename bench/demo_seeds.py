@@ -80,7 +80,11 @@ def main() -> int:
         subprocess.run(cmd, cwd=ROOT, env=env, check=True, stdout=subprocess.DEVNULL)
         wall = time.perf_counter() - start
         steps = sorted(int(p.stem.split("_")[1]) for p in (run_dir / "eval").glob("step_*.jsonl"))
-        results[seed] = {"wall_s": wall, "steps": steps[-1], **summarise(run_dir, steps[-1])}
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        alarms = [  # the collapse guard's signals (guard.action=warn): a healthy run raises none
+            f"step {r['step']}: {k.split('/')[-1]}" for r in rows for k in r if k.startswith("guard/fired/")
+        ]
+        results[seed] = {"wall_s": wall, "steps": steps[-1], "guard_alarms": alarms, **summarise(run_dir, steps[-1])}
         print(f"seed {seed}: {json.dumps(results[seed]['all'])} ({wall:.0f} s)", flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     lines = [
@@ -99,6 +103,11 @@ def main() -> int:
                 f"{r.get('sft_sampled_em', float('nan')):.3f} -> {r.get('grpo_sampled_em', float('nan')):.3f} | "
                 f"{r['sft_greedy_searches']:.2f} -> {r['grpo_greedy_searches']:.2f} |"
             )
+    lines += [
+        "",
+        "Collapse guard alarms (guard.action=warn): "
+        + "; ".join(f"seed {seed}: {', '.join(res['guard_alarms']) or 'none'}" for seed, res in results.items()),
+    ]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -298,6 +298,9 @@ def _train(tiny_model_dir, tmp_path, monkeypatch, explode, steps, *extra):
             "train.max_tokens_per_microbatch=640",
             "train.lr=1e-3",
             "guard.window=10",
+            # Every scripted answer earns the same reward: the entropy bonus alone moves the policy, and its gradient
+            # norm grows step by step, which the gradient signal rightly reports. These tests script a length blow-up.
+            "guard.grad_factor=0",
             *extra,
         ],
     )
@@ -385,6 +388,34 @@ def test_trainer_rollback_reloads_with_lower_lr_and_higher_kl(
         "guard.max_rollbacks=2",
     )
     assert error is not None and "gave up after 2 rollbacks" in str(error.code)
+
+
+def test_rollback_without_kl_starts_one_and_resume_keeps_what_it_changed(
+    tiny_model_dir, tmp_path, monkeypatch, keep_signal_handlers
+):
+    """algo.kl_coef 0: the rollback at step 4 starts the KL at guard.kl_floor against the restored policy (a
+    frozen copy: no LoRA here), and the checkpoint it saves keeps the lowered rate, the KL and the guard's
+    count, so a --resume after it trains on with them. Checkpoints come from guard.healthy_every (2) alone."""
+    from agent_rl import train as train_mod
+
+    extra = ("guard.action=rollback", "guard.healthy_every=2", "run.save_every=1000", "guard.kl_floor=0.004")
+    cfg, rows, error = _train(tiny_model_dir, tmp_path, monkeypatch, lambda call: call == 4, 5, *extra)
+    assert error is None
+    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3, 4, 3, 4, 5]  # back to step_2
+    assert cfg.kl_coefs == pytest.approx([0.0] * 4 + [0.004] * 3)
+    assert any(r.get("actor/kl", 0) > 0 for r in rows[-2:]), "the KL to the restored policy is in the loss"
+    seen = []
+    real_setup = train_mod.setup
+
+    def setup(cfg_, resume=False):
+        run = real_setup(cfg_, resume)
+        seen.append((run.step, run.cfg.algo.kl_coef, run.scheduler.get_last_lr()[0], run.guard.rollbacks))
+        return run
+
+    monkeypatch.setattr(train_mod, "setup", setup)
+    cfg.run.max_steps = 6
+    train_mod.train(cfg, resume=True)
+    assert seen == [(5, 0.004, pytest.approx(5e-4), 1)]  # step_5 (the last), saved with what the rollback set
 
 
 # ---------------------------------------------------------------- plan vs measured peak RSS

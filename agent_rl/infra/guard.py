@@ -140,6 +140,7 @@ class CollapseGuard:
                 self.replay_best = max(self.replay_best, replay)
             return GuardDecision("none"), measured
         signal, message = found
+        measured[f"guard/fired/{signal}"] = 1.0
         self.first_signal_step = self.first_signal_step or step
         action = self.cfg.action
         if action == "rollback":
