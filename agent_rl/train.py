@@ -429,7 +429,19 @@ class Run:
         self._set_kl(kl)
         if path is not None:
             self.checkpoint()
+        print(
+            f"[guard] rolled back to {path} (step {self.step}): lr {self.optimizer.param_groups[0]['lr']:.3g}, "
+            f"kl_coef {self.cfg.algo.kl_coef:g} ({self.guard.rollbacks} of {self.cfg.guard.max_rollbacks} rollbacks)",
+            file=sys.stderr,
+        )
         return path
+
+    def checkpoint_due(self) -> bool:
+        """run.save_every, the last step, and with guard.action=rollback every guard.healthy_every steps (a step
+        that raised a signal has rolled back before it gets here: what is saved is healthy)."""
+        run, guard = self.cfg.run, self.cfg.guard
+        healthy = guard.action == "rollback" and guard.healthy_every > 0 and self.step % guard.healthy_every == 0
+        return self.step % run.save_every == 0 or self.step == run.max_steps or healthy
 
     def exit(self, message: str) -> None:
         """Save this step, close the logs and the process group, and stop with `message`."""
@@ -739,20 +751,10 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             if decision.action == "stop":
                 run.exit(f"collapse guard stopped the run at step {run.step}: {decision.message}")
             if decision.action == "rollback":
-                path = run.rollback()
-                print(
-                    f"[guard] rolled back to {path} (step {run.step}): lr {run.optimizer.param_groups[0]['lr']:.3g}, "
-                    f"kl_coef {run.cfg.algo.kl_coef:g} ({run.guard.rollbacks} of {cfg.guard.max_rollbacks} rollbacks)",
-                    file=sys.stderr,
-                )
+                run.rollback()
                 continue
             # 8. checkpoint
-            healthy = cfg.guard.action == "rollback" and cfg.guard.healthy_every > 0
-            if (
-                run.step % cfg.run.save_every == 0
-                or run.step == cfg.run.max_steps
-                or (healthy and run.step % cfg.guard.healthy_every == 0)  # the last healthy one, for a rollback
-            ):
+            if run.checkpoint_due():
                 run.checkpoint()
         if run.stop.is_set():
             print(f"[train] signal received: saving step {run.step} and exiting", file=sys.stderr)
