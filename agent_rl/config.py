@@ -519,19 +519,22 @@ class GuardConfig:
     window: int = _f(10, "Healthy steps (no signal) the relative signals compare a step with.")
     min_history: int = _f(3, "Healthy steps the window must hold before a relative signal can fire.")
     replay_size: int = _f(
-        16,
+        8,
         "Responses that earned a reward in earlier steps (one per prompt) scored under the policy after every "
         "update: guard/replay_logprob, one forward pass over this many rows. 0 = off.",
     )
     replay_drop: float = _f(
-        0.5,
-        "replay signal: the replay set's mean log-prob per token fell this many nats below its best (the policy is "
-        "unlearning what it got right). 0 = a metric only.",
+        0.25,
+        "replay signal: the replay set's mean log-prob per token fell this many nats below its best since the start "
+        "or the last rollback (the policy is unlearning what it got right). On the toy world the demo's healthy runs "
+        "dip to 0.18 while learning the second search; the collapse config's run passes 0.25 three steps before "
+        "test EM falls (bench/RESULTS.md). 0 = a metric only.",
     )
     grad_factor: float = _f(
-        3.0,
+        0.0,
         "grad_norm signal: the median gradient norm (before clipping) of the last 3 steps is above this factor x the "
-        "window median (a sustained rise; single steps of a healthy run reach 3-10x). 0 = a metric only.",
+        "window median. A metric only by default (0): on the toy world it rose no earlier than the replay signal "
+        "and a healthy run reached 3.4x.",
     )
     entropy_factor: float = _f(
         0.0,

@@ -423,6 +423,7 @@ class Run:
         if path is not None:
             self.restore(path)  # the guard's window and replay set as they were then
         self.guard.rollbacks, self.guard.first_signal_step = rollbacks, first
+        self.guard.replay_best = -math.inf  # the restored policy is the new baseline of the replay signal
         self.scheduler.base_lrs = base_lrs
         for group, base, factor in zip(self.optimizer.param_groups, base_lrs, self.scheduler.lr_lambdas):
             group["lr"] = base * factor(self.scheduler.last_epoch)

@@ -118,7 +118,7 @@ def test_guard_early_signals_each_fire_on_their_own_metric(change, signal_name, 
     norm on its second high step: one spike is not a rise), and each signal's own value is reported as a metric
     at every step once the window is full. The bad steps stay out of the window: healthy steps after them
     raise nothing."""
-    cfg = GuardConfig(action="warn", entropy_factor=2.0, logprob_gap=0.1)
+    cfg = GuardConfig(action="warn", entropy_factor=2.0, logprob_gap=0.1, grad_factor=3.0)
     guard = CollapseGuard(cfg)
     for step in range(1, 9):
         decision, signals = guard.observe(step, _healthy(step))

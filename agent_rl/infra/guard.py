@@ -129,8 +129,6 @@ class CollapseGuard:
     def observe(self, step: int, metrics: dict) -> tuple[GuardDecision, dict[str, float]]:
         """This step's decision and its signal metrics (to log with the step's)."""
         measured = self.measure(metrics)
-        if self.cfg.action == "off":
-            return GuardDecision("none"), measured
         found = self._signal(metrics, measured)
         measured["guard/signal"] = float(found is not None)
         if found is None:
@@ -140,7 +138,9 @@ class CollapseGuard:
                 self.replay_best = max(self.replay_best, replay)
             return GuardDecision("none"), measured
         signal, message = found
-        measured[f"guard/fired/{signal}"] = 1.0
+        measured[f"guard/fired/{signal}"] = 1.0  # under `off` too: what the guard would have said
+        if self.cfg.action == "off":
+            return GuardDecision("none"), measured
         self.first_signal_step = self.first_signal_step or step
         action = self.cfg.action
         if action == "rollback":
