@@ -786,7 +786,9 @@ def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
                 return False, value
         return False, value
     if hint is str:
-        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+        if isinstance(value, bool):  # YAML 1.1 reads a bare off / on (and no / yes) as a bool: `guard.action=off`
+            return True, "on" if value else "off"
+        if isinstance(value, (str, int, float)):
             return True, str(value)
         return False, value
     if hint is list or origin is list:

@@ -57,6 +57,10 @@ def test_overrides_parse_yaml_scalars():
     assert parse_overrides(["a.b.c=1"]) == {"a": {"b": {"c": 1}}}
     with pytest.raises(ConfigError, match="section.key=value"):
         parse_overrides(["novalue"])
+    # YAML 1.1 reads a bare `off` as false: a string setting takes it as the word it was
+    assert load_config(None, ["guard.action=off"]).guard.action == "off"
+    with pytest.raises(ConfigError, match="guard.action"):
+        load_config(None, ["guard.action=on"])  # and a word that is no choice still fails, naming the key
 
 
 def test_budget_total_may_bind_but_must_hold_one_answer_turn():
