@@ -157,6 +157,24 @@ def test_guard_state_round_trips():
     assert a.observe(7, bad) == b.observe(7, bad)
 
 
+def test_collapse_bench_finds_the_fall_and_the_first_signal():
+    """bench/collapse_guard.py's reading of a run: the collapse is the first step whose test EM is 0.05 below the
+    best before it, and the guard's rule (the shipped collapse config's, as `warn`) replayed over the logged
+    metrics names the step and the signal that first fires."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from collapse_guard import collapse_step, replay_guard
+
+    ems = [(0, 0.62), (1, 0.62), (2, 0.88), (3, 0.86), (4, 0.88), (5, 0.84), (6, 0.83), (7, 0.2)]
+    assert collapse_step(ems) == (0.88, 6)
+    assert collapse_step([(0, 0.5), (1, 0.6), (2, 0.58)]) == (0.6, None)
+    rows = [{"step": 0, "eval/em": 0.62}] + [
+        {**_healthy(s), "step": s, "reward/mean": 0.7, "guard/replay_logprob": -0.01 - 0.1 * max(0, s - 4)}
+        for s in range(1, 10)
+    ]
+    step, message = replay_guard(rows, [])
+    assert step == 7 and "replay" in message  # -0.31 at step 7: 0.30 below the best, over 0.25
+
+
 def test_replay_set_scores_its_responses_under_the_policy(tiny_model_dir):
     """The replay set keeps rewarded, trained-on responses, one per prompt, until full; its log-prob is the mean
     over the policy's tokens of the model's own log-probs (computed here from the logits), and a gradient step
