@@ -526,15 +526,14 @@ class GuardConfig:
     replay_drop: float = _f(
         0.25,
         "replay signal: the replay set's mean log-prob per token fell this many nats below its best since the start "
-        "or the last rollback (the policy is unlearning what it got right). On the toy world the demo's healthy runs "
-        "dip to 0.18 while learning the second search; the collapse config's run passes 0.25 three steps before "
-        "test EM falls (bench/RESULTS.md). 0 = a metric only.",
+        "or the last rollback (the policy is unlearning what it got right); chosen between the demo's healthy runs "
+        "and the collapse config's run (bench/RESULTS.md). 0 = a metric only.",
     )
     grad_factor: float = _f(
         0.0,
         "grad_norm signal: the median gradient norm (before clipping) of the last 3 steps is above this factor x the "
         "window median. A metric only by default (0): on the toy world it rose no earlier than the replay signal "
-        "and a healthy run reached 3.4x.",
+        "and healthy runs also rose (bench/RESULTS.md).",
     )
     entropy_factor: float = _f(
         0.0,

@@ -11,7 +11,7 @@ Early (the policy degenerates before test EM falls):
   than `replay_drop` nats below the best it reached (`guard/replay_drop`);
 - `grad_norm`: the median gradient norm (before clipping) of the last three steps is more than
   `grad_factor` x the window's median (`guard/grad_norm_ratio`): a sustained rise, not one spike
-  (healthy GRPO runs of the demo have single steps at 3-10x their median);
+  (healthy GRPO runs have single-step spikes);
 - `entropy`: the policy's entropy at trained tokens is above `entropy_factor` x or below
   1/`entropy_factor` x the window median (`guard/entropy_ratio`; needs `actor/entropy`, which
   `algo.log_entropy` or an entropy bonus gives);
