@@ -92,10 +92,10 @@ class Ceiling:
     machine's speed drifts by tens of percent within minutes, so the goal compares each
     batching cell at the top concurrency with the ceiling measured right before and right after it."""
 
-    def __init__(self, index_dir: Path, queries: Queries, topk: int):
+    def __init__(self, index_dir: Path, queries: Queries, topk: int, **options):
         from retriever_server.indexes import open_index
 
-        _, _, self.index = open_index(index_dir)
+        _, _, self.index = open_index(index_dir, **options)
         self.queries, self.topk = queries, topk
         self.index.search(queries.take(32), topk)  # warm-up
 
@@ -152,11 +152,19 @@ class RawConnection:
 
 
 async def drive(
-    url: str, make_queries, concurrency: int, duration: float, max_requests: int, topk: int, client: str = "raw"
+    url: str,
+    make_queries,
+    concurrency: int,
+    duration: float,
+    max_requests: int,
+    topk: int,
+    client: str = "raw",
+    return_scores: bool = False,
 ) -> dict:
     """`concurrency` clients, each sending its next request as soon as the last one is answered,
     until `duration` seconds or `max_requests` requests have been started. Every answer is
-    checked: status 200 and one result list per query."""
+    checked: status 200 and one result list per query. `return_scores`: Search-R1's server answers
+    500 without it."""
     import httpx
 
     latencies: list[float] = []
@@ -173,7 +181,7 @@ async def drive(
             conn = RawConnection(url) if client == "raw" else None
             while started < max_requests and time.perf_counter() - t0 < duration:
                 started += 1
-                body = {"queries": make_queries(), "topk": topk}
+                body = {"queries": make_queries(), "topk": topk, "return_scores": return_scores}
                 s = time.perf_counter()
                 try:
                     if conn is not None:

@@ -101,7 +101,7 @@ def index_fingerprint(manifest: dict, index_options: dict[str, Any]) -> str:
     it is served with (device, fp16, ef_search, ...). `/health` serves it; a client keys recorded
     answers by it."""
     what = {k: v for k, v in manifest.items() if k not in NOT_DETERMINING}
-    what["serving"] = index_options
+    what["serving"] = {k: v for k, v in index_options.items() if k != "threads"}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -125,6 +125,19 @@ class Metrics:
         self.latency = Histogram(
             "retriever_request_latency_seconds",
             "time to answer a valid /retrieve",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+
+        self.encode_time = Histogram(
+            "retriever_encode_seconds",
+            "query encoding time per index search (dense indexes)",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.search_time = Histogram(
+            "retriever_search_seconds",
+            "index search time per batch of encoded queries (BM25: the whole search)",
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
@@ -256,7 +269,14 @@ class Retriever:
     def search_now(self, queries: list[str], k: int) -> Hits:
         """The one place the index is searched (runs in the worker thread)."""
         self.metrics.batch_size.observe(len(queries))
-        return self.index.search(queries, k)
+        encoder = getattr(self.index, "encoder", None)
+        if encoder is None:
+            with self.metrics.search_time.time():
+                return self.index.search(queries, k)
+        with self.metrics.encode_time.time():
+            q = encoder.encode_queries(queries)
+        with self.metrics.search_time.time():
+            return self.index.search_vectors(q, k)
 
     def start(self) -> None:
         """Starts the batcher on the running event loop (the app's startup)."""
@@ -376,6 +396,9 @@ class Retriever:
             "kind": self.manifest["kind"],
             "count": self.manifest["count"],
             "encoder": self.manifest.get("encoder"),
+            "encoder_runtime": getattr(getattr(self.index, "encoder", None), "runtime", None),
+            "int8": getattr(getattr(self.index, "encoder", None), "int8", None),
+            "ef_search": getattr(self.index, "ef_search", None),
             "corpus_sha256": self.manifest.get("corpus_sha256"),
             "index_fingerprint": self.fingerprint,
             "uptime_s": round(time.time() - self.started, 1),
@@ -570,7 +593,7 @@ def create_app(
     **index_options: Any,
 ) -> FastAPI:
     """The app over the index in `index_dir`; `index_options` go to `open_index` (device, fp16,
-    ef_search, encoder_device, packed), whose signature holds their defaults."""
+    ef_search, encoder_device, encoder_runtime, int8, threads), whose signature holds their defaults."""
     from retriever_server.indexes import open_index  # faiss and torch: not imported for `--help`
 
     manifest, store, index = open_index(index_dir, **index_options)
@@ -660,13 +683,18 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings, di
     )
     index.add_argument("--fp16", action="store_true", help="fp16 vectors and encoder on the GPU")
     index.add_argument(
-        "--padded-encoder",
-        dest="packed",
-        action="store_false",
-        help="encode with transformers' padded forward instead of the packed one (BERT-family encoders on CPU)",
+        "--encoder-runtime",
+        choices=["auto", "onnx", "torch"],
+        help="query encoder runtime: onnx (ONNX Runtime, exported once and kept in the index directory), torch "
+        "(transformers' forward), or auto (default: onnx on CPU where onnxruntime is installed, else torch)",
+    )
+    index.add_argument(
+        "--int8",
+        action="store_true",
+        help="dynamic int8 query encoder (onnx runtime); check answer recall with retriever-eval before serving it",
     )
     index.add_argument("--ef-search", type=int, help="HNSW efSearch (default: the manifest's)")
-    p.add_argument("--threads", type=int, default=0, help="torch/faiss threads (0 = all cores)")
+    p.add_argument("--threads", type=int, default=0, help="torch, faiss and ONNX Runtime threads (0 = all cores)")
     p.add_argument("--ready-file", help="write {url, pid} here once listening")
     a = p.parse_args(argv)
     if a.no_cache:
@@ -675,7 +703,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings, di
         settings = Settings(**{f.name: getattr(a, f.name) for f in fields(Settings)})
     except ValueError as err:
         p.error(str(err))
-    index_options = {k: getattr(a, k) for k in ("device", "encoder_device", "fp16", "packed", "ef_search") if k in a}
+    index_options = {
+        k: getattr(a, k) for k in ("device", "encoder_device", "fp16", "encoder_runtime", "int8", "ef_search") if k in a
+    }
+    if a.threads:
+        index_options["threads"] = a.threads
     return a, settings, index_options
 
 

@@ -32,10 +32,12 @@ def build_index(
     hnsw_m: int = 64,
     ef_construction: int = 200,
     ef_search: int = 128,
-    batch_size: int = 128,
+    batch_size: int | None = None,
     chunk: int = 8192,
     k1: float = 0.9,
     b: float = 0.4,
+    encoder_runtime: str = "auto",
+    int8: bool = False,
 ) -> dict:
     corpus, out = Path(corpus), Path(out)
     if not corpus.is_file():
@@ -75,7 +77,18 @@ def build_index(
 
         from retriever_server.encoders import Encoder
 
-        enc = Encoder(encoder, pooling, query_prefix, passage_prefix, device=device)
+        enc = Encoder(
+            encoder,
+            pooling,
+            query_prefix,
+            passage_prefix,
+            device=device,
+            runtime=encoder_runtime,
+            int8=int8,
+            cache_dir=out,
+        )
+        # On a CPU small batches stay in cache and run faster, with either runtime (bench/RESULTS.md).
+        batch_size = batch_size or (16 if device == "cpu" else 128)
         vec_path = out / "embeddings.f32"
         vectors = np.lib.format.open_memmap(str(vec_path), mode="w+", dtype=np.float32, shape=(count, enc.dim))
         row = 0
@@ -114,6 +127,7 @@ def build_index(
                 "passage_prefix": passage_prefix,
                 "dim": enc.dim,
                 "metric": "inner_product",
+                "passage_encoding": {"runtime": enc.runtime, "int8": int8},
                 "build": build,
             }
         )
@@ -140,7 +154,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hnsw-m", type=int, default=64)
     p.add_argument("--ef-construction", type=int, default=200)
     p.add_argument("--ef-search", type=int, default=128)
-    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument(
+        "--encoder-runtime",
+        choices=["auto", "onnx", "torch"],
+        default="auto",
+        help="passage encoder runtime: onnx (ONNX Runtime; the exported model is kept in --out for the server), "
+        "torch, or auto (default: onnx on CPU where onnxruntime is installed, else torch)",
+    )
+    p.add_argument(
+        "--int8",
+        action="store_true",
+        help="encode passages with a dynamic int8 encoder (onnx runtime); check answer recall with retriever-eval",
+    )
+    p.add_argument("--batch-size", type=int, help="passages per encoder call (default: 16 on a CPU, 128 on a GPU)")
     p.add_argument("--k1", type=float, default=0.9, help="BM25 k1")
     p.add_argument("--b", type=float, default=0.4, help="BM25 b")
     a = p.parse_args(argv)
@@ -160,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             a.batch_size,
             k1=a.k1,
             b=a.b,
+            encoder_runtime=a.encoder_runtime,
+            int8=a.int8,
         )
     except (FileNotFoundError, ValueError, RuntimeError) as err:
         print(f"retriever-build: error: {err}", file=sys.stderr)

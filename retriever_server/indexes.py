@@ -75,7 +75,9 @@ class DenseIndex:
         fp16: bool = False,
         ef_search: int | None = None,
         encoder_device: str | None = None,
-        packed: bool = True,
+        encoder_runtime: str = "auto",
+        int8: bool = False,
+        threads: int = 0,
     ):
         import faiss
 
@@ -90,12 +92,17 @@ class DenseIndex:
             manifest["passage_prefix"],
             device=encoder_device,
             fp16=fp16,
-            packed=packed,
+            runtime=encoder_runtime,
+            int8=int8,
+            cache_dir=Path(index_dir),
+            threads=threads,
         )
         index = faiss.read_index(str(Path(index_dir) / "index.faiss"))
+        self.ef_search: int | None = None
         if self.kind == "hnsw":
+            self.ef_search = ef_search or manifest["build"].get("ef_search", 128)
             # an IndexHNSWFlat (read_index returns the base type)
-            index.hnsw.efSearch = ef_search or manifest["build"].get("ef_search", 128)  # type: ignore[attr-defined]
+            index.hnsw.efSearch = self.ef_search  # type: ignore[attr-defined]
         self.index = index
         self.ntotal = index.ntotal
         if device.startswith("cuda"):
@@ -104,7 +111,9 @@ class DenseIndex:
             self.index = _gpu_flat(index, fp16)
 
     def search(self, queries: list[str], k: int) -> tuple[np.ndarray, np.ndarray]:
-        q = self.encoder.encode_queries(queries)
+        return self.search_vectors(self.encoder.encode_queries(queries), k)
+
+    def search_vectors(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         scores, rows = self.index.search(q, k)
         return scores.astype(np.float32), rows.astype(np.int64)
 
@@ -177,11 +186,14 @@ def open_index(
     ef_search: int | None = None,
     verify: bool = True,
     encoder_device: str | None = None,
-    packed: bool = True,
+    encoder_runtime: str = "auto",
+    int8: bool = False,
+    threads: int = 0,
 ):
     """(manifest, store, index) for an index dir; refuses a manifest that does not match its data.
     The query encoder runs on `encoder_device` (default: cuda when the index is on cuda, else cpu);
-    `packed=False` keeps transformers' padded forward on CPU."""
+    `encoder_runtime` (auto, onnx, torch), `int8` (dynamic int8 query encoder, ONNX Runtime only) and
+    `threads` (the encoder's intra-op threads, 0: one per core) are the Encoder's."""
     from retriever_server.store import file_sha256
 
     index_dir = Path(index_dir)
@@ -207,7 +219,7 @@ def open_index(
     if manifest["kind"] == "bm25":
         index = BM25Index(index_dir, manifest, store)
     else:
-        index = DenseIndex(index_dir, manifest, device, fp16, ef_search, encoder_device, packed)
+        index = DenseIndex(index_dir, manifest, device, fp16, ef_search, encoder_device, encoder_runtime, int8, threads)
         if index.ntotal != manifest["count"]:
             raise ValueError(
                 f"index {index_dir}: the FAISS index holds {index.ntotal} vectors but the manifest says "

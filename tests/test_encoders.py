@@ -1,0 +1,116 @@
+"""The query and passage encoder on ONNX Runtime: the exported graph (model, pooling, normalisation)
+gives transformers' forward's vectors for mean and CLS pooling, any batch size and truncated texts;
+the export is kept beside the index and redone only when what it depends on changes; a killed
+export is not taken for a finished one; int8 stays close to fp32; a runtime that cannot run is a
+clear error."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+QUESTIONS = Path(__file__).resolve().parent / "fixtures" / "hotpotqa100" / "questions.jsonl"
+
+
+def _texts() -> list[str]:
+    questions = [json.loads(line)["question"] for line in QUESTIONS.read_text().splitlines() if line.strip()]
+    return ["who", *questions[:13], "a much longer query " * 80, "x"]  # one past max_length: truncated
+
+
+@pytest.fixture(scope="module")
+def tiny_bert(tmp_path_factory) -> Path:
+    """A random 2-layer BERT (tanh GELU, token types) with MiniLM's tokenizer: exports in seconds."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    from retriever_server.encoders import default_encoder_path
+
+    out = tmp_path_factory.mktemp("tiny_bert")
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    )
+    config.hidden_act = "gelu_new"
+    BertModel(config, add_pooling_layer=False).save_pretrained(out)
+    AutoTokenizer.from_pretrained(default_encoder_path()).save_pretrained(out)
+    return out
+
+
+def test_onnx_encoder_equals_transformers_forward(tmp_path):
+    """MiniLM through ONNX Runtime (auto picks it on CPU) gives transformers' forward's unit vectors
+    to float rounding at batch sizes 1, 5 and 64; its int8 version keeps a mean cosine above 0.99 to them
+    and is under a third of the size."""
+    from retriever_server.encoders import Encoder
+
+    texts = _texts()
+    onnx, torch_ = Encoder(cache_dir=tmp_path), Encoder(runtime="torch")
+    assert onnx.runtime == "onnx" and onnx.onnx_path == tmp_path / "encoder.onnx"
+    want = torch_.encode_queries(texts, 64)
+    assert np.allclose(np.linalg.norm(want, axis=1), 1, atol=1e-5)
+    for bs in (1, 5, 64):
+        assert np.abs(onnx.encode_queries(texts, bs) - want).max() < 1e-5
+    int8 = Encoder(int8=True, cache_dir=tmp_path)
+    cosine = (int8.encode_queries(texts) * want).sum(1)
+    assert cosine.mean() > 0.99 and cosine.min() > 0.97
+    assert (tmp_path / "encoder.int8.onnx").stat().st_size < 0.3 * (tmp_path / "encoder.onnx").stat().st_size
+
+
+def test_onnx_export_is_kept_and_redone_when_its_inputs_change(tiny_bert, tmp_path, monkeypatch):
+    """CLS pooling and token types through the export equal transformers'; a second encoder over the
+    same directory loads the kept file; another pooling, other weights, or a model file whose
+    metadata is missing (a killed export) each export again; a new index directory takes the model
+    from the per-user cache without exporting."""
+    import torch
+    from transformers import BertModel
+
+    from retriever_server.encoders import Encoder
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    index = tmp_path / "index"
+    texts = _texts()
+    first = Encoder(str(tiny_bert), pooling="cls", cache_dir=index)
+    assert first.exported and first.input_names == ["input_ids", "attention_mask", "token_type_ids"]
+    want = Encoder(str(tiny_bert), pooling="cls", runtime="torch").encode_passages(texts, 4)
+    assert np.abs(first.encode_passages(texts, 4) - want).max() < 1e-5
+    assert not Encoder(str(tiny_bert), pooling="cls", cache_dir=index).exported
+    assert not Encoder(str(tiny_bert), pooling="cls", cache_dir=tmp_path / "other_index").exported  # user cache
+    mean = Encoder(str(tiny_bert), pooling="mean", cache_dir=index)
+    assert mean.exported and np.abs(mean.encode(texts) - first.encode(texts)).max() > 1e-3
+    (index / "encoder.onnx.json").unlink()
+    shutil.rmtree(tmp_path / "cache")
+    assert Encoder(str(tiny_bert), pooling="mean", cache_dir=index).exported
+    model = BertModel.from_pretrained(tiny_bert)
+    with torch.no_grad():
+        model.encoder.layer[0].output.dense.bias.add_(0.5)
+    model.save_pretrained(tiny_bert)
+    changed = Encoder(str(tiny_bert), pooling="mean", cache_dir=index)
+    assert changed.exported
+    want = Encoder(str(tiny_bert), pooling="mean", runtime="torch").encode(texts)
+    assert np.abs(changed.encode(texts) - want).max() < 1e-5
+    assert not [p for p in index.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
+def test_encoder_runtime_errors_say_what_to_change(monkeypatch):
+    """onnx on a GPU, int8 on torch, an unknown runtime and a missing onnxruntime each raise an error
+    that names the fix; auto falls back to torch where ONNX Runtime is missing."""
+    import importlib.util
+
+    from retriever_server import encoders
+
+    with pytest.raises(ValueError, match="use the torch runtime"):
+        encoders.pick_runtime("onnx", "cuda", False)
+    with pytest.raises(ValueError, match="int8"):
+        encoders.pick_runtime("torch", "cpu", True)
+    with pytest.raises(ValueError, match="auto, onnx, torch"):
+        encoders.pick_runtime("tensorrt", "cpu", False)
+    assert encoders.pick_runtime("auto", "cpu", False) == "onnx"
+    assert encoders.pick_runtime("auto", "cuda:0", False) == "torch"
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "onnxruntime" else find(name, *a))
+    with pytest.raises(RuntimeError, match="pip install onnxruntime"):
+        encoders.pick_runtime("onnx", "cpu", False)
+    assert encoders.pick_runtime("auto", "cpu", False) == "torch"
