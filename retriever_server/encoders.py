@@ -197,7 +197,12 @@ def onnx_model(
     local = Path(cache_dir) / name if cache_dir is not None else None
     if local is not None and _cached(local, key):
         return local, False
-    shared = user_cache_dir() / key / name
+    shared_dir = user_cache_dir() / key
+    try:
+        shared_dir.mkdir(parents=True, exist_ok=True)
+    except OSError:  # no writable per-user cache: export into the index directory, or a temporary one
+        shared_dir = Path(cache_dir) if cache_dir is not None else Path(tempfile.mkdtemp(prefix="agent_rl_onnx_"))
+    shared = shared_dir / name
     exported = False
     if not _cached(shared, key):
         if int8:
@@ -206,7 +211,7 @@ def onnx_model(
         else:
             _place(lambda tmp: _export(model, pooling, input_names, tmp), shared, meta)
         exported = True
-    if local is None:
+    if local is None or local == shared:
         return shared, exported
     _place(lambda tmp: shutil.copyfile(shared, tmp), local, meta)
     return local, exported

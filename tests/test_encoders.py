@@ -63,7 +63,8 @@ def test_onnx_export_is_kept_and_redone_when_its_inputs_change(tiny_bert, tmp_pa
     """CLS pooling and token types through the export equal transformers'; a second encoder over the
     same directory loads the kept file; another pooling, other weights, or a model file whose
     metadata is missing (a killed export) each export again; a new index directory takes the model
-    from the per-user cache without exporting."""
+    from the per-user cache without exporting; with no per-user cache possible, the export goes
+    into the index directory."""
     import torch
     from transformers import BertModel
 
@@ -92,6 +93,11 @@ def test_onnx_export_is_kept_and_redone_when_its_inputs_change(tiny_bert, tmp_pa
     want = Encoder(str(tiny_bert), pooling="mean", runtime="torch").encode(texts)
     assert np.abs(changed.encode(texts) - want).max() < 1e-5
     assert not [p for p in index.iterdir() if p.name.startswith(".")]  # no temporary file left
+    blocked = tmp_path / "not_a_directory"
+    blocked.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))  # no per-user cache can be made
+    fresh = Encoder(str(tiny_bert), pooling="mean", cache_dir=tmp_path / "third_index")
+    assert fresh.exported and fresh.onnx_path == tmp_path / "third_index" / "encoder.onnx"
 
 
 def test_encoder_runtime_errors_say_what_to_change(monkeypatch):
