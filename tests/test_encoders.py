@@ -120,3 +120,25 @@ def test_encoder_runtime_errors_say_what_to_change(monkeypatch):
     with pytest.raises(RuntimeError, match="pip install onnxruntime"):
         encoders.pick_runtime("onnx", "cpu", False)
     assert encoders.pick_runtime("auto", "cpu", False) == "torch"
+
+
+def test_xlm_roberta_encoder_exports_too(tmp_path, monkeypatch):
+    """multilingual e5's architecture (XLM-R: positions counted from the padding) exports and gives
+    transformers' vectors, padded rows included."""
+    import torch
+    from transformers import AutoTokenizer, XLMRobertaConfig, XLMRobertaModel
+
+    from retriever_server.encoders import Encoder, default_encoder_path
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    config = XLMRobertaConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    )
+    config.pad_token_id = 0  # the borrowed MiniLM tokenizer pads with id 0
+    XLMRobertaModel(config, add_pooling_layer=False).save_pretrained(tmp_path / "xlmr")
+    AutoTokenizer.from_pretrained(default_encoder_path()).save_pretrained(tmp_path / "xlmr")
+    texts = _texts()
+    got = Encoder(str(tmp_path / "xlmr"), cache_dir=tmp_path / "index").encode(texts, 4)
+    want = Encoder(str(tmp_path / "xlmr"), runtime="torch").encode(texts, 4)
+    assert np.abs(got - want).max() < 1e-5
