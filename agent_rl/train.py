@@ -30,6 +30,9 @@ from agent_rl.infra import allocator
 from agent_rl.infra import distributed as dist_lib
 from agent_rl.infra.checkpoint import (
     StopFlag,
+    checkpoint_step,
+    checkpoints,
+    drop_checkpoints_after,
     install_signal_handlers,
     latest_checkpoint,
     load_checkpoint,
@@ -411,10 +414,16 @@ class Run:
         return self.world.all_reduce_max(back) > 0
 
     def rollback(self) -> Path | None:
-        """The guard's rollback: the last healthy checkpoint (the newest: a step with a signal never saves one
-        under guard.action=rollback), a lower learning rate, a stronger KL; saved again with them, so a
-        --resume after it keeps them. Returns the checkpoint it went back to."""
-        path = self.world.broadcast_object(latest_checkpoint(self.ckpt_root))
+        """The guard's rollback: the last healthy checkpoint, a lower learning rate, a stronger KL; saved
+        again with them, so a --resume after it keeps them, and the checkpoints after it deleted. Returns the
+        checkpoint it went back to.
+
+        The last healthy checkpoint is the newest from two or more steps before the step that fired: the
+        policy of the step just before generated the rollouts that raised a signal (format, repetition,
+        searches, length), so returning to it would replay them. With none that old, the oldest there is."""
+        found = checkpoints(self.ckpt_root)
+        healthy = [p for p in found if checkpoint_step(p) <= self.step - 2]
+        path = self.world.broadcast_object(healthy[-1] if healthy else (found[0] if found else None))
         # Lower the scheduler's base rates, not just the live ones: LambdaLR recomputes
         # lr from base_lrs at every step (and the restore brings back the old ones).
         base_lrs = [lr * self.cfg.guard.lr_factor for lr in self.scheduler.base_lrs]
@@ -422,6 +431,9 @@ class Run:
         rollbacks, first = self.guard.rollbacks, self.guard.first_signal_step
         if path is not None:
             self.restore(path)  # the guard's window and replay set as they were then
+            if self.world.is_main:
+                drop_checkpoints_after(self.ckpt_root, checkpoint_step(path))
+            self.world.barrier()
         self.guard.rollbacks, self.guard.first_signal_step = rollbacks, first
         self.guard.replay_best = -math.inf  # the restored policy is the new baseline of the replay signal
         self.scheduler.base_lrs = base_lrs

@@ -374,8 +374,9 @@ def test_trainer_warn_logs_and_goes_on(tiny_model_dir, tmp_path, monkeypatch, ke
 def test_trainer_rollback_reloads_with_lower_lr_and_higher_kl(
     tiny_model_dir, tmp_path, monkeypatch, keep_signal_handlers
 ):
-    """guard.action=rollback: at the blow-up (step 4) the trainer reloads step_3, and every later
-    step runs at lr x lr_factor with kl_coef x kl_factor; repeated blow-ups end in a stop."""
+    """guard.action=rollback: at the blow-up (step 4, in rollouts that step 3's policy generated) the trainer
+    reloads step_2, deletes the checkpoints after it, and every later step runs at lr x lr_factor with
+    kl_coef x kl_factor; repeated blow-ups end in a stop."""
     cfg, rows, error = _train(
         tiny_model_dir,
         tmp_path,
@@ -389,12 +390,12 @@ def test_trainer_rollback_reloads_with_lower_lr_and_higher_kl(
     )
     assert error is None
     steps = [r["step"] for r in rows if "reward/mean" in r]
-    assert steps == [1, 2, 3, 4, 4, 5, 6]  # step 4 is redone from the step_3 checkpoint
+    assert steps == [1, 2, 3, 4, 3, 4, 5, 6]  # steps 3 and 4 are redone from the step_2 checkpoint
     assert [r["step"] for r in rows if r.get("guard/rollback")] == [4]
     lrs = [r["train/lr"] for r in rows if "train/lr" in r]
     assert lrs[:4] == pytest.approx([1e-3] * 4)
-    assert lrs[4:] == pytest.approx([5e-4] * 3), "the lowered learning rate must hold after the rollback"
-    assert cfg.kl_coefs == pytest.approx([0.01] * 4 + [0.02] * 3), "the raised KL must hold after the rollback"
+    assert lrs[4:] == pytest.approx([5e-4] * 4), "the lowered learning rate must hold after the rollback"
+    assert cfg.kl_coefs == pytest.approx([0.01] * 4 + [0.02] * 4), "the raised KL must hold after the rollback"
     assert cfg.algo.kl_coef == 0.01, "the caller's config is not rewritten by the run"
     _, _, error = _train(
         tiny_model_dir,

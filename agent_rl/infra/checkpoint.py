@@ -55,6 +55,21 @@ def checkpoints(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def checkpoint_step(path: Path) -> int:
+    m = _STEP.match(Path(path).name)
+    if m is None:
+        raise ValueError(f"{path} is not a step_N checkpoint directory")
+    return int(m.group(1))
+
+
+def drop_checkpoints_after(root: Path, step: int) -> None:
+    """Delete the finished checkpoints of steps after `step` (a rollback abandons them: a later
+    --resume must not pick them up)."""
+    for path in checkpoints(Path(root)):
+        if checkpoint_step(path) > step:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def latest_checkpoint(root: Path) -> Path | None:
     found = checkpoints(Path(root))
     return found[-1] if found else None
