@@ -567,8 +567,9 @@ class GuardConfig:
     invalid_frac: float = _f(0.9, "invalid signal (late): more than this share of actions is invalid. 0 = off.")
     healthy_every: int = _f(
         5,
-        "rollback: also checkpoint every N steps that raised no signal (besides run.save_every), so the last "
-        "healthy checkpoint is at most N steps back. 0 = run.save_every's checkpoints only.",
+        "rollback: also checkpoint every N steps that raised no signal (besides run.save_every). A rollback "
+        "returns to the newest checkpoint two or more steps before the step that fired (the step before's policy "
+        "generated the rollouts that raised it), so at most N + 1 steps back. 0 = run.save_every's checkpoints only.",
     )
     lr_factor: float = _f(0.5, "rollback: multiply the learning rate by this.")
     kl_factor: float = _f(2.0, "rollback: multiply the KL coefficient by this.")

@@ -26,8 +26,8 @@ actions > `invalid_frac`).
 
 Action as configured: `warn` (log), `stop` (the trainer checkpoints and exits non-zero naming the
 signal), `rollback` (the trainer returns to the last healthy checkpoint, taken every
-`healthy_every` steps that raised no signal, lowers the learning rate, raises the KL coefficient,
-and goes on; after `max_rollbacks` it stops).
+`healthy_every` steps that raised no signal and two or more steps before the one that fired,
+lowers the learning rate, raises the KL coefficient, and goes on; after `max_rollbacks` it stops).
 """
 
 from __future__ import annotations
