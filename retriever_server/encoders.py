@@ -167,7 +167,7 @@ def _export(model: torch.nn.Module, pooling: str, input_names: list[str], out: P
 def _quantize(fp32: Path, out: Path) -> None:
     """Dynamic int8: the weights of the linear layers as int8, one scale per output channel, their
     inputs quantised per call. Attention's activation-by-activation MatMuls stay float: quantised
-    too (the quantiser's default) they cost MiniLM 0.03 of cosine to the fp32 vectors."""
+    too (the quantiser's default) they cost several times more accuracy (bench/RESULTS.md)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     root = logging.getLogger()
