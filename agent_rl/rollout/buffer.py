@@ -11,8 +11,18 @@ from collections import Counter
 
 from agent_rl.rollout.trajectory import Trajectory
 
+# Host bytes a buffered token costs: its id, mask and log-prob in Python lists, and its share of
+# the trajectory's Python objects.
+BYTES_PER_TOKEN = 64
+
 
 class TrajectoryBuffer:
+    @staticmethod
+    def planned_bytes(max_tokens: int, step_tokens: int) -> int:
+        """Host memory of a full buffer for `agent-rl plan`: a step's trajectories at their longest,
+        or the buffer's token cap where that is smaller."""
+        return min(max_tokens, step_tokens) * BYTES_PER_TOKEN
+
     def __init__(self, max_tokens: int, max_trajectories: int):
         self.max_tokens = max_tokens
         self.max_trajectories = max_trajectories

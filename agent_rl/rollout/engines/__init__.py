@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from agent_rl.rollout.engines.base import Engine, FullParams, Generation, sample_tokens, stop_token_ids
+from agent_rl.rollout.engines import vllm as _vllm
+from agent_rl.rollout.engines.base import (
+    Engine,
+    EngineMemory,
+    FullParams,
+    Generation,
+    ModelShape,
+    sample_tokens,
+    stop_token_ids,
+)
 from agent_rl.rollout.engines.hf import HFEngine, rollout_copy
 from agent_rl.rollout.engines.vllm import VLLMEngine, VLLMWeightSync, hf_named_weights, vllm_dtype, vllm_engine_kwargs
 from agent_rl.rollout.protocol import close_tags
@@ -17,18 +26,29 @@ from agent_rl.rollout.tools import tool_names
 
 __all__ = [
     "Engine",
+    "EngineMemory",
     "FullParams",
     "Generation",
     "HFEngine",
+    "ModelShape",
     "VLLMEngine",
     "VLLMWeightSync",
     "build_engine",
+    "engine_memory",
     "hf_named_weights",
     "sample_tokens",
     "stop_token_ids",
     "vllm_dtype",
     "vllm_engine_kwargs",
 ]
+
+
+def engine_memory(cfg, shape: ModelShape, dtype_bytes: int) -> EngineMemory:
+    """The memory figures of the engine `build_engine` would build for `cfg`, as that engine reports
+    them (for `agent-rl plan`); `dtype_bytes`: bytes per weight of `model.dtype`."""
+    if cfg.rollout.resolved_engine() == "vllm":
+        return _vllm.planned_memory(cfg, shape, dtype_bytes)
+    return HFEngine.planned_memory(cfg, shape, dtype_bytes)
 
 
 def _sits_on(module: torch.nn.Module, device: str) -> bool:

@@ -21,6 +21,38 @@ from agent_rl.rollout.protocol import STOP_TAGS
 FullParams = Callable[[torch.dtype | None], Iterable[tuple[str, torch.Tensor]]]
 
 
+class ModelShape(Protocol):
+    """What an engine's memory figures read of the model (the planner's `Arch` is one)."""
+
+    hidden: int
+    layers: int
+    kv_heads: int
+    vocab: int
+    tied: bool
+
+    @property
+    def head_dim(self) -> int: ...
+
+    def params(self) -> int: ...
+
+
+@dataclass
+class EngineMemory:
+    """An engine's own memory figures for `agent-rl plan`, in bytes by component name.
+
+    `held`: through both phases (an engine that cannot sleep keeps it during the update);
+    `rollout`: only while it generates (freed or asleep during the update). A value of -1 is a
+    share of the device the planner fills in from its budget. `on_host`: the figures are host RAM
+    (a CPU engine), else memory of each rollout device. `imports`: the import statements the
+    engine runs in the trainer's process, whose resident bytes no formula knows: the planner
+    measures them on its own machine."""
+
+    held: dict[str, int]
+    rollout: dict[str, int]
+    on_host: bool
+    imports: tuple[str, ...] = ()
+
+
 @dataclass
 class Generation:
     token_ids: list[int]

@@ -15,7 +15,14 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from agent_rl.rollout.engines.base import FullParams, Generation, sample_tokens, stop_token_ids
+from agent_rl.rollout.engines.base import (
+    EngineMemory,
+    FullParams,
+    Generation,
+    ModelShape,
+    sample_tokens,
+    stop_token_ids,
+)
 from agent_rl.rollout.padding import distinct, left_pad
 from agent_rl.rollout.protocol import STOP_TAGS
 
@@ -31,6 +38,19 @@ def rollout_copy(model: torch.nn.Module, device: str) -> torch.nn.Module:
 
 class HFEngine:
     """Batched sampling with a KV cache over a transformers causal LM."""
+
+    @staticmethod
+    def planned_memory(cfg, shape: ModelShape, dtype_bytes: int) -> EngineMemory:
+        """A frozen copy of the weights where it does not generate with the trained module (another
+        device), and during the rollout the KV cache of its largest batch at the longest trajectory
+        plus two float32 rows of logits per sequence (the step's logits and their log-softmax)."""
+        held = {}
+        if str(cfg.rollout.device) != str(cfg.train.device):
+            held["rollout_copy"] = shape.params() * dtype_bytes
+        kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes
+        seqs = min(cfg.rollout.generation_batch_size, cfg.rollout.prompts_per_step * cfg.algo.group_size)
+        kv = seqs * cfg.budget.max_total_tokens * kv_per_token + seqs * shape.vocab * 4 * 2
+        return EngineMemory(held=held, rollout={"kv_cache": kv}, on_host=str(cfg.rollout.device) == "cpu")
 
     def __init__(
         self,

