@@ -183,7 +183,7 @@ def write_views(run_dir: Path, last: int, out: Path, per_set: int) -> dict[str, 
     return reports
 
 
-def plot_curve(steps: list[dict], path: Path) -> None:
+def plot_curve(steps: list[dict], path: Path, reward_fn: str = "em") -> None:
     """Training reward (mean of the step's samples, and a moving average) and searches per trajectory."""
     import matplotlib
 
@@ -195,7 +195,7 @@ def plot_curve(steps: list[dict], path: Path) -> None:
     w = max(1, len(reward) // 10)
     smooth = [sum(reward[max(0, i - w + 1) : i + 1]) / len(reward[max(0, i - w + 1) : i + 1]) for i in range(len(x))]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
-    ax1.plot(x, reward, alpha=0.4, label="reward/mean (EM of the step's samples)")
+    ax1.plot(x, reward, alpha=0.4, label=f"reward/mean ({reward_fn} of the step's samples)")
     ax1.plot(x, smooth, label=f"moving average over {w} steps")
     ax1.set_xlabel("GRPO step")
     ax1.legend(fontsize=7)
@@ -213,7 +213,7 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / max(1, len(xs))
 
 
-def summarise(out: Path, phases: dict, plan: dict, recall: dict, split_sizes: dict) -> dict:
+def summarise(out: Path, phases: dict, plan: dict, recall: dict, split_sizes: dict, reward_fn: str = "em") -> dict:
     run_dir = out / "grpo"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "reward/mean" in m]
@@ -221,7 +221,7 @@ def summarise(out: Path, phases: dict, plan: dict, recall: dict, split_sizes: di
     last = max(int(p.stem.split("_")[1]) for p in (run_dir / "eval").glob("step_*.jsonl"))
     load = lambda s: [json.loads(x) for x in (run_dir / "eval" / f"step_{s}.jsonl").read_text().splitlines()]  # noqa: E731
     em = compare(load(0), load(last))
-    plot_curve(steps, out / "reward_curve.png")
+    plot_curve(steps, out / "reward_curve.png", reward_fn)
     k = max(1, len(steps) // 4)
     eval_s = [m["timing/eval_s"] for m in evals if "timing/eval_s" in m]
     n_eval = sum(split_sizes[s] for s in SETS)
@@ -234,6 +234,7 @@ def summarise(out: Path, phases: dict, plan: dict, recall: dict, split_sizes: di
         "training": {
             "steps": len(steps),
             "trajectories_per_step": _mean([m["rollout/trajectories"] for m in steps]),
+            "reward_fn": reward_fn,
             "reward_first_quarter": _mean([m["reward/mean"] for m in steps[:k]]),
             "reward_last_quarter": _mean([m["reward/mean"] for m in steps[-k:]]),
             "reward_curve": [[m["step"], m["reward/mean"]] for m in steps],
@@ -299,7 +300,8 @@ def render(res: dict, header: str) -> str:
         "",
         "## GRPO",
         "",
-        f"- steps: {tr['steps']} of {tr['trajectories_per_step']:.0f} trajectories; reward (EM of the samples) "
+        f"- steps: {tr['steps']} of {tr['trajectories_per_step']:.0f} trajectories; reward "
+        f"({tr.get('reward_fn', 'em')} of the samples) "
         f"{tr['reward_first_quarter']:.3f} over the first quarter -> {tr['reward_last_quarter']:.3f} over the last "
         "(curve: reward_curve.png)",
         f"- rollout batches per step {tr['gen_batches_mean']:.2f}, groups with differing rewards trained on per "
@@ -430,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         log = out / "logs" / "train.log"
     phases["train"] = run_phase("train", train_cmd, log)
 
-    res = summarise(out, phases, plan, recall, sizes)
+    res = summarise(out, phases, plan, recall, sizes, str(cfg.reward.fn))
     res.update(config=args.config, overrides=args.overrides, split_seed=args.seed, data=str(data))
     (out / "results.json").write_text(json.dumps(res, indent=1))
     header = (
