@@ -97,6 +97,7 @@ def _export_key(model: torch.nn.Module, input_names: list[str], pooling: str, in
         "int8": int8,
         "torch": torch.__version__,
         "onnxruntime": onnxruntime.__version__,
+        "fusions": _fusion_version(),
     }
     h.update(json.dumps(what, sort_keys=True, default=str).encode())
     for name, tensor in model.state_dict().items():
@@ -132,9 +133,10 @@ def _place(write, path: Path, meta: dict) -> None:
     os.replace(meta_tmp, path.with_name(path.name + ".json"))
 
 
-def _export(model: torch.nn.Module, pooling: str, input_names: list[str], out: Path) -> None:
+def _export(model: torch.nn.Module, pooling: str, input_names: list[str], out: Path, fuse: bool = True) -> None:
     """Pooled(model) -> ONNX with dynamic batch and length (torch.onnx's dynamo exporter: the
-    TorchScript one bakes transformers' attention mask for the traced shape)."""
+    TorchScript one bakes transformers' attention mask for the traced shape), then onto ORT's fused
+    kernels unless `fuse` is false."""
     example = {name: torch.ones(3, 7, dtype=torch.long) for name in input_names}
     example["attention_mask"][1, 5:] = 0
     if "token_type_ids" in example:
@@ -162,6 +164,34 @@ def _export(model: torch.nn.Module, pooling: str, input_names: list[str], out: P
     finally:
         for q, level in zip(quiet, levels, strict=True):
             q.setLevel(level)
+    if fuse:
+        _fuse(out)
+
+
+def _fusion_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return f"onnxscript-ort-fusions-{version('onnxscript')}"
+    except ImportError:
+        return "none"
+
+
+def _fuse(path: Path) -> None:
+    """Rewrite the exported graph onto ONNX Runtime's fused kernels (onnxscript's ORT fusions:
+    Attention, SkipLayerNormalization, BiasGelu); ORT's own optimiser does not recognise the
+    dynamo exporter's patterns. Outputs are unchanged to float rounding (tests/test_encoders.py). A
+    graph the rewriter cannot handle is kept as exported, with a warning."""
+    try:
+        import onnx_ir as ir
+        from onnxscript.rewriter.ort_fusions import optimize_for_ort
+
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            model, _counts = optimize_for_ort(ir.load(str(path)))
+            ir.save(model, str(path))
+    except Exception as err:  # noqa: BLE001 - a speed-up only: the unfused graph is correct
+        logging.getLogger(__name__).warning("ONNX encoder: kernel fusion skipped (%s); the graph runs unfused", err)
 
 
 def _quantize(fp32: Path, out: Path) -> None:
@@ -205,9 +235,12 @@ def onnx_model(
     shared = shared_dir / name
     exported = False
     if not _cached(shared, key):
-        if int8:
-            fp32, _ = onnx_model(model, pooling, input_names)
-            _place(lambda tmp: _quantize(fp32, tmp), shared, meta)
+        if int8:  # from the unfused graph: the quantiser turns its QKV projections into integer MatMuls,
+            # not the fused Attention's packed weights
+            with tempfile.TemporaryDirectory(prefix="agent_rl_onnx_") as tmp_dir:
+                fp32 = Path(tmp_dir) / "unfused.onnx"
+                _export(model, pooling, input_names, fp32, fuse=False)
+                _place(lambda tmp: _quantize(fp32, tmp), shared, meta)
         else:
             _place(lambda tmp: _export(model, pooling, input_names, tmp), shared, meta)
         exported = True
