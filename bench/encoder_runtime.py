@@ -11,7 +11,9 @@ Usage: .venv/bin/python bench/encoder_runtime.py --data ../shared/data/wiki18_nq
    - `torch`: agent-rl's Encoder(runtime="torch"): length-sorted batches (of --passage-batch
      passages), the same forward;
    - `onnx`, `onnx-int8`: Encoder(runtime="onnx"), fp32 (on ORT's fused kernels) and dynamic int8;
-   - `onnx-unfused`: the fp32 graph as torch.onnx exports it, before the kernel fusion.
+   - `onnx-unfused`: the fp32 graph as torch.onnx exports it, before the kernel fusion;
+   - `onnx-int8-fused`: the fused fp32 graph quantised the same way (the fused Attention keeps its
+     packed QKV weights in float: the quantiser does not reach them).
 2. `--recall`: the whole corpus encoded with onnx fp32 and with onnx-int8 (each timed), FAISS flat
    inner product, answer recall@1/3/10 (a passage holds a gold answer as a token span) for NQ and
    TriviaQA with (passages, queries) = (fp32, fp32), (fp32, int8), (int8, int8).
@@ -37,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from retriever_server.answers import contains_answer  # noqa: E402
-from retriever_server.encoders import Encoder, _export, default_encoder_path, onnx_session  # noqa: E402
+from retriever_server.encoders import Encoder, _export, _quantize, default_encoder_path, onnx_session  # noqa: E402
 
 
 class Transformers:
@@ -131,10 +133,13 @@ def main() -> int:
         "onnx": Encoder(runtime="onnx", cache_dir=cache, threads=threads),
         "onnx-unfused": Encoder(runtime="onnx", cache_dir=cache, threads=threads),
         "onnx-int8": Encoder(runtime="onnx", int8=True, cache_dir=cache, threads=threads),
+        "onnx-int8-fused": Encoder(runtime="onnx", int8=True, cache_dir=cache, threads=threads),
     }
     unfused = cache / "unfused.onnx"
     _export(Encoder(runtime="torch").model.model, "mean", variants["onnx"].input_names, unfused, fuse=False)
     variants["onnx-unfused"].session = onnx_session(unfused, threads)
+    _quantize(variants["onnx"].onnx_path, cache / "int8_fused.onnx")
+    variants["onnx-int8-fused"].session = onnx_session(cache / "int8_fused.onnx", threads)
     want = variants["transformers"].encode(contents[:256])
     for name, enc in variants.items():
         cos = (enc.encode(contents[:256], 64) * want).sum(1)
