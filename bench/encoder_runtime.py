@@ -10,10 +10,10 @@ Usage: .venv/bin/python bench/encoder_runtime.py --data ../shared/data/wiki18_nq
      order, padded to the longest, mean pooling (the reference for passage encoding);
    - `torch`: agent-rl's Encoder(runtime="torch"): length-sorted batches (of --passage-batch
      passages), the same forward;
-   - `onnx`, `onnx-int8`: Encoder(runtime="onnx"), fp32 (on ORT's fused kernels) and dynamic int8;
-   - `onnx-unfused`: the fp32 graph as torch.onnx exports it, before the kernel fusion;
-   - `onnx-int8-fused`: the fused fp32 graph quantised the same way (the fused Attention keeps its
-     packed QKV weights in float: the quantiser does not reach them).
+   - `onnx`, `onnx-int8`: Encoder(runtime="onnx"), fp32 (on ORT's fused kernels) and that graph in
+     dynamic int8 (its fused Attention keeps the QKV weights in float: the quantiser does not reach them);
+   - `onnx-unfused`, `onnx-int8-unfused`: the fp32 graph as torch.onnx exports it, before the kernel
+     fusion, and that graph quantised the same way (its QKV projections in int8 too).
 2. `--recall`: the whole corpus encoded with onnx fp32 and with onnx-int8 (each timed), FAISS flat
    inner product, answer recall@1/3/10 (a passage holds a gold answer as a token span) for NQ and
    TriviaQA with (passages, queries) = (fp32, fp32), (fp32, int8), (int8, int8).
@@ -133,13 +133,13 @@ def main() -> int:
         "onnx": Encoder(runtime="onnx", cache_dir=cache, threads=threads),
         "onnx-unfused": Encoder(runtime="onnx", cache_dir=cache, threads=threads),
         "onnx-int8": Encoder(runtime="onnx", int8=True, cache_dir=cache, threads=threads),
-        "onnx-int8-fused": Encoder(runtime="onnx", int8=True, cache_dir=cache, threads=threads),
+        "onnx-int8-unfused": Encoder(runtime="onnx", int8=True, cache_dir=cache, threads=threads),
     }
     unfused = cache / "unfused.onnx"
     _export(Encoder(runtime="torch").model.model, "mean", variants["onnx"].input_names, unfused, fuse=False)
     variants["onnx-unfused"].session = onnx_session(unfused, threads)
-    _quantize(variants["onnx"].onnx_path, cache / "int8_fused.onnx")
-    variants["onnx-int8-fused"].session = onnx_session(cache / "int8_fused.onnx", threads)
+    _quantize(unfused, cache / "int8_unfused.onnx")
+    variants["onnx-int8-unfused"].session = onnx_session(cache / "int8_unfused.onnx", threads)
     want = variants["transformers"].encode(contents[:256])
     for name, enc in variants.items():
         cos = (enc.encode(contents[:256], 64) * want).sum(1)
