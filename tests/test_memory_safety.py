@@ -528,7 +528,7 @@ def test_an_import_cost_is_measured_against_the_baseline_and_cached(tmp_path, mo
     assert import_baseline_bytes(tmp_path) is not None
 
 
-def test_the_planner_takes_the_engines_figures_from_the_engines(monkeypatch):
+def test_the_planner_takes_the_engines_figures_from_the_engines(tiny_model_dir, monkeypatch):
     """`plan` asks the engine `build_engine` would build for its memory (no engine type is looked up
     in the planner), adds the measured import of what the engine and LoRA load, and places a CPU
     engine beside GPU training in host RAM."""
@@ -536,8 +536,10 @@ def test_the_planner_takes_the_engines_figures_from_the_engines(monkeypatch):
     from agent_rl.rollout.engines import engine_memory
 
     monkeypatch.setattr(planner, "import_cost_bytes", lambda statement: 1000 if "vllm" in statement else 10)
+    model = f"model.path={tiny_model_dir}"
     vllm_cpu = load_config(
-        None, ["rollout.engine=vllm", "rollout.device=cpu", "rollout.cpu_kv_cache_gib=0.4", "model.lora.enabled=true"]
+        None,
+        [model, "rollout.engine=vllm", "rollout.device=cpu", "rollout.cpu_kv_cache_gib=0.4", "model.lora.enabled=true"],
     )
     arch = planner.config_arch(vllm_cpu)
     own = engine_memory(vllm_cpu, arch, 4)
@@ -551,13 +553,13 @@ def test_the_planner_takes_the_engines_figures_from_the_engines(monkeypatch):
     update = res.phases["update"]["components"]
     assert "host/weight_sync_merged" not in update and update["host/vllm_kv_cache"] == 2**30
 
-    hf_other_device = load_config(None, ["rollout.engine=hf", "rollout.device=cpu", "train.device=cuda"])
+    hf_other_device = load_config(None, [model, "rollout.engine=hf", "rollout.device=cpu", "train.device=cuda"])
     own = engine_memory(hf_other_device, arch, 4)
     assert own.on_host and set(own.held) == {"rollout_copy"} and set(own.rollout) == {"kv_cache"}
     res = planner.plan(hf_other_device)
     comps = res.phases["rollout"]["components"]
     assert comps["host/rollout_copy"] == own.held["rollout_copy"] and "gpu/kv_cache" not in comps
-    vllm_gpu = load_config(None, ["rollout.engine=vllm", "rollout.device=cuda", "train.device=cuda"])
+    vllm_gpu = load_config(None, [model, "rollout.engine=vllm", "rollout.device=cuda", "train.device=cuda"])
     assert engine_memory(vllm_gpu, arch, 2).rollout == {"vllm_reserved": -1}
     gpu = planner.plan(vllm_gpu, gpu_mem_gib=80).phases["rollout"]["components"]
     assert gpu["gpu/vllm_reserved"] == int(vllm_gpu.rollout.gpu_memory_utilization * 80 * 2**30)
