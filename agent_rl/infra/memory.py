@@ -3,6 +3,7 @@ and the benchmarks measure against."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -46,6 +47,7 @@ def peak_rss_bytes() -> int:
     return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+@functools.cache  # packages_distributions() walks every installed file: ~1 s a call
 def _versions(statements: tuple[str, ...] = ()) -> str:
     dists = ["torch", "transformers", "tokenizers", "agent-rl"]
     if statements:
