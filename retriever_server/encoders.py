@@ -26,6 +26,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -84,20 +85,23 @@ def pick_runtime(runtime: str, device: str, int8: bool) -> str:
     return runtime
 
 
-def _export_key(model: torch.nn.Module, input_names: list[str], pooling: str, int8: bool) -> str:
-    """sha256 of what the exported graph depends on: the weights, the architecture, the pooling,
-    the inputs, int8, and the exporter's and runtime's versions."""
+def _versions_key() -> dict:
     import onnxruntime
 
+    return {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "fusions": _fusion_version()}
+
+
+def _export_key(model: torch.nn.Module, input_names: list[str], pooling: str, int8: bool) -> str:
+    """sha256 of what the exported graph depends on, from a loaded model (an encoder named by a hub
+    id): the weights, the architecture, the pooling, the inputs, int8, and the exporter's and
+    runtime's versions."""
     h = hashlib.sha256()
     what = {
         "config": model.config.to_dict(),  # type: ignore[union-attr, operator]
         "pooling": pooling,
         "inputs": input_names,
         "int8": int8,
-        "torch": torch.__version__,
-        "onnxruntime": onnxruntime.__version__,
-        "fusions": _fusion_version(),
+        **_versions_key(),
     }
     h.update(json.dumps(what, sort_keys=True, default=str).encode())
     for name, tensor in model.state_dict().items():
@@ -105,6 +109,30 @@ def _export_key(model: torch.nn.Module, input_names: list[str], pooling: str, in
             continue
         h.update(name.encode())
         h.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+
+
+def _files_key(model_dir: Path, pooling: str, int8: bool) -> str | None:
+    """The same, read from a model directory's files (its config, its tokenizer's config, which
+    decides the inputs, and its weight files, byte for byte) without loading the model: a kept
+    export is found in the time it takes to hash the weights. None where the directory holds no
+    config or no weight file."""
+    config = model_dir / "config.json"
+    weights = sorted(p for p in model_dir.iterdir() if p.suffix in WEIGHT_SUFFIXES and p.is_file())
+    if not config.is_file() or not weights:
+        return None
+    h = hashlib.sha256()
+    what = {"pooling": pooling, "int8": int8, **_versions_key()}
+    h.update(json.dumps(what, sort_keys=True).encode())
+    tokenizer_config = [p for p in (model_dir / "tokenizer_config.json",) if p.is_file()]
+    for path in [config, *tokenizer_config, *weights]:
+        h.update(path.name.encode())
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
     return h.hexdigest()
 
 
@@ -216,14 +244,20 @@ def user_cache_dir() -> Path:
 
 
 def onnx_model(
-    model: torch.nn.Module, pooling: str, input_names: list[str], int8: bool = False, cache_dir: Path | None = None
+    key_for: Callable[[bool], str],
+    load: Callable[[], tuple[torch.nn.Module, list[str]]],
+    pooling: str,
+    int8: bool = False,
+    cache_dir: Path | None = None,
+    encoder: str = "",
 ) -> tuple[Path, bool]:
-    """(path of the ONNX encoder for this model, whether it was exported now). Looked up in
-    `cache_dir` (an index directory), then in the per-user cache, else exported (and quantised)
-    there; with `cache_dir` the file is copied beside the index."""
-    key = _export_key(model, input_names, pooling, int8)
+    """(path of the ONNX encoder, whether it was exported now). Looked up by its export key
+    (`key_for(int8)`) in `cache_dir` (an index directory), then in the per-user cache, else exported
+    (and quantised) there from the model and input names `load()` gives; with `cache_dir` the file is
+    copied beside the index."""
+    key = key_for(int8)
     name = "encoder.int8.onnx" if int8 else "encoder.onnx"
-    meta = {"key": key, "encoder": getattr(model.config, "name_or_path", ""), "pooling": pooling, "int8": int8}
+    meta = {"key": key, "encoder": encoder, "pooling": pooling, "int8": int8}
     local = Path(cache_dir) / name if cache_dir is not None else None
     if local is not None and _cached(local, key):
         return local, False
@@ -237,9 +271,10 @@ def onnx_model(
     if not _cached(shared, key):
         if int8:  # the fused graph quantised: faster and closer to fp32 than the unfused one quantised
             # (its fused Attention keeps the QKV weights in float; bench/RESULTS.md)
-            fp32, _ = onnx_model(model, pooling, input_names)
+            fp32, _ = onnx_model(key_for, load, pooling, False, None, encoder)
             _place(lambda tmp: _quantize(fp32, tmp), shared, meta)
         else:
+            model, input_names = load()
             _place(lambda tmp: _export(model, pooling, input_names, tmp), shared, meta)
         exported = True
     if local is None or local == shared:
@@ -261,6 +296,51 @@ def onnx_session(path: Path, threads: int = 0):
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
 
 
+class FastTokenizer:
+    """A model directory's `tokenizer.json` run by the `tokenizers` library alone, called as
+    transformers' tokenizers are (`padding=True, truncation=True, max_length=..., return_tensors="np"`)
+    and giving the same ids (tests/test_encoders.py): transformers' tokenizer classes import its
+    model zoo (~5 s a process), which an ONNX encoder never runs."""
+
+    def __init__(self, tokenizer, pad_token: str):
+        self.tok, self.pad_token = tokenizer, pad_token
+        self.pad_id = tokenizer.token_to_id(pad_token)
+
+    @classmethod
+    def load(cls, model_dir: Path) -> FastTokenizer | None:
+        """None where the directory has no tokenizer.json or names no pad token the vocabulary holds."""
+        import tokenizers
+
+        files = [model_dir / n for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")]
+        if not files[0].is_file():
+            return None
+        pad = None
+        for path in files[1:]:
+            try:
+                pad = pad or json.loads(path.read_text()).get("pad_token")
+            except (OSError, ValueError):
+                continue
+        pad = pad.get("content") if isinstance(pad, dict) else pad
+        tok = tokenizers.Tokenizer.from_file(str(files[0]))
+        return cls(tok, pad) if isinstance(pad, str) and tok.token_to_id(pad) is not None else None
+
+    def __call__(self, texts: list[str], padding: bool, truncation: bool, max_length: int, return_tensors: str):
+        if truncation:
+            self.tok.enable_truncation(max_length)
+        else:
+            self.tok.no_truncation()
+        if padding:
+            self.tok.enable_padding(pad_id=self.pad_id, pad_token=self.pad_token)
+        else:
+            self.tok.no_padding()
+        enc = self.tok.encode_batch(texts)
+        return {
+            "input_ids": np.array([e.ids for e in enc], dtype=np.int64),
+            "attention_mask": np.array([e.attention_mask for e in enc], dtype=np.int64),
+            "token_type_ids": np.array([e.type_ids for e in enc], dtype=np.int64),
+        }
+
+
 class Encoder:
     def __init__(
         self,
@@ -279,32 +359,55 @@ class Encoder:
         """`runtime`: auto, onnx or torch (see the module's docstring); `int8`: dynamic int8 weights
         (onnx only); `cache_dir`: where the exported model is kept (the index directory);
         `threads`: ONNX Runtime's intra-op threads (0: one per core)."""
-        from transformers import AutoModel, AutoTokenizer
-
         if pooling not in ("mean", "cls"):
             raise ValueError(f"pooling must be mean or cls, got {pooling!r}")
         self.runtime = pick_runtime(runtime, device, int8)
         self.path = path or default_encoder_path()
         local = Path(self.path).exists()
-        self.tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=local)
-        model = AutoModel.from_pretrained(self.path, local_files_only=local).eval()
+        files = Path(self.path) if Path(self.path).is_dir() else None
         self.pooling, self.query_prefix, self.passage_prefix = pooling, query_prefix, passage_prefix
         self.device, self.max_length, self.int8 = device, max_length, int8
-        self.dim = int(model.config.hidden_size)
-        # In Pooled.forward's order; token types only where the model and tokenizer have them
-        # (XLM-R, multilingual e5, has none).
-        takes = inspect.signature(model.forward).parameters
-        self.input_names = ["input_ids", "attention_mask"] + [
-            n for n in ("token_type_ids",) if n in takes and n in self.tokenizer.model_input_names
-        ]
+        loaded: list = []
+
+        def hf_tokenizer():
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(self.path, local_files_only=local)
+
+        def load() -> tuple[torch.nn.Module, list[str]]:
+            """The model and its inputs, loaded once and only where needed: a kept ONNX export is
+            found from the files alone."""
+            if not loaded:
+                from transformers import AutoModel
+
+                model = AutoModel.from_pretrained(self.path, local_files_only=local).eval()
+                # In Pooled.forward's order; token types only where the model and tokenizer have them
+                # (XLM-R, multilingual e5, has none).
+                takes = inspect.signature(model.forward).parameters
+                names = ["input_ids", "attention_mask"] + [
+                    n for n in ("token_type_ids",) if n in takes and n in hf_tokenizer().model_input_names
+                ]
+                loaded.append((model, names))
+            return loaded[0]
+
         self.session = None
         self.model: Pooled | None = None
         self.onnx_path: Path | None = None
         self.exported = False
         if self.runtime == "onnx":
-            self.onnx_path, self.exported = onnx_model(model, pooling, self.input_names, int8, cache_dir)
+
+            def key_for(q: bool) -> str:
+                return (files and _files_key(files, pooling, q)) or _export_key(*load(), pooling, q)
+
+            self.onnx_path, self.exported = onnx_model(key_for, load, pooling, int8, cache_dir, self.path)
             self.session = onnx_session(self.onnx_path, threads)
+            self.input_names = [i.name for i in self.session.get_inputs()]
+            self.dim = int(self.session.get_outputs()[0].shape[-1])
+            self.tokenizer = (files and FastTokenizer.load(files)) or hf_tokenizer()
         else:
+            self.tokenizer = hf_tokenizer()
+            model, self.input_names = load()
+            self.dim = int(model.config.hidden_size)  # type: ignore[union-attr, arg-type]
             model = model.to(device)
             if fp16 and device.startswith("cuda"):
                 model = model.half()

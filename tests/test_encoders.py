@@ -77,7 +77,12 @@ def test_onnx_export_is_kept_and_redone_when_its_inputs_change(tiny_bert, tmp_pa
     assert first.exported and first.input_names == ["input_ids", "attention_mask", "token_type_ids"]
     want = Encoder(str(tiny_bert), pooling="cls", runtime="torch").encode_passages(texts, 4)
     assert np.abs(first.encode_passages(texts, 4) - want).max() < 1e-5
-    assert not Encoder(str(tiny_bert), pooling="cls", cache_dir=index).exported
+    import transformers
+
+    with monkeypatch.context() as m:  # a kept export is found from the files: the model is not loaded
+        m.setattr(transformers.AutoModel, "from_pretrained", lambda *a, **k: pytest.fail("loaded the model"))
+        kept = Encoder(str(tiny_bert), pooling="cls", cache_dir=index)
+    assert not kept.exported and np.abs(kept.encode_passages(texts, 4) - want).max() < 1e-5
     assert not Encoder(str(tiny_bert), pooling="cls", cache_dir=tmp_path / "other_index").exported  # user cache
     mean = Encoder(str(tiny_bert), pooling="mean", cache_dir=index)
     assert mean.exported and np.abs(mean.encode(texts) - first.encode(texts)).max() > 1e-3
@@ -98,6 +103,25 @@ def test_onnx_export_is_kept_and_redone_when_its_inputs_change(tiny_bert, tmp_pa
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))  # no per-user cache can be made
     fresh = Encoder(str(tiny_bert), pooling="mean", cache_dir=tmp_path / "third_index")
     assert fresh.exported and fresh.onnx_path == tmp_path / "third_index" / "encoder.onnx"
+
+
+def test_the_onnx_encoders_tokenizer_gives_transformers_ids():
+    """The ONNX path reads tokenizer.json with `tokenizers` alone (no transformers import): the same
+    ids, attention masks and token types as transformers' tokenizer, padded and truncated alike."""
+    from transformers import AutoTokenizer
+
+    from retriever_server.encoders import FastTokenizer, default_encoder_path
+
+    path = Path(default_encoder_path())
+    ours, theirs = FastTokenizer.load(path), AutoTokenizer.from_pretrained(path)
+    assert ours is not None
+    texts = [*_texts(), "", "Ünïcödé naïve café 東京", "  spaced\tout\n text  "]
+    for max_length in (8, 256):
+        for lo in range(0, len(texts), 5):
+            args = dict(padding=True, truncation=True, max_length=max_length, return_tensors="np")
+            a, b = ours(texts[lo : lo + 5], **args), theirs(texts[lo : lo + 5], **args)
+            for name in ("input_ids", "attention_mask", "token_type_ids"):
+                assert np.array_equal(a[name], b[name]), (name, lo, max_length)
 
 
 def test_encoder_runtime_errors_say_what_to_change(monkeypatch):
