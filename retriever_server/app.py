@@ -713,10 +713,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings, di
 
 def main(argv: list[str] | None = None) -> int:
     a, settings, index_options = parse_args(argv)
-    import torch
     import uvicorn
 
-    if a.threads:
+    if a.threads:  # torch only for this: an ONNX encoder's server does not import it otherwise
+        import torch
+
         torch.set_num_threads(a.threads)
     # proto=IPPROTO_TCP, not the default 0: asyncio sets TCP_NODELAY on accepted connections only
     # when the listening socket says TCP, and without it Nagle + delayed ACK add ~40 ms per request.

@@ -28,9 +28,14 @@ import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
+
+    from retriever_server.pooled import Pooled
 
 RUNTIMES = ("auto", "onnx", "torch")
 ONNX_PACKAGES = ("onnxruntime", "onnx", "onnxscript")
@@ -44,25 +49,6 @@ def default_encoder_path() -> str:
             "pass --encoder PATH"
         )
     return str(Path(spec.origin).parent / "model")
-
-
-class Pooled(torch.nn.Module):
-    """model -> unit-norm sentence vectors (batch, dim): the graph exported to ONNX and the torch
-    runtime's forward alike, so the two pool the same way."""
-
-    def __init__(self, model: torch.nn.Module, pooling: str):
-        super().__init__()
-        self.model, self.pooling = model, pooling
-
-    def forward(self, input_ids, attention_mask, token_type_ids=None):
-        extra = {} if token_type_ids is None else {"token_type_ids": token_type_ids}
-        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **extra).last_hidden_state
-        if self.pooling == "cls":
-            emb = hidden[:, 0]
-        else:
-            mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
-            emb = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-        return torch.nn.functional.normalize(emb.float(), dim=-1)
 
 
 def pick_runtime(runtime: str, device: str, int8: bool) -> str:
@@ -86,9 +72,11 @@ def pick_runtime(runtime: str, device: str, int8: bool) -> str:
 
 
 def _versions_key() -> dict:
+    from importlib.metadata import version
+
     import onnxruntime
 
-    return {"torch": torch.__version__, "onnxruntime": onnxruntime.__version__, "fusions": _fusion_version()}
+    return {"torch": version("torch"), "onnxruntime": onnxruntime.__version__, "fusions": _fusion_version()}
 
 
 def _export_key(model: torch.nn.Module, input_names: list[str], pooling: str, int8: bool) -> str:
@@ -165,6 +153,10 @@ def _export(model: torch.nn.Module, pooling: str, input_names: list[str], out: P
     """Pooled(model) -> ONNX with dynamic batch and length (torch.onnx's dynamo exporter: the
     TorchScript one bakes transformers' attention mask for the traced shape), then onto ORT's fused
     kernels unless `fuse` is false."""
+    import torch
+
+    from retriever_server.pooled import Pooled
+
     example = {name: torch.ones(3, 7, dtype=torch.long) for name in input_names}
     example["attention_mask"][1, 5:] = 0
     if "token_type_ids" in example:
@@ -411,6 +403,8 @@ class Encoder:
             model = model.to(device)
             if fp16 and device.startswith("cuda"):
                 model = model.half()
+            from retriever_server.pooled import Pooled
+
             self.model = Pooled(model, pooling).eval()
 
     def encode(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
@@ -426,6 +420,8 @@ class Encoder:
             if self.session is not None:
                 out[idx] = self.session.run(None, {n: batch[n].astype(np.int64) for n in self.input_names})[0]
             else:
+                import torch
+
                 assert self.model is not None
                 with torch.inference_mode():
                     inputs = {n: torch.from_numpy(batch[n]).to(self.device) for n in self.input_names}

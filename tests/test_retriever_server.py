@@ -434,6 +434,23 @@ def test_cli_defaults_are_the_settings_defaults(monkeypatch):
     assert exited.value.code == 2
 
 
+def test_a_cpu_server_imports_neither_torch_nor_transformers(hotpot_index_dir):  # noqa: F811
+    """A flat index with its kept ONNX encoder opens and answers in a process that never imports torch
+    or transformers (tokenizer.json read by `tokenizers`, the export found from the model's files):
+    a server's start is its index and ONNX Runtime, not a deep-learning framework's import."""
+    from retriever_server.indexes import open_index
+
+    open_index(hotpot_index_dir)[2].search(["warm up"], 1)  # the export kept beside the index
+    script = (
+        "import sys\nfrom pathlib import Path\nfrom retriever_server.app import Settings, create_app\n"
+        f"app = create_app(Path({str(hotpot_index_dir)!r}), Settings(), None, 'http://127.0.0.1:1')\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_no_nagle_delay(urls):
     """A cached query answers in a few milliseconds on loopback, not the ~40 ms that Nagle's
     algorithm plus delayed ACKs add when accepted sockets lack TCP_NODELAY (the server binds its
