@@ -47,12 +47,15 @@ def peak_rss_bytes() -> int:
     return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-@functools.cache  # packages_distributions() walks every installed file: ~1 s a call
+@functools.cache
 def _versions(statements: tuple[str, ...] = ()) -> str:
     dists = ["torch", "transformers", "tokenizers", "agent-rl"]
-    if statements:
-        owners = metadata.packages_distributions()
-        dists += [d for m in map(imported_package, statements) for d in owners.get(m, [m])]
+    for module in map(imported_package, statements):
+        try:  # most packages are their distribution's name; the full map walks every installed file
+            metadata.version(module)
+            dists.append(module)
+        except metadata.PackageNotFoundError:
+            dists += metadata.packages_distributions().get(module, [module])
     out = []
     for dist in dists:
         try:

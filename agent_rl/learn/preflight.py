@@ -8,6 +8,7 @@ with the planner's advice, not hours later when the longest sample finally appea
 from __future__ import annotations
 
 import time
+import traceback
 
 import torch
 
@@ -71,6 +72,9 @@ def run_preflight(model, cfg: Config, device: str, optimizer=None) -> dict:
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
         if not _is_oom(err):
             raise
+        # The failed pass's activations live on in the traceback's frames: freed before the planner
+        # runs, which needs memory of its own (the machine has just run out).
+        traceback.clear_frames(err.__traceback__)
         advice = ""
         try:
             from agent_rl.infra.plan import plan
