@@ -16,6 +16,7 @@ goes to padding.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import inspect
@@ -115,8 +116,8 @@ def _files_key(model_dir: Path, pooling: str, int8: bool) -> str | None:
     h = hashlib.sha256()
     what = {"pooling": pooling, "int8": int8, **_versions_key()}
     h.update(json.dumps(what, sort_keys=True).encode())
-    tokenizer_config = [p for p in (model_dir / "tokenizer_config.json",) if p.is_file()]
-    for path in [config, *tokenizer_config, *weights]:
+    tokenizer_config = model_dir / "tokenizer_config.json"
+    for path in [config, *([tokenizer_config] if tokenizer_config.is_file() else []), *weights]:
         h.update(path.name.encode())
         with path.open("rb") as f:
             for block in iter(lambda: f.read(1 << 24), b""):
@@ -359,28 +360,27 @@ class Encoder:
         files = Path(self.path) if Path(self.path).is_dir() else None
         self.pooling, self.query_prefix, self.passage_prefix = pooling, query_prefix, passage_prefix
         self.device, self.max_length, self.int8 = device, max_length, int8
-        loaded: list = []
 
+        @functools.cache
         def hf_tokenizer():
             from transformers import AutoTokenizer
 
             return AutoTokenizer.from_pretrained(self.path, local_files_only=local)
 
+        @functools.cache
         def load() -> tuple[torch.nn.Module, list[str]]:
             """The model and its inputs, loaded once and only where needed: a kept ONNX export is
             found from the files alone."""
-            if not loaded:
-                from transformers import AutoModel
+            from transformers import AutoModel
 
-                model = AutoModel.from_pretrained(self.path, local_files_only=local).eval()
-                # In Pooled.forward's order; token types only where the model and tokenizer have them
-                # (XLM-R, multilingual e5, has none).
-                takes = inspect.signature(model.forward).parameters
-                names = ["input_ids", "attention_mask"] + [
-                    n for n in ("token_type_ids",) if n in takes and n in hf_tokenizer().model_input_names
-                ]
-                loaded.append((model, names))
-            return loaded[0]
+            model = AutoModel.from_pretrained(self.path, local_files_only=local).eval()
+            # In Pooled.forward's order; token types only where the model and tokenizer have them
+            # (XLM-R, multilingual e5, has none).
+            takes = inspect.signature(model.forward).parameters
+            names = ["input_ids", "attention_mask"] + [
+                n for n in ("token_type_ids",) if n in takes and n in hf_tokenizer().model_input_names
+            ]
+            return model, names
 
         self.session = None
         self.model: Pooled | None = None
