@@ -81,7 +81,11 @@ class RunConfig:
     )
     log_every: int = _f(1, "Print a progress line every N steps.")
     tensorboard: bool = _f(True, "Also write TensorBoard events under OUTPUT_DIR/tb.")
-    preflight: bool = _f(True, "Before step 1 run one forward+backward at the largest admissible micro-batch.")
+    preflight: bool = _f(
+        True,
+        "Before step 1 run one forward+backward at the largest admissible micro-batch, no prompt shared (the most "
+        "a micro-batch can hold), so an out-of-memory shows before the first rollout; `agent-rl plan` counts it.",
+    )
 
 
 @dataclass

@@ -6,11 +6,13 @@ Usage: .venv/bin/python bench/plan_vs_measured.py [CONFIG] [section.key=value ..
 A fresh process does what the trainer's process does, in the trainer's order, at the budget's
 worst case: it builds the rollout engine (vLLM before the trainer's modules, as `train` does),
 generates one step's rows to the full turn allowance, loads the policy and its optimizer,
-syncs the weights into the engine (LoRA merged), then runs two `prepare_batch` + `update` steps
-on trajectories of the budget's maximum length (full turns, full observations) and syncs again.
-VmHWM is read after each phase. The plan's host peak uses this environment's import baseline
-(a fresh process that imports the trainer and loads the tokenizer), as tests/test_memory_safety
-does, so the comparison is of what the planner models.
+syncs the weights into the engine (LoRA merged), runs the preflight (`run.preflight`: the largest
+micro-batch, unshared), then two `prepare_batch` + `update` steps on trajectories of the budget's
+maximum length (full turns, full observations; a micro-batch can hold two groups' rows) and syncs
+again. VmHWM is read after each phase and reset before the next, so each phase's own peak shows.
+The plan's host peak uses this environment's import baseline (a fresh process that imports the
+trainer and loads the tokenizer), as tests/test_memory_safety does, so the comparison is of what
+the planner models.
 """
 
 from __future__ import annotations
@@ -25,6 +27,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+def _reset_peak() -> None:
+    """VmHWM back to the current RSS (Linux: 5 to /proc/self/clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 def measure(config: str, overrides: list[str]) -> dict:
@@ -62,6 +70,12 @@ def measure(config: str, overrides: list[str]) -> dict:
     if engine is not None:
         engine.sync_weights(policy)
         peaks["weight_sync"] = peak_rss_bytes()
+    if cfg.run.preflight:
+        from agent_rl.learn.preflight import run_preflight
+
+        _reset_peak()
+        run_preflight(policy, cfg, "cpu", opt)
+        peaks["preflight"] = peak_rss_bytes()
     V, L, P, B = policy.config.vocab_size, cfg.budget.max_total_tokens, cfg.budget.max_prompt_tokens, cfg.budget
     g = torch.Generator().manual_seed(0)
     trajs = []
@@ -86,6 +100,7 @@ def measure(config: str, overrides: list[str]) -> dict:
             )
             t.reward = float(j % 2)
             trajs.append(t)
+    _reset_peak()
     for step in range(2):
         batch = prepare_batch(cfg, policy, None, None, trajs, tok.pad_token_id, need_old=False)
         update(cfg, policy, None, opt, None, batch, random.Random(step))
@@ -133,7 +148,7 @@ def main() -> None:
             + ", ".join(f"{k.split('/')[-1]} {v / 2**30:.2f}" for k, v in ph["components"].items())
         )
     for name, v in measured["peaks"].items():
-        print(f"measured VmHWM after {name:>14}: {v / 2**30:6.2f} GiB")
+        print(f"measured VmHWM of {name:>14}: {v / 2**30:6.2f} GiB")
     predicted, actual = p.host_peak_bytes, max(measured["peaks"].values())
     print(
         f"peak: planned {predicted / 2**30:.2f} GiB, measured {actual / 2**30:.2f} GiB, ratio {predicted / actual:.3f}"

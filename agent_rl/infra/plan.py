@@ -18,8 +18,11 @@ With gradient checkpointing only the layer inputs (b * h) stay, plus one layer's
 flight during recompute. Logits exist only at trained positions (`learn.policy.forward_logprobs`):
 trained tokens x vocab in the compute dtype, kept with its gradient, plus one float32 chunk's
 log-softmax in flight. A GRPO group's rows in one process share one prompt pass, so the
-prompt's activations count once per group. When a whole optimizer step is one micro-batch, the
-gradients grow as the backward frees activations and are not added on top of them. These
+prompt's activations count once per group (a micro-batch can hold the end of one group and the start
+of the next). The preflight before step 1 (`run.preflight`) runs the largest micro-batch unshared: with
+it on, the update phase is the larger of that pass and the update's own. When a whole optimizer step
+is one micro-batch, the gradients grow as the backward frees activations and are not added on top of
+them. These
 constants were measured on CPU against VmHWM (tests/test_memory_safety.py, bench/plan_vs_measured.py)
 with the trainer's fixed mmap threshold (`train.host_mmap_threshold_mib`), under which RSS follows
 what is held, and under a preloaded mimalloc (infra/allocator.py, which also returns freed pages)
@@ -254,27 +257,44 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
     seq = min(cfg.budget.max_total_tokens, cap)
     rows = max(1, cap // seq)
     tokens = rows * seq
-    # One process, no checkpointing: a GRPO group's rows share one prompt pass (learn.policy._prefix_plan,
-    # taken when it runs at most PREFIX_MAX_SHARE of the micro-batch's token positions).
-    shared_prefix = False
+    trained = min(tokens, rows * min(seq - 1, (cfg.budget.max_turns + 1) * cfg.budget.max_tokens_per_turn))
+    logits = trained * arch.vocab * bc * 2 + min(trained, LOGIT_CHUNK_TOKENS) * arch.vocab * 4 * 3
+    step_rows = cfg.algo.mini_batch_size or cfg.rollout.prompts_per_step * cfg.algo.group_size
+    head = arch.vocab * arch.hidden * 4 // shard if not lora else 0
+
+    def pass_peak(pass_tokens: int, grads_overlap: bool) -> dict[str, int]:
+        """Activations, logits and gradients of one forward+backward over `pass_tokens` positions.
+        With `grads_overlap` (the pass is the optimizer step's only micro-batch, gradients starting
+        empty) the gradients grow layer by layer as the backward frees that layer's activations, so
+        they do not sit beside the whole micro-batch's; the first to arrive is the output layer's."""
+        acts = activation_bytes(arch, pass_tokens, rows, seq, bc, cfg.model.gradient_checkpointing)
+        grads = max(head, train_c["grads"] - acts - logits + head) if grads_overlap else train_c["grads"]
+        return {"activations": acts, "logits": logits, "grads": grads}
+
+    # The update's pass. One process, no checkpointing: a GRPO group's rows share one prompt pass
+    # (learn.policy._prefix_plan, taken when it runs at most PREFIX_MAX_SHARE of the micro-batch's
+    # token positions). A group's rows stay adjacent (learn.batch.pack_microbatches), so a micro-batch
+    # of `rows` holds the prompts of at most ceil((rows - 1) / group) + 1 groups (and of no more than the
+    # step has); each is planned at the longest prompt. Not with a shared prompt pass, the gradient
+    # overlap: the response pass's backward fills every layer's gradient while the prompt pass's graph
+    # still waits for its own.
+    update_tokens, shared_prefix = tokens, False
     if cfg.train.share_prompt_prefix and gpus <= 1 and not cfg.model.gradient_checkpointing and cfg.algo.group_size > 1:
         prompt = min(cfg.budget.max_prompt_tokens, seq - 1)
-        shared = -(-rows // cfg.algo.group_size) * prompt + rows * (seq - prompt)
+        G = cfg.algo.group_size
+        prompts = min(rows, -(-(rows - 1) // G) + 1, -(-step_rows // G))
+        shared = prompts * prompt + rows * (seq - prompt)
         if rows > 1 and shared <= PREFIX_MAX_SHARE * tokens:
-            tokens, shared_prefix = shared, True
-    train_c["activations"] = activation_bytes(arch, tokens, rows, seq, bc, cfg.model.gradient_checkpointing)
-    trained = min(tokens, rows * min(seq - 1, (cfg.budget.max_turns + 1) * cfg.budget.max_tokens_per_turn))
-    train_c["logits"] = trained * arch.vocab * bc * 2 + min(trained, LOGIT_CHUNK_TOKENS) * arch.vocab * 4 * 3
-    step_rows = cfg.algo.mini_batch_size or cfg.rollout.prompts_per_step * cfg.algo.group_size
-    if step_rows <= rows // max(1, shard) and not shared_prefix:
-        # One micro-batch per optimizer step: gradients start empty (zero_grad(set_to_none)) and
-        # grow layer by layer as the backward frees that layer's activations, so they do not sit
-        # beside the whole micro-batch's activations; the first to arrive is the output layer's.
-        # Not with a shared prompt pass: the response pass's backward fills every layer's gradient
-        # while the prompt pass's graph still waits for its own.
-        head = arch.vocab * arch.hidden * 4 // shard if not lora else 0
-        overlap = train_c["activations"] + train_c["logits"]
-        train_c["grads"] = max(head, train_c["grads"] - overlap + head)
+            update_tokens, shared_prefix = shared, True
+    peak = pass_peak(update_tokens, step_rows <= rows // max(1, shard) and not shared_prefix)
+    if cfg.run.preflight:
+        # Before step 1 (learn.preflight) one unshared pass at the largest micro-batch, gradients
+        # starting empty, with the optimizer's state stood in for: the update phase's peak is the
+        # larger of the two.
+        preflight = pass_peak(tokens, True)
+        if sum(preflight.values()) > sum(peak.values()):
+            peak = preflight
+    train_c.update(peak)
     if cfg.algo.name == "ppo":
         train_c["activations"] *= 2 if not cfg.model.gradient_checkpointing else 1
     host: dict[str, int] = {"baseline": import_baseline_bytes() or BASELINE_HOST_BYTES}
