@@ -208,6 +208,7 @@ def cmd_eval(args) -> int:
         refused = world.broadcast_object(refused)
         if refused:
             print(f"agent-rl eval: error: {refused}", file=sys.stderr)
+            loop.engine.close()
             world.close()
             return 2
         traj_path = Path(args.trajectories) if args.trajectories else None
@@ -233,6 +234,7 @@ def cmd_eval(args) -> int:
         )
         world.barrier()  # every rank's share is in before rank 0 merges (and stops the retriever)
     loop.client.close()
+    loop.engine.close()  # before the process group: vLLM's own groups are built on it
     world.close()
     if traj_path is not None:
         print(f"wrote {len(kept)} trajectories to {traj_path} (see them with: agent-rl view {traj_path} --out DIR)")

@@ -460,6 +460,7 @@ class Run:
         """Save this step, close the logs and the process group, and stop with `message`."""
         path = self.checkpoint()
         self.logger.close()
+        self.engine.close()  # before the process group: vLLM's own groups are built on it
         self.world.close()
         raise SystemExit(message.replace("{path}", str(path)))
 
@@ -778,5 +779,6 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             run.logger.progress(run.step, cfg.run.max_steps, last_eval)
         client.close()
     run.logger.close()
+    engine.close()  # before the process group: vLLM's own groups are built on it
     world.close()
     return last_eval

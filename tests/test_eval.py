@@ -3,6 +3,7 @@ and their unweighted mean, the exact questions recorded; a killed evaluation res
 scores; shards (processes or torchrun ranks) merge to the unsharded table. Plus the pure table
 math on hand-made records."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -50,9 +51,9 @@ def world(toy_warm_start, tmp_path_factory):
         yield {"cache": cache, "sft": toy_warm_start["sft"], "files": files, "url": url}
 
 
-def _eval(world, out: Path, *extra: str, env=None, launcher=None):
+def _eval(world, out: Path, *extra: str, env=None, launcher=None, overrides=()):
     cmd = [*(launcher or [sys.executable, "-m", "agent_rl.cli"]), "eval", "configs/tiny_cpu_grpo.yaml"]
-    cmd += [*_overrides(world["cache"], out.parent), "--checkpoint", str(world["sft"])]
+    cmd += [*_overrides(world["cache"], out.parent), *overrides, "--checkpoint", str(world["sft"])]
     cmd += ["--retriever-url", world["url"], "--data", *map(str, world["files"]), "--out", str(out), *extra]
     return subprocess.run(cmd, cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=900)
 
@@ -156,6 +157,33 @@ def test_torchrun_two_ranks_merge_to_the_unsharded_table(world, whole, tmp_path)
     assert (folder / "part-0.jsonl").exists() and (folder / "part-1.jsonl").exists()
     assert _records(out) == _records(whole)
     assert json.loads(out.read_text())["table"] == json.loads(whole.read_text())["table"]
+
+
+def _scores(out: Path) -> dict:
+    return {r["id"]: (r["em"], r["f1"], r["searches"]) for r in _records(out)}
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is installed by `make setup` on x86-64")
+def test_torchrun_ranks_each_run_their_own_vllm_engine(world, whole, tmp_path):
+    """`rollout.engine=vllm` under torchrun: each rank builds its own in-process vLLM engine (vLLM builds
+    its groups on the trainer's process group), scores its chunks and closes the engine before the group
+    is destroyed. A clean exit (vLLM's shutdown at exit used to fail on the destroyed group), and the
+    per-question scores of the HF engine's unsharded run (greedy decoding agrees between the two)."""
+    out = tmp_path / "eval.json"
+    res = _eval(
+        world,
+        out,
+        "--chunk-size",
+        "2",
+        launcher=torchrun_cmd(2, "-m", "agent_rl"),
+        overrides=("rollout.engine=vllm", "rollout.cpu_kv_cache_gib=1"),
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert "Traceback" not in res.stderr and "Invalid process group" not in res.stderr, res.stderr[-4000:]
+    assert (res.stdout + res.stderr).count("Initializing a V1 LLM engine") == 2  # one engine per rank
+    folder = tmp_path / "eval_questions"
+    assert (folder / "part-0.jsonl").exists() and (folder / "part-1.jsonl").exists()
+    assert _scores(out) == _scores(whole)
 
 
 def test_pass_at_k_samples_k_per_question(world, tmp_path):

@@ -248,6 +248,9 @@ class ExplodingPolicy:
     def wake(self) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
     def sync_weights(self, policy, full_params=None) -> None:
         pass  # generates with the policy module itself
 

@@ -89,6 +89,10 @@ class Engine(Protocol):
     def wake(self) -> None:
         """Take it again before generating."""
 
+    def close(self) -> None:
+        """Release the engine (its memory and whatever it set up in the process); it is not used after.
+        Called before the process group is destroyed: an engine may have built groups of its own on it."""
+
     def sync_weights(self, policy: torch.nn.Module, full_params: FullParams | None = None) -> None:
         """Sample from `policy`'s current weights from now on (after each update).
 

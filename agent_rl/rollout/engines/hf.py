@@ -84,6 +84,9 @@ class HFEngine:
     def wake(self) -> None:
         pass
 
+    def close(self) -> None:
+        """Nothing of its own beyond the model, which the garbage collector frees."""
+
     def sync_weights(self, policy: torch.nn.Module, full_params: FullParams | None = None) -> None:
         """Copy the policy's weights into the engine's own copy; a no-op when the engine generates with
         the policy module itself. Sharing a sharded policy is refused: ranks sample different lengths,

@@ -6,6 +6,7 @@ after each update through a worker extension (`VLLMWeightSync`), LoRA merged (`h
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterable, Sequence
 
@@ -302,6 +303,16 @@ class VLLMEngine:
         if not self.asleep:
             self.llm.sleep(level=2 if discard_weights else 1)
             self.asleep, self.weights_discarded = True, discard_weights
+
+    def close(self) -> None:
+        """Drop the `LLM`: vLLM's finalizer shuts its engine down and tears down the process groups vLLM
+        made. Under torchrun vLLM builds its world on the trainer's default group (one engine per rank,
+        tensor parallel 1) and destroys that group too at shutdown, so the trainer closes the engine
+        before its own `World.close` (which then finds no group left); the other order left vLLM's
+        shutdown at exit failing on a destroyed group."""
+        if hasattr(self, "llm"):
+            del self.llm
+            gc.collect()
 
     def wake(self) -> None:
         if self.asleep:
