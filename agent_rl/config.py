@@ -577,6 +577,11 @@ class GuardConfig:
     )
     lr_factor: float = _f(0.5, "rollback: multiply the learning rate by this.")
     kl_factor: float = _f(2.0, "rollback: multiply the KL coefficient by this.")
+    entropy_coef_factor: float = _f(
+        0.5,
+        "rollback: multiply algo.entropy_coef (the entropy bonus, when there is one) by this: a bonus too strong "
+        "for the reward flattens the policy into noise, and a lower rate alone only slows that down.",
+    )
     kl_floor: float = _f(
         0.001,
         "rollback with algo.kl_coef 0: the KL coefficient to start from; the reference is the restored healthy "

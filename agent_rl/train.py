@@ -268,6 +268,7 @@ class Run:
             "engine_rng": self.engine.generator.get_state(),
             "guard": self.guard.state_dict(),  # with what a rollback changed, so --resume keeps it
             "kl_coef": self.cfg.algo.kl_coef,
+            "entropy_coef": self.cfg.algo.entropy_coef,
             "replay": self.replay.state_dict() if self.replay is not None else [],
         }
         if self.world.sharded:
@@ -315,6 +316,7 @@ class Run:
         if "guard" in extra:
             self.guard.load_state_dict(extra["guard"])
             self._set_kl(extra["kl_coef"])
+            self._set_entropy_coef(extra.get("entropy_coef", self.cfg.algo.entropy_coef))
             if self.replay is not None:
                 self.replay.load_state_dict(extra["replay"])
         self.push_weights()
@@ -327,6 +329,9 @@ class Run:
             # a rollback's first KL: the reference is the policy as restored (the last healthy one)
             self.ref = frozen_copy(self.policy, self.cfg.train.device, _DTYPES[self.cfg.model.dtype])
         self.cfg = dataclasses.replace(self.cfg, algo=dataclasses.replace(self.cfg.algo, kl_coef=kl_coef))
+
+    def _set_entropy_coef(self, entropy_coef: float) -> None:
+        self.cfg = dataclasses.replace(self.cfg, algo=dataclasses.replace(self.cfg.algo, entropy_coef=entropy_coef))
 
     def replay_signal(self, sampled: list[Trajectory]) -> dict[str, float]:
         """guard/replay_logprob of the replay set under the updated policy (once every rank's set is full), then
@@ -414,9 +419,9 @@ class Run:
         return self.world.all_reduce_max(back) > 0
 
     def rollback(self) -> Path | None:
-        """The guard's rollback: the last healthy checkpoint, a lower learning rate, a stronger KL; saved
-        again with them, so a --resume after it keeps them, and the checkpoints after it deleted. Returns the
-        checkpoint it went back to.
+        """The guard's rollback: the last healthy checkpoint, a lower learning rate, a stronger KL, a weaker
+        entropy bonus (if any); saved again with them, so a --resume after it keeps them, and the checkpoints
+        after it deleted. Returns the checkpoint it went back to.
 
         The last healthy checkpoint is the newest from two or more steps before the step that fired: the
         policy of the step just before generated the rollouts that raised a signal (format, repetition,
@@ -428,6 +433,7 @@ class Run:
         # lr from base_lrs at every step (and the restore brings back the old ones).
         base_lrs = [lr * self.cfg.guard.lr_factor for lr in self.scheduler.base_lrs]
         kl = self.cfg.algo.kl_coef * self.cfg.guard.kl_factor if self.cfg.algo.kl_coef > 0 else self.cfg.guard.kl_floor
+        entropy_coef = self.cfg.algo.entropy_coef * self.cfg.guard.entropy_coef_factor
         rollbacks, first = self.guard.rollbacks, self.guard.first_signal_step
         if path is not None:
             self.restore(path)  # the guard's window and replay set as they were then
@@ -440,11 +446,14 @@ class Run:
         for group, base, factor in zip(self.optimizer.param_groups, base_lrs, self.scheduler.lr_lambdas):
             group["lr"] = base * factor(self.scheduler.last_epoch)
         self._set_kl(kl)
+        self._set_entropy_coef(entropy_coef)
         if path is not None:
             self.checkpoint()
+        bonus = f", entropy_coef {entropy_coef:g}" if entropy_coef > 0 else ""
         print(
             f"[guard] rolled back to {path} (step {self.step}): lr {self.optimizer.param_groups[0]['lr']:.3g}, "
-            f"kl_coef {self.cfg.algo.kl_coef:g} ({self.guard.rollbacks} of {self.cfg.guard.max_rollbacks} rollbacks)",
+            f"kl_coef {self.cfg.algo.kl_coef:g}{bonus} ({self.guard.rollbacks} of {self.cfg.guard.max_rollbacks} "
+            "rollbacks)",
             file=sys.stderr,
         )
         return path

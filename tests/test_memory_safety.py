@@ -332,15 +332,16 @@ def _train(tiny_model_dir, tmp_path, monkeypatch, explode, steps, *extra):
         return engines[-1]
 
     monkeypatch.setattr(train_mod, "build_engine", scripted)
-    kl_coefs = []  # the KL coefficient each update ran with
+    kl_coefs, entropy_coefs = [], []  # the KL coefficient and the entropy bonus each update ran with
     real_update = train_mod.update
 
     def update(cfg_, *args, **kw):
         kl_coefs.append(cfg_.algo.kl_coef)
+        entropy_coefs.append(cfg_.algo.entropy_coef)
         return real_update(cfg_, *args, **kw)
 
     monkeypatch.setattr(train_mod, "update", update)
-    cfg.kl_coefs = kl_coefs
+    cfg.kl_coefs, cfg.entropy_coefs = kl_coefs, entropy_coefs
     error = None
     try:
         train_mod.train(cfg)
@@ -416,28 +417,37 @@ def test_rollback_without_kl_starts_one_and_resume_keeps_what_it_changed(
     tiny_model_dir, tmp_path, monkeypatch, keep_signal_handlers
 ):
     """algo.kl_coef 0: the rollback at step 4 starts the KL at guard.kl_floor against the restored policy (a
-    frozen copy: no LoRA here), and the checkpoint it saves keeps the lowered rate, the KL and the guard's
-    count, so a --resume after it trains on with them. Checkpoints come from guard.healthy_every (2) alone."""
+    frozen copy: no LoRA here) and halves the entropy bonus (guard.entropy_coef_factor), and the checkpoint it
+    saves keeps the lowered rate, the KL, the bonus and the guard's count, so a --resume after it trains on with
+    them. Checkpoints come from guard.healthy_every (2) alone."""
     from agent_rl import train as train_mod
 
-    extra = ("guard.action=rollback", "guard.healthy_every=2", "run.save_every=1000", "guard.kl_floor=0.004")
+    extra = (
+        "guard.action=rollback",
+        "guard.healthy_every=2",
+        "run.save_every=1000",
+        "guard.kl_floor=0.004",
+        "algo.entropy_coef=0.02",
+    )
     cfg, rows, error = _train(tiny_model_dir, tmp_path, monkeypatch, lambda call: call == 4, 5, *extra)
     assert error is None
     assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3, 4, 3, 4, 5]  # back to step_2
     assert cfg.kl_coefs == pytest.approx([0.0] * 4 + [0.004] * 3)
+    assert cfg.entropy_coefs == pytest.approx([0.02] * 4 + [0.01] * 3)
     assert any(r.get("actor/kl", 0) > 0 for r in rows[-2:]), "the KL to the restored policy is in the loss"
     seen = []
     real_setup = train_mod.setup
 
     def setup(cfg_, resume=False):
         run = real_setup(cfg_, resume)
-        seen.append((run.step, run.cfg.algo.kl_coef, run.scheduler.get_last_lr()[0], run.guard.rollbacks))
+        algo = run.cfg.algo
+        seen.append((run.step, algo.kl_coef, algo.entropy_coef, run.scheduler.get_last_lr()[0], run.guard.rollbacks))
         return run
 
     monkeypatch.setattr(train_mod, "setup", setup)
     cfg.run.max_steps = 6
     train_mod.train(cfg, resume=True)
-    assert seen == [(5, 0.004, pytest.approx(5e-4), 1)]  # step_5 (the last), saved with what the rollback set
+    assert seen == [(5, 0.004, 0.01, pytest.approx(5e-4), 1)]  # step_5 (the last), saved with what the rollback set
 
 
 # ---------------------------------------------------------------- plan vs measured peak RSS
