@@ -316,7 +316,7 @@ class Run:
         if "guard" in extra:
             self.guard.load_state_dict(extra["guard"])
             self._set_kl(extra["kl_coef"])
-            self._set_entropy_coef(extra.get("entropy_coef", self.cfg.algo.entropy_coef))
+            self._set_algo(entropy_coef=extra.get("entropy_coef", self.cfg.algo.entropy_coef))
             if self.replay is not None:
                 self.replay.load_state_dict(extra["replay"])
         self.push_weights()
@@ -328,10 +328,11 @@ class Run:
                 return
             # a rollback's first KL: the reference is the policy as restored (the last healthy one)
             self.ref = frozen_copy(self.policy, self.cfg.train.device, _DTYPES[self.cfg.model.dtype])
-        self.cfg = dataclasses.replace(self.cfg, algo=dataclasses.replace(self.cfg.algo, kl_coef=kl_coef))
+        self._set_algo(kl_coef=kl_coef)
 
-    def _set_entropy_coef(self, entropy_coef: float) -> None:
-        self.cfg = dataclasses.replace(self.cfg, algo=dataclasses.replace(self.cfg.algo, entropy_coef=entropy_coef))
+    def _set_algo(self, **changes) -> None:
+        """The run's config with these algo fields changed (what a rollback set, or a checkpoint restores)."""
+        self.cfg = dataclasses.replace(self.cfg, algo=dataclasses.replace(self.cfg.algo, **changes))
 
     def replay_signal(self, sampled: list[Trajectory]) -> dict[str, float]:
         """guard/replay_logprob of the replay set under the updated policy (once every rank's set is full), then
@@ -446,7 +447,7 @@ class Run:
         for group, base, factor in zip(self.optimizer.param_groups, base_lrs, self.scheduler.lr_lambdas):
             group["lr"] = base * factor(self.scheduler.last_epoch)
         self._set_kl(kl)
-        self._set_entropy_coef(entropy_coef)
+        self._set_algo(entropy_coef=entropy_coef)
         if path is not None:
             self.checkpoint()
         bonus = f", entropy_coef {entropy_coef:g}" if entropy_coef > 0 else ""
