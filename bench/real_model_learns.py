@@ -59,8 +59,13 @@ def _log(msg: str) -> None:
     print(f"[real_model_learns] {time.strftime('%H:%M:%S')} {msg}", flush=True)
 
 
-def split_questions(data: Path, seed: int, nq_test: int, triviaqa_test: int, train_size: int = 0) -> dict:
-    """Seeded split: {"train": NQ rows, "nq": held-out NQ rows, "triviaqa": held-out TriviaQA rows}."""
+def split_questions(
+    data: Path, seed: int, nq_test: int, triviaqa_test: int, train_size: int = 0, train_triviaqa: bool = False
+) -> dict:
+    """Seeded split: {"train": NQ rows, "nq": held-out NQ rows, "triviaqa": held-out TriviaQA rows}.
+    With `train_triviaqa` the TriviaQA questions not held out train too (after the NQ ones): TriviaQA is
+    then a held-out set of a trained-on dataset, no longer an out-of-domain one. Each row carries its
+    dataset under "source"."""
     from agent_rl.infra.prepare import read_qa_rows
 
     nq = read_qa_rows(data / "nq_1000.jsonl")
@@ -71,20 +76,39 @@ def split_questions(data: Path, seed: int, nq_test: int, triviaqa_test: int, tra
         raise SystemExit(
             f"--nq-test {nq_test} / --triviaqa-test {triviaqa_test}: the files hold {len(nq)} / {len(tqa)}"
         )
+    for rows, source in ((nq, "nq"), (tqa, "triviaqa")):
+        for row in rows:
+            row["source"] = source
     train = nq[nq_test:]
-    return {"train": train[:train_size] if train_size else train, "nq": nq[:nq_test], "triviaqa": tqa[:triviaqa_test]}
+    train = train[:train_size] if train_size else train
+    if train_triviaqa:
+        train = train + tqa[triviaqa_test:]
+    return {"train": train, "nq": nq[:nq_test], "triviaqa": tqa[:triviaqa_test]}
+
+
+def write_rows(rows: list[dict], path: Path, part: str, template: str, tokenizer) -> None:
+    """Rows of one or more datasets (each row's "source") as one prompt parquet file."""
+    from datasets import Dataset
+
+    from data_prep.qa import build_rows, write_parquet
+
+    cols: dict[str, list] = {}
+    for source in dict.fromkeys(r["source"] for r in rows):
+        part_rows = [{k: v for k, v in r.items() if k != "source"} for r in rows if r["source"] == source]
+        built, _ = build_rows(Dataset.from_list(part_rows), source, part, template, tokenizer)
+        for name, values in built.items():
+            cols.setdefault(name, []).extend(values)
+    write_parquet(cols, path)
 
 
 def write_data(cfg, out: Path, split: dict, key: dict) -> None:
     """The split as prompt parquet files (the model's template), and split.json naming its ids."""
-    from agent_rl.infra.prepare import write_qa_parquet
     from agent_rl.rollout.prompts import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model.path)
-    files = {"train": ("nq", "train"), "nq": ("nq", "test"), "triviaqa": ("triviaqa", "test")}
-    for name, (dataset, part) in files.items():
+    for name, rows in split.items():
         path = out / f"{name if name == 'train' else name + '_test'}.parquet"
-        write_qa_parquet(split[name], path, dataset, part, cfg.data.template, tokenizer)
+        write_rows(rows, path, "train" if name == "train" else "test", cfg.data.template, tokenizer)
     ids = {name: [r["id"] for r in rows] for name, rows in split.items()}
     (out / "split.json").write_text(json.dumps({**key, "ids": ids}, indent=1))
 
@@ -112,13 +136,12 @@ def write_rl_train(cfg, out: Path, rows: list[dict], hits: list[bool]) -> int:
     """The GRPO training prompts: the training questions whose search finds a passage holding a gold
     answer (the ones the warm start's demonstrations were kept for). A question whose passage never holds
     its answer earns every sample the same reward and teaches nothing but costs a rollout."""
-    from agent_rl.infra.prepare import write_qa_parquet
     from agent_rl.rollout.prompts import load_tokenizer
 
     kept = [r for r, hit in zip(rows, hits) if hit]
     if not kept:
         raise SystemExit("--rl-answerable: no training question's search finds a gold answer; use --no-rl-answerable")
-    write_qa_parquet(kept, out / "train_rl.parquet", "nq", "train", cfg.data.template, load_tokenizer(cfg.model.path))
+    write_rows(kept, out / "train_rl.parquet", "train", cfg.data.template, load_tokenizer(cfg.model.path))
     return len(kept)
 
 
@@ -293,7 +316,13 @@ def render(res: dict, header: str) -> str:
     rl = res["split"].get("train_rl")
     lines += [
         "",
-        f"Training questions: {res['split']['train']}; a scripted demonstration's observation holds a gold answer "
+        f"Training questions: {res['split']['train']}"
+        + (
+            f" ({res['split']['train_triviaqa']} of them TriviaQA: TriviaQA is held out, not out of domain)"
+            if res["split"].get("train_triviaqa")
+            else ""
+        )
+        + f"; a scripted demonstration's observation holds a gold answer "
         f"for {recall_train:.3f} of them (with sft.answer_in_observation, the warm start learns from those only; "
         "otherwise the rest teach answering from memory)."
         + (f" GRPO samples from those {rl} (--rl-answerable)." if rl else " GRPO samples from all of them."),
@@ -346,6 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--triviaqa-test", type=int, default=300, help="held-out TriviaQA questions")
     parser.add_argument("--train-size", type=int, default=0, help="training questions (0 = every other NQ one)")
     parser.add_argument(
+        "--train-triviaqa",
+        action="store_true",
+        help="the TriviaQA questions not held out train too (warm start and GRPO): about twice the training "
+        "questions, but TriviaQA is then no longer out of domain",
+    )
+    parser.add_argument(
         "--rl-answerable",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -388,7 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     ensure_model(cfg)
     key = {"seed": args.seed, "nq_test": args.nq_test, "triviaqa_test": args.triviaqa_test, "train": args.train_size}
-    split = split_questions(data, args.seed, args.nq_test, args.triviaqa_test, args.train_size)
+    if args.train_triviaqa:
+        key["train_triviaqa"] = True
+    split = split_questions(data, args.seed, args.nq_test, args.triviaqa_test, args.train_size, args.train_triviaqa)
     marker = out / "data" / "split.json"
     if marker.exists() and {k: v for k, v in json.loads(marker.read_text()).items() if k != "ids"} != key:
         raise SystemExit(f"{out} holds another split ({marker}); use a fresh --out")
@@ -396,6 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         write_data(cfg, out / "data", split, key)
     phases["data"] = {"wall_s": time.perf_counter() - start, "peak_rss_gib": 0.0}
     sizes = {name: len(rows) for name, rows in split.items()}
+    sizes["train_triviaqa"] = sum(r["source"] == "triviaqa" for r in split["train"])
     _log(f"data: {sizes} (seed {args.seed}) in {out / 'data'}")
 
     start = time.perf_counter()

@@ -46,6 +46,11 @@ def test_split_is_seeded_and_disjoint(tmp_path):
     assert not set(ids["nq"]) & set(ids["train"])
     assert [r["id"] for r in split_questions(data, 1, 10, 5)["nq"]] != ids["nq"]
     assert all(r["metadata"]["queries"] == [r["question"]] for r in a["train"])
+    # --train-triviaqa: the TriviaQA questions not held out train too, after the same NQ ones.
+    both = split_questions(data, 0, 10, 5, train_triviaqa=True)
+    assert [r["id"] for r in both["train"][:20]] == ids["train"] and len(both["train"]) == 35
+    assert {r["source"] for r in both["train"][20:]} == {"triviaqa"}
+    assert not {r["id"] for r in both["train"][20:]} & set(ids["triviaqa"])
 
 
 def test_one_step_run_writes_the_report_and_resumes(tmp_path, smollm2_dir, hotpot_index_dir):
