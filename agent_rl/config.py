@@ -527,6 +527,12 @@ class GuardConfig:
         "Responses that earned a reward in earlier steps (one per prompt) scored under the policy after every "
         "update: guard/replay_logprob, one forward pass over this many rows. 0 = off.",
     )
+    replay_every: int = _f(
+        1,
+        "Score the replay set after every Nth update only (steps divisible by N): the replay signal can fire on "
+        "those steps only, so it may come up to N-1 steps later; the cost is one forward over replay_size rows "
+        "a scored step.",
+    )
     replay_drop: float = _f(
         0.25,
         "replay signal: the replay set's mean log-prob per token fell this many nats below its best since the start "
@@ -668,6 +674,10 @@ class Config:
             raise ConfigError(
                 "algo.group_size must be >= 2 for GRPO (advantages are relative to the group); set algo.group_size=5 "
                 "or more"
+            )
+        if self.guard.replay_every < 1:
+            raise ConfigError(
+                f"guard.replay_every must be >= 1 (1 = score the replay set every step), got {self.guard.replay_every}"
             )
         if self.run.dist_timeout_s <= 0:
             raise ConfigError(f"run.dist_timeout_s must be positive, got {self.run.dist_timeout_s}")

@@ -341,7 +341,7 @@ class Run:
             return {}
         out = {}
         start = time.perf_counter()
-        if self.replay.ready(self.world):
+        if self.replay.ready(self.world) and self.step % self.cfg.guard.replay_every == 0:
             pad = self.tokenizer.pad_token_id
             out["guard/replay_logprob"] = self.replay.logprob(
                 self.policy, pad, self.cfg.train.device, self.cfg.rollout.temperature, self.world

@@ -110,7 +110,8 @@ def test_kill_and_resume_matches_uninterrupted_run(cache, warm_start, tmp_path):
     """From a warm start that earns reward, with dynamic sampling (algo.filter_groups): kill -9 during
     step 3, then --resume from step 2's checkpoint. Every step's metrics (rollouts, rewards, losses,
     gradient norms) equal an uninterrupted run's exactly, and the final weights and AdamW state are the
-    same bit for bit. The update trains only on groups whose rewards differ."""
+    same bit for bit. The update trains only on groups whose rewards differ. The replay set
+    (guard.replay_every=2) is scored after step 2 only, and the resumed run does the same."""
     # T=0.5: the short warm start's samples earn reward (at T=1 its 96 samples earned none), so the steps update
     extra = [
         f"model.warm_start={warm_start}",
@@ -119,6 +120,8 @@ def test_kill_and_resume_matches_uninterrupted_run(cache, warm_start, tmp_path):
         "rollout.temperature=0.5",
         "algo.filter_groups=true",
         "algo.max_gen_batches=2",
+        "guard.replay_size=2",  # full after step 1's rewarded responses
+        "guard.replay_every=2",  # scored after even steps only
     ]
     full = tmp_path / "full"
     res = _run(["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, full, 3, extra)], timeout=900)
@@ -152,6 +155,7 @@ def test_kill_and_resume_matches_uninterrupted_run(cache, warm_start, tmp_path):
     a, b = _metrics(full), _metrics(cut)
     assert sorted(a) == sorted(b) == [1, 2, 3]
     assert sum(a[s]["reward/mean"] for s in a) > 0 and any(a[s]["loss/policy"] != 0 for s in a)  # a real update
+    assert [s for s in a if "guard/replay_logprob" in a[s]] == [2]  # the replay set, every second step
     for m in a.values():  # dynamic sampling: a further batch only while fewer than 8 groups are kept
         kept, batches = m["rollout/kept_groups"], m["rollout/gen_batches"]
         assert batches in (1, 2) and kept <= 8 and (kept == 8 or batches == 2), m
