@@ -1,7 +1,7 @@
 """Does a real model learn on real questions? SmolLM2 + GRPO on NQ, held-out NQ and TriviaQA.
 
 Usage: .venv/bin/python bench/real_model_learns.py --data DIR [--out runs/real_nq] [--config CONFIG]
-       [--seed 0] [--nq-test 300] [--triviaqa-test 300] [key=value ...]
+       [--seed 0] [--nq-test 300] [--triviaqa-test 300] [--train-triviaqa] [key=value ...]
 
 DIR is a folder in FlashRAG layout: `corpus.jsonl` (`id`, `contents` = "Title\\ntext"), `nq_1000.jsonl`
 and `triviaqa_1000.jsonl` (`id`, `question`, `golden_answers`), e.g. ../shared/data/wiki18_nq_triviaqa.
@@ -11,7 +11,8 @@ Nothing is copied from it but the derived prompt files. One command runs every p
 1. data: a seeded split of the NQ questions into held-out (--nq-test) and training questions, and a
    seeded sample of --triviaqa-test TriviaQA questions as an out-of-domain held-out set, written as
    prompt parquet files under OUT/data (the demonstrations' query is the question itself:
-   `read_qa_rows`);
+   `read_qa_rows`); with --train-triviaqa the other TriviaQA questions join the training ones (about
+   twice the training questions; TriviaQA is then held out but no longer out of domain);
 2. index: MiniLM flat over the corpus (OUT/index), then how often the top-k passages of each set hold
    a gold answer (the ceiling of a one-search policy; for the training questions, how often a scripted
    demonstration's observation holds the answer it is taught to give);
