@@ -434,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         write_data(cfg, out / "data", split, key)
     phases["data"] = {"wall_s": time.perf_counter() - start, "peak_rss_gib": 0.0}
     sizes = {name: len(rows) for name, rows in split.items()}
-    sizes["train_triviaqa"] = sum(r["source"] == "triviaqa" for r in split["train"])
+    if args.train_triviaqa:
+        sizes["train_triviaqa"] = sum(r["source"] == "triviaqa" for r in split["train"])
     _log(f"data: {sizes} (seed {args.seed}) in {out / 'data'}")
 
     start = time.perf_counter()
