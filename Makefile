@@ -46,7 +46,9 @@ test: setup lint
 	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
 	  { apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }; }; } || \
 	  echo "chromium could not be installed: tests/test_view.py's browser test will skip"
-	$(PY) -m pytest -q --durations=25 tests
+	# The suite under the demo's allocator (mimalloc where its wheel is installed): the tests' CPU training runs
+	# faster without the page faults (bench/RESULTS.md, host memory); tests/test_allocator.py sets its own.
+	LD_PRELOAD="$$($(PY) -m agent_rl.infra.allocator) $$LD_PRELOAD" $(PY) -m pytest -q --durations=25 tests
 
 clean:
 	rm -rf runs .cache

