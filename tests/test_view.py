@@ -9,6 +9,7 @@ feed the same report.
 """
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -232,6 +233,8 @@ def _browser(exe: str, *args: str) -> subprocess.CompletedProcess:
         capture_output=True,
         text=True,
         timeout=180,
+        # Chromium has its own allocator and dies under a preloaded one (`make test` preloads mimalloc).
+        env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
     )
     assert res.returncode == 0, res.stderr[-3000:]
     return res
