@@ -33,8 +33,10 @@ endif
 
 # The demo's CPU training under mimalloc where its wheel is installed (agent_rl/infra/allocator.py):
 # freed activations are reused instead of faulted in afresh. A launcher setting, so it is set here.
+PRELOAD = LD_PRELOAD="$$($(PY) -m agent_rl.infra.allocator) $$LD_PRELOAD"
+
 demo: setup
-	LD_PRELOAD="$$($(PY) -m agent_rl.infra.allocator) $$LD_PRELOAD" $(VENV)/bin/agent-rl demo configs/tiny_cpu_grpo.yaml
+	$(PRELOAD) $(VENV)/bin/agent-rl demo configs/tiny_cpu_grpo.yaml
 
 # ruff (lint and format, line length 120) and mypy, configured in pyproject.toml.
 lint: setup
@@ -49,7 +51,7 @@ test: setup lint
 	  echo "chromium could not be installed: tests/test_view.py's browser test will skip"
 	# The suite under the demo's allocator (mimalloc where its wheel is installed): the tests' CPU training runs
 	# faster without the page faults (bench/RESULTS.md, host memory); tests/test_allocator.py sets its own.
-	LD_PRELOAD="$$($(PY) -m agent_rl.infra.allocator) $$LD_PRELOAD" $(PY) -m pytest -q --durations=25 tests
+	$(PRELOAD) $(PY) -m pytest -q --durations=25 tests
 
 clean:
 	rm -rf runs .cache

@@ -37,16 +37,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from retriever_server.jsonl import iter_corpus, iter_jsonl  # noqa: E402
 
 
 def write_windows(corpus: Path, out: Path, words: int, stride: int) -> int:
     """Each passage's text in windows of `words` words every `stride` words, under its title."""
     count = 0
     with out.open("w") as f:
-        for rec in read_jsonl(corpus):
+        for rec in iter_corpus(corpus):
             title, _, text = rec["contents"].partition("\n")
             tokens = text.split()
             for lo in range(0, max(1, len(tokens) - words + 1), stride):
@@ -85,7 +83,7 @@ def main() -> int:
     corpus, index_dir = a.work / "corpus.jsonl", a.work / "hnsw"
     report: dict = {"words": a.words, "stride": a.stride}
     if not corpus.exists():
-        report["passages"] = write_windows(a.data / "corpus.jsonl", corpus, a.words, a.stride)
+        write_windows(a.data / "corpus.jsonl", corpus, a.words, a.stride)
     if not (index_dir / "manifest.json").exists():
         t = time.perf_counter()
         build_index(corpus, index_dir, kind="hnsw")
@@ -98,7 +96,7 @@ def main() -> int:
     vectors = hnsw.storage.reconstruct_n(0, hnsw.ntotal)
     exact = faiss.IndexFlatIP(vectors.shape[1])
     exact.add(vectors)
-    questions = [r["question"] for name in ("nq", "triviaqa") for r in read_jsonl(a.data / f"{name}_1000.jsonl")]
+    questions = [r["question"] for name in ("nq", "triviaqa") for _, r in iter_jsonl(a.data / f"{name}_1000.jsonl")]
     q = dense.encoder.encode_queries(questions)
     _, truth = exact.search(q, 10)
     efs = [int(x) for x in a.ef.split(",")]
@@ -111,17 +109,14 @@ def main() -> int:
         quality[ef] = {"recall@10": round(float(r10), 4), "top1_same": round(float(r1), 4)}
         print(f"efSearch {ef:>4}: recall@10 against exact {r10:.4f}, same top-1 {r1:.4f}", flush=True)
     # speed: every setting once a round, the order rotating between rounds
-    settings = [("exact", None)] + [("hnsw", ef) for ef in efs]
-    runs: dict[str, dict[str, list[float]]] = {
-        f"{n}{'' if ef is None else ef}": {"b32": [], "b1": []} for n, ef in settings
-    }
+    settings = [("exact", None)] + [(f"hnsw{ef}", ef) for ef in efs]
+    runs: dict[str, dict[str, list[float]]] = {key: {"b32": [], "b1": []} for key, _ in settings}
     one = q[:400]  # one at a time: 400 queries a round
     for r in range(a.rounds):
-        for name, ef in settings[r % len(settings) :] + settings[: r % len(settings)]:
-            index = exact if ef is None else hnsw
+        for key, ef in settings[r % len(settings) :] + settings[: r % len(settings)]:
             if ef is not None:
                 hnsw.hnsw.efSearch = ef
-            key = f"{name}{'' if ef is None else ef}"
+            index = exact if ef is None else hnsw
             runs[key]["b32"].append(timed_search(index, q, 32))
             runs[key]["b1"].append(timed_search(index, one, 1))
     speed = {key: {b: round(statistics.median(v), 1) for b, v in row.items()} for key, row in runs.items()}
