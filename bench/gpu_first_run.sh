@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # bench/gpu_first_run.sh: the first run of the real path on one GPU, in one command.
 #
-# NOT RUN ANYWHERE YET. It was written on a CPU-only machine from a reading of the code; nothing
-# of it has met a GPU. Expect to fix it on first contact, and record what it prints (date, GPU,
-# command) in bench/RESULTS.md.
+# Run once, on 2026-11-27, on one H100 with ENGINE=hf (that machine had no vLLM): the numbers are in
+# bench/RESULTS.md, "The first GPU run". The vLLM path (ENGINE=vllm, the default) has not met a GPU yet:
+# expect to fix it on first contact, and record what it prints (date, GPU, command) in bench/RESULTS.md.
 #
 # On a machine with one NVIDIA GPU and the CUDA install (README's install table: vLLM 0.32, torch
 # 2.13 with CUDA), it runs configs/smollm2_hotpotqa_grpo.yaml (SmolLM2-135M-Instruct + LoRA, GRPO
@@ -18,23 +18,27 @@
 #     vLLM's own pool included).
 #
 # Usage: bench/gpu_first_run.sh [STEPS]   (default 3; OUT=runs/gpu_first_run, VENV=.venv)
+# ENGINE=hf rolls out with transformers' generate instead of vLLM (for a machine without vLLM);
+# PY names the Python that holds the project (default $VENV/bin/python); EXTRA holds more
+# overrides, space-separated (e.g. EXTRA="retriever.url=http://127.0.0.1:8000").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 STEPS=${1:-3}
 OUT=${OUT:-runs/gpu_first_run}
 VENV=${VENV:-.venv}
-PY="$VENV/bin/python"
+PY=${PY:-$VENV/bin/python}
+ENGINE=${ENGINE:-vllm}
 CONFIG=configs/smollm2_hotpotqa_grpo.yaml
 
 command -v nvidia-smi >/dev/null || { echo "gpu_first_run: no nvidia-smi here; this needs a CUDA machine" >&2; exit 2; }
 "$PY" -c 'import sys, torch; sys.exit(None if torch.cuda.is_available() else
   f"gpu_first_run: torch {torch.__version__} sees no CUDA device (a CPU-only torch? see the README install table)")'
-"$PY" -c 'import sys; from vllm.platforms import current_platform as p; sys.exit(None if p.device_type == "cuda" else
+[ "$ENGINE" != vllm ] || "$PY" -c 'import sys; from vllm.platforms import current_platform as p; sys.exit(None if p.device_type == "cuda" else
   f"gpu_first_run: the installed vLLM is built for {p.device_type}: install the gpu extra in a fresh venv")'
 
 OVERRIDES=(
-  rollout.engine=vllm
+  "rollout.engine=$ENGINE"
   rollout.device=cuda:0
   train.device=cuda:0
   train.bf16=true
@@ -45,12 +49,14 @@ OVERRIDES=(
   "run.output_dir=$OUT"
   run.eval_every=0
 )
+# shellcheck disable=SC2206
+OVERRIDES+=(${EXTRA:-})
 GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 | head -1)
 mkdir -p "$OUT"
 rm -f "$OUT/metrics.jsonl"
 
 echo "== plan (1 GPU, ${GPU_MIB} MiB)"
-"$VENV/bin/agent-rl" plan "$CONFIG" "${OVERRIDES[@]}" --gpus 1 --gpu-mem "$(( GPU_MIB / 1024 ))" --json \
+"$PY" -m agent_rl plan "$CONFIG" "${OVERRIDES[@]}" --gpus 1 --gpu-mem "$(( GPU_MIB / 1024 ))" --json \
   > "$OUT/plan.json" || echo "plan says it does not fit; running anyway"
 
 # The whole device's memory, sampled every 200 ms while training runs.
@@ -60,7 +66,7 @@ trap 'kill "$SMI" 2>/dev/null || true' EXIT
 
 echo "== train $STEPS steps: $CONFIG ${OVERRIDES[*]}"
 start=$(date +%s)
-"$VENV/bin/agent-rl" train "$CONFIG" "${OVERRIDES[@]}" 2>&1 | tee "$OUT/train.log"
+"$PY" -m agent_rl train "$CONFIG" "${OVERRIDES[@]}" 2>&1 | tee "$OUT/train.log"
 echo "wall ${SECONDS}s total, $(( $(date +%s) - start ))s in agent-rl train"
 kill "$SMI" 2>/dev/null || true
 

@@ -15,7 +15,11 @@ L x L probabilities, only the padding mask transformers expands to rows x L x L 
 entry measured, once, not per layer). Eager attention would add a * L * (b + 1) per token and
 layer, which at 7k tokens is 5x the rest (bench/memory_runaway.py).
 With gradient checkpointing only the layer inputs (b * h) stay, plus one layer's worth in
-flight during recompute. Logits exist only at trained positions (`learn.policy.forward_logprobs`):
+flight during recompute. Under bf16 autocast not all of it is bf16: the norms keep float32 inputs,
+and with float32 master weights in one process the residual stream is float32 and the bf16 copy of
+every trained weight is kept for the backward (`weight_casts`); both measured on CUDA
+(MIXED_EXTRA_H_*, bench/plan_vs_measured_gpu.py).
+Logits exist only at trained positions (`learn.policy.forward_logprobs`):
 trained tokens x vocab in the compute dtype, kept with its gradient, plus one float32 chunk's
 log-softmax in flight. A GRPO group's rows in one process share one prompt pass, so the
 prompt's activations count once per group (a micro-batch can hold the end of one group and the start
@@ -80,6 +84,14 @@ MIMALLOC_HOST_BYTES = 44 * 2**20
 IMPORT_FALLBACK_BYTES = {"peft": 19 * 2**20, "vllm": 176 * 2**20}
 PEFT_IMPORT = "from peft import LoraConfig, get_peft_model"  # what learn.policy imports for LoRA
 LOGIT_CHUNK_TOKENS = 512  # learn.policy.forward_logprobs' float32 chunk
+# Bytes a token and layer, in units of the hidden size, that bf16 autocast keeps beyond the formula's
+# `b * (10 h + ...)` (measured on an H100 by bench/plan_vs_measured_gpu.py, SmolLM2-135M: 5.6 h and 11.0 h).
+# LLaMA-family RMSNorms compute in float32 and keep their float32 input for the backward (BF16_STREAM).
+# With float32 master weights in one process the embedding's output is float32 (autocast leaves embedding
+# lookups alone), so the residual stream and the norms' outputs stay float32 too (FP32_STREAM). A bf16 base
+# (LoRA's frozen weights in model.dtype) or FSDP2's bf16 parameters keep the stream in bf16.
+MIXED_EXTRA_H_BF16_STREAM = 6
+MIXED_EXTRA_H_FP32_STREAM = 11
 
 
 @dataclass
@@ -179,15 +191,19 @@ def activation_bytes(
     seq: int,
     dtype_bytes: int,
     checkpointing: bool,
+    mixed_extra_h: int = 0,
+    stream_bytes: int | None = None,
 ) -> int:
-    """Activations kept for backward of one micro-batch (tokens = rows x seq)."""
+    """Activations kept for backward of one micro-batch (tokens = rows x seq). `mixed_extra_h`: what
+    bf16 autocast keeps in float32 beyond the formula, in bytes per hidden unit (MIXED_EXTRA_H_*);
+    `stream_bytes`: bytes an element of the residual stream (the layer inputs that checkpointing keeps)."""
     h, f, g, d = arch.hidden, arch.intermediate, arch.kv_heads, arch.head_dim
     saved = 10 * h + 4 * f + 2 * g * d
-    per_tok_layer = dtype_bytes * saved
+    per_tok_layer = dtype_bytes * saved + mixed_extra_h * h
     mask = rows * seq * seq * 10  # SDPA: the expanded padding mask, once per forward
     full_layer = tokens * per_tok_layer
     if checkpointing:
-        return arch.layers * tokens * h * dtype_bytes + full_layer + mask
+        return arch.layers * tokens * h * (stream_bytes or dtype_bytes) + full_layer + mask
     return arch.layers * full_layer + mask
 
 
@@ -261,15 +277,25 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
     logits = trained * arch.vocab * bc * 2 + min(trained, LOGIT_CHUNK_TOKENS) * arch.vocab * 4 * 3
     step_rows = cfg.algo.mini_batch_size or cfg.rollout.prompts_per_step * cfg.algo.group_size
     head = arch.vocab * arch.hidden * 4 // shard if not lora else 0
+    # bf16 autocast over float32 master weights in one process: every trained weight's bf16 copy is
+    # saved for the backward (with or without autocast's cache), and the residual stream runs float32.
+    fp32_stream = bc == 2 and not lora and shard == 1
+    mixed_extra_h = 0 if bc != 2 else MIXED_EXTRA_H_FP32_STREAM if fp32_stream else MIXED_EXTRA_H_BF16_STREAM
+    weight_casts = trainable * 2 if fp32_stream else 0
 
     def pass_peak(pass_tokens: int, grads_overlap: bool) -> dict[str, int]:
         """Activations, logits and gradients of one forward+backward over `pass_tokens` positions.
         With `grads_overlap` (the pass is the optimizer step's only micro-batch, gradients starting
         empty) the gradients grow layer by layer as the backward frees that layer's activations, so
         they do not sit beside the whole micro-batch's; the first to arrive is the output layer's."""
-        acts = activation_bytes(arch, pass_tokens, rows, seq, bc, cfg.model.gradient_checkpointing)
+        acts = activation_bytes(
+            arch, pass_tokens, rows, seq, bc, cfg.model.gradient_checkpointing, mixed_extra_h, 4 if fp32_stream else bc
+        )
         grads = max(head, train_c["grads"] - acts - logits + head) if grads_overlap else train_c["grads"]
-        return {"activations": acts, "logits": logits, "grads": grads}
+        peak = {"activations": acts, "logits": logits, "grads": grads}
+        if weight_casts:
+            peak["weight_casts"] = weight_casts
+        return peak
 
     # The update's pass. One process, no checkpointing: a GRPO group's rows share one prompt pass
     # (learn.policy._prefix_plan, taken when it runs at most PREFIX_MAX_SHARE of the micro-batch's
