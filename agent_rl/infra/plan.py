@@ -85,7 +85,7 @@ IMPORT_FALLBACK_BYTES = {"peft": 19 * 2**20, "vllm": 176 * 2**20}
 PEFT_IMPORT = "from peft import LoraConfig, get_peft_model"  # what learn.policy imports for LoRA
 LOGIT_CHUNK_TOKENS = 512  # learn.policy.forward_logprobs' float32 chunk
 # Bytes a token and layer, in units of the hidden size, that bf16 autocast keeps beyond the formula's
-# `b * (10 h + ...)` (measured on an H100 by bench/plan_vs_measured_gpu.py, SmolLM2-135M: 5.6 h and 11.0 h).
+# `b * (10 h + ...)` (bench/plan_vs_measured_gpu.py on an H100; the figures are in bench/RESULTS.md).
 # LLaMA-family RMSNorms compute in float32 and keep their float32 input for the backward (BF16_STREAM).
 # With float32 master weights in one process the embedding's output is float32 (autocast leaves embedding
 # lookups alone), so the residual stream and the norms' outputs stay float32 too (FP32_STREAM). A bf16 base
