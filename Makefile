@@ -2,6 +2,7 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+TEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
 export HF_HUB_OFFLINE := 1
@@ -51,7 +52,9 @@ test: setup lint
 	  echo "chromium could not be installed: tests/test_view.py's browser test will skip"
 	# The suite under the demo's allocator (mimalloc where its wheel is installed): the tests' CPU training runs
 	# faster without the page faults (bench/RESULTS.md, host memory); tests/test_allocator.py sets its own.
-	$(PRELOAD) $(PY) -m pytest -q --durations=25 tests
+	# Two workers, a test file each at a time (`--dist loadfile`: a module's fixtures are built once); the session's
+	# shared fixtures are built once for both (tests/agent_fixtures.py, built_once). TEST_WORKERS=0 runs in one process.
+	$(PRELOAD) $(PY) -m pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests
 
 clean:
 	rm -rf runs .cache

@@ -1,17 +1,19 @@
 """Session fixtures for the trainer's tests: a tiny model, a small dense index, a tiny toy world;
 and `start_servers`, real `retriever-server` subprocesses for the tests and benches."""
 
+import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from filelock import FileLock
 
 from agent_rl.infra.prepare import spawn_retriever, stop_process, wait_ready
 from agent_rl.rollout.engines import Generation
@@ -25,6 +27,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def built_once(tmp_path_factory, name: str, build: Callable[[Path], Path]) -> Path:
+    """`build(folder)` run once for the whole session. Under pytest-xdist (`make test` runs two
+    workers) the workers share one folder beside their own temporary roots: the first to take the
+    lock builds, the others wait for it and reuse what it built."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return build(tmp_path_factory.mktemp(name))
+    folder = tmp_path_factory.getbasetemp().parent / f"shared_{name}"
+    with FileLock(f"{folder}.lock"):
+        done = folder / ".built"
+        if not done.exists():
+            folder.mkdir(exist_ok=True)
+            done.write_text(str(build(folder)))
+        return Path(done.read_text())
 
 
 def toy_world_overrides(cache: Path) -> list[str]:
@@ -69,12 +86,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
     from agent_rl.infra.model_init import init_model
 
-    texts = [
-        json.loads(line)["contents"] for line in (FIXTURES / "hotpotqa100" / "corpus.jsonl").read_text().splitlines()
-    ]
-    out = tmp_path_factory.mktemp("tiny_model")
-    init_model(out, size="tiny", texts=texts, seed=0)
-    return out
+    def build(out: Path) -> Path:
+        texts = [
+            json.loads(line)["contents"]
+            for line in (FIXTURES / "hotpotqa100" / "corpus.jsonl").read_text().splitlines()
+        ]
+        init_model(out, size="tiny", texts=texts, seed=0)
+        return out
+
+    return built_once(tmp_path_factory, "tiny_model", build)
 
 
 @pytest.fixture(scope="session")
@@ -83,17 +103,18 @@ def toy_warm_start(tmp_path_factory) -> dict[str, Path]:
     warm start of the model on that world in `sft` (`agent-rl sft`, 300 steps of 16 demonstrations):
     it searches, reads and answers in the tags, right often enough at T=0.5 that GRPO steps from it earn
     reward, and wrong on most questions. Built once per session for every module that reads it."""
-    import os
 
-    cache = tmp_path_factory.mktemp("toy_cache")
-    out = cache / "sft"
-    cmd = [sys.executable, "-m", "agent_rl.cli", "sft", "configs/tiny_cpu_grpo.yaml", *toy_world_overrides(cache)]
-    cmd += [f"run.output_dir={cache / 'sft_run'}", "run.tensorboard=false", f"model.warm_start={out}"]
-    cmd += ["sft.steps=300", "sft.batch_size=16"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, res.stderr[-4000:]
-    return {"cache": cache, "sft": out}
+    def build(cache: Path) -> Path:
+        cmd = [sys.executable, "-m", "agent_rl.cli", "sft", "configs/tiny_cpu_grpo.yaml", *toy_world_overrides(cache)]
+        cmd += [f"run.output_dir={cache / 'sft_run'}", "run.tensorboard=false", f"model.warm_start={cache / 'sft'}"]
+        cmd += ["sft.steps=300", "sft.batch_size=16"]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert res.returncode == 0, res.stderr[-4000:]
+        return cache
+
+    cache = built_once(tmp_path_factory, "toy_cache", build)
+    return {"cache": cache, "sft": cache / "sft"}
 
 
 @pytest.fixture(scope="session")
@@ -102,7 +123,7 @@ def smollm2_dir(tmp_path_factory) -> Path:
     package's GGUF (`agent-rl init-model --preset smollm2-135m`)."""
     from agent_rl.infra.model_init import ensure_preset
 
-    return ensure_preset("smollm2-135m", tmp_path_factory.mktemp("smollm2") / "model")
+    return built_once(tmp_path_factory, "smollm2", lambda out: ensure_preset("smollm2-135m", out / "model"))
 
 
 @pytest.fixture(scope="session")
@@ -110,12 +131,14 @@ def hotpot_index_dir(tmp_path_factory) -> Path:
     """A flat MiniLM index over the first 200 hotpotqa fixture paragraphs (fast to encode)."""
     from retriever_server.build import build_index
 
-    work = tmp_path_factory.mktemp("hotpot_flat")
-    corpus = work / "corpus.jsonl"
-    lines = (FIXTURES / "hotpotqa100" / "corpus.jsonl").read_text().splitlines()[:200]
-    corpus.write_text("\n".join(lines) + "\n")
-    build_index(corpus, work / "index", kind="flat")
-    return work / "index"
+    def build(work: Path) -> Path:
+        corpus = work / "corpus.jsonl"
+        lines = (FIXTURES / "hotpotqa100" / "corpus.jsonl").read_text().splitlines()[:200]
+        corpus.write_text("\n".join(lines) + "\n")
+        build_index(corpus, work / "index", kind="flat")
+        return work / "index"
+
+    return built_once(tmp_path_factory, "hotpot_flat", build)
 
 
 @contextmanager
