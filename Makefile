@@ -52,9 +52,10 @@ test: setup lint
 	  echo "chromium could not be installed: tests/test_view.py's browser test will skip"
 	# The suite under the demo's allocator (mimalloc where its wheel is installed): the tests' CPU training runs
 	# faster without the page faults (bench/RESULTS.md, host memory); tests/test_allocator.py sets its own.
-	# Two workers, a test file each at a time (`--dist loadfile`: a module's fixtures are built once); the session's
-	# shared fixtures are built once for both (tests/agent_fixtures.py, built_once). TEST_WORKERS=0 runs in one process.
-	$(PRELOAD) $(PY) -m pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile) tests
+	# Two workers, a test file each at a time (`--dist loadfile`: a module's fixtures are built once), the longest files
+	# first (tests/conftest.py); the session's shared fixtures are built once for both (tests/agent_fixtures.py,
+	# built_once). TEST_WORKERS=0 runs in one process.
+	$(PRELOAD) $(PY) -m pytest -q --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder) tests
 
 clean:
 	rm -rf runs .cache
