@@ -162,9 +162,11 @@ def run_phase(name: str, cmd: list[str], log: Path) -> dict:
     return {"wall_s": wall, "peak_rss_gib": usage.ru_maxrss / 2**20}  # ru_maxrss is in KiB
 
 
-def compare(before: list[dict], after: list[dict]) -> dict:
+def compare(before: list[dict], after: list[dict], found: dict[str, bool] | None = None) -> dict:
     """Greedy EM, F1 and searches per data source before and after, with the 95% paired bootstrap
-    interval of the EM difference over the same questions."""
+    interval of the EM difference over the same questions. With `found` (prompt id -> does the
+    question's own search find a gold answer), also the EM change on the questions where it does
+    (what reading can gain) and where it does not (only a better query or memory can)."""
     out = {}
     for source in sorted({r["data_source"] for r in before}):
         b = {r["prompt_id"]: r for r in before if r["eval"] == "eval" and r["data_source"] == source}
@@ -180,6 +182,18 @@ def compare(before: list[dict], after: list[dict]) -> dict:
             "right_to_wrong": sum(b[i]["em"] > a[i]["em"] for i in ids),
             "wrong_to_right": sum(b[i]["em"] < a[i]["em"] for i in ids),
         }
+        if found is not None:
+            row["by_search"] = {}
+            for name, want in (("finds", True), ("misses", False)):
+                sub = [i for i in ids if found.get(i) is want]
+                eb, ea = [b[i]["em"] for i in sub], [a[i]["em"] for i in sub]
+                row["by_search"][name] = {
+                    "n": len(sub),
+                    "em_before": _mean(eb),
+                    "em_after": _mean(ea),
+                    "em_diff": _mean(ea) - _mean(eb),
+                    "em_diff_ci95": paired_interval(eb, ea) if sub else (0.0, 0.0),
+                }
         out[source] = row
     return out
 
@@ -237,14 +251,22 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / max(1, len(xs))
 
 
-def summarise(out: Path, phases: dict, plan: dict, recall: dict, split_sizes: dict, reward_fn: str = "em") -> dict:
+def summarise(
+    out: Path,
+    phases: dict,
+    plan: dict,
+    recall: dict,
+    split_sizes: dict,
+    reward_fn: str = "em",
+    found: dict[str, bool] | None = None,
+) -> dict:
     run_dir = out / "grpo"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "reward/mean" in m]
     evals = [m for m in metrics if "eval/em" in m]
     last = max(int(p.stem.split("_")[1]) for p in (run_dir / "eval").glob("step_*.jsonl"))
     load = lambda s: [json.loads(x) for x in (run_dir / "eval" / f"step_{s}.jsonl").read_text().splitlines()]  # noqa: E731
-    em = compare(load(0), load(last))
+    em = compare(load(0), load(last), found)
     plot_curve(steps, out / "reward_curve.png", reward_fn)
     k = max(1, len(steps) // 4)
     eval_s = [m["timing/eval_s"] for m in evals if "timing/eval_s" in m]
@@ -313,6 +335,23 @@ def render(res: dict, header: str) -> str:
             f"{r['f1_before']:.3f} -> {r['f1_after']:.3f} | {r['searches_before']:.2f} -> {r['searches_after']:.2f} "
             f"| {res['retrieval_answer_recall_at_topk'].get(source, float('nan')):.3f} |"
         )
+    split_rows = [(s, r["by_search"]) for s, r in res["held_out"].items() if "by_search" in r]
+    if split_rows:
+        lines += [
+            "",
+            "By whether the question's own search (top-k, the question as the query) finds a gold answer: where it "
+            "does, a gain is better reading; where it does not, only a better query or the model's memory can gain.",
+            "",
+            "| set | search | n | EM warm start -> after GRPO | difference [95% paired bootstrap] |",
+            "|---|---|---|---|---|",
+        ]
+        for source, parts in split_rows:
+            for name, r in parts.items():
+                lo, hi = r["em_diff_ci95"]
+                lines.append(
+                    f"| {source} | {name} the answer | {r['n']} | {r['em_before']:.3f} -> {r['em_after']:.3f} | "
+                    f"{r['em_diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] |"
+                )
     recall_train = res["retrieval_answer_recall_at_topk"].get("train", float("nan"))
     rl = res["split"].get("train_rl")
     lines += [
@@ -472,7 +511,8 @@ def main(argv: list[str] | None = None) -> int:
         log = out / "logs" / "train.log"
     phases["train"] = run_phase("train", train_cmd, log)
 
-    res = summarise(out, phases, plan, recall, sizes, str(cfg.reward.fn))
+    found = {f"{r['source']}_{r['id']}": hit for name in SETS for r, hit in zip(split[name], hits[name])}
+    res = summarise(out, phases, plan, recall, sizes, str(cfg.reward.fn), found)
     res.update(config=args.config, overrides=args.overrides, split_seed=args.seed, data=str(data))
     (out / "results.json").write_text(json.dumps(res, indent=1))
     header = (
