@@ -64,7 +64,7 @@ def main() -> int:
     parser.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.6, 0.3])
     parser.add_argument("--out", default="runs/temperature_probe")
     parser.add_argument("overrides", nargs="*", help="config overrides for every evaluation (key=value)")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # key=value overrides may follow the options
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
