@@ -80,7 +80,9 @@ def main() -> int:
     greedy = evaluate("greedy", [])
     results = {"greedy_em": sum(ems[0] for ems in greedy.values()) / len(greedy), "by_temperature": {}}
     for temp in args.temperatures:
-        sampled = evaluate(f"t{temp:g}", ["--pass-k", str(args.k), f"rollout.temperature={temp:g}"])
+        # no dot in the name: the evaluation's per-question folder is named after the stem of --out
+        name = f"t{temp:g}".replace(".", "_")
+        sampled = evaluate(name, ["--pass-k", str(args.k), f"rollout.temperature={temp:g}"])
         results["by_temperature"][f"{temp:g}"] = summarise(greedy, sampled)
         print(f"T={temp:g}: {json.dumps(results['by_temperature'][f'{temp:g}'])}", flush=True)
     (out / "results.json").write_text(json.dumps(results, indent=1))
