@@ -23,17 +23,17 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from agent_rl.evaluation import questions_dir
+from agent_rl.evaluation import SPEC, complete_chunks, questions_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def per_question(out: Path) -> dict[str, list[float]]:
     """EM of every sample of every question from an evaluation's per-question files."""
+    folder = questions_dir(out)
     scores: dict[str, list[float]] = defaultdict(list)
-    for part in sorted(questions_dir(out).glob("part-*.jsonl")):
-        for line in part.read_text().splitlines():
-            row = json.loads(line)
+    for rows in complete_chunks(folder, json.loads((folder / SPEC).read_text())).values():
+        for row in rows:
             scores[row["id"]].append(float(row["em"]))
     return dict(scores)
 
