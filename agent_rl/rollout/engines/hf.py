@@ -162,7 +162,11 @@ class HFEngine:
         input_ids, attention, positions = left_pad(unique, self.pad_id, self.device)
         limits = torch.tensor(max_new, dtype=torch.long)
         stop_ids = torch.tensor(self.stop_ids, dtype=torch.long)
-        out = self.model(input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True)
+        # The prefill needs the next-token logits of the last position only (`logits_to_keep`): the LM head over
+        # every prompt position would be a (rows x prompt length x vocabulary) product thrown away.
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1
+        )
         past = out.past_key_values
         logits = out.logits[:, -1, :]
         if len(unique) < len(rows):
