@@ -1,12 +1,23 @@
-"""Generation throughput of the two rollout engines on a real model: HF engine vs vLLM (CPU build).
+"""Generation throughput of the rollout engines on a real model: HF engine vs vLLM (CPU build), and the HF
+engine against transformers' own `generate()`.
 
 Usage: .venv/bin/python bench/engines.py --model DIR [--rows 16 64] [--new-tokens 128] [--pairs 3]
+       [--engines hf vllm] (any of: hf vllm generate generate-static generate-compile)
 
 Each measurement runs in a fresh subprocess (its own engine start, one warm-up call, then one
 timed `generate` of ROWS chat-templated HotpotQA questions from the test fixture, temperature 1,
-no stop before `--new-tokens` other than eos / the tags). The two engines alternate within each
-pair (HF first in odd pairs, vLLM first in even ones) and the medians over pairs are printed,
-with the per-pair ratio. Run it on an idle machine: two jobs on 2 cores slow each other.
+no stop before `--new-tokens` other than eos / the tags). The engines alternate within each pair
+(the order rotates from pair to pair) and the medians over pairs are printed, with each engine's
+per-pair ratio to the first one named. Run it on an idle machine: two jobs on 2 cores slow each other.
+
+`generate` is `model.generate(do_sample=True, top_k=0, ...)` over the same left-padded batch with the
+engine's stop ids, returning the processed scores so that each sampled token's log-prob can be read
+(what a rollout needs); `generate-static` adds `cache_implementation="static"`, `generate-compile` also
+has transformers compile the decode step (`torch.compile`, which it does on GPUs only unless told to),
+warmed up on the very call it is timed on, so no recompile is counted (a best case: a rollout's shapes
+change from call to call). Neither draws per row
+seeds, gives each row its own token limit, prefills a repeated prompt once or drops finished rows:
+those are what the HF engine's own loop over the model's forward adds.
 """
 
 from __future__ import annotations
@@ -46,6 +57,62 @@ def _prompts(tok, rows: int) -> list[list[int]]:
     return out
 
 
+class _LibraryGenerate:
+    """transformers' `generate()` behind the engine's `generate` call, for the comparison only."""
+
+    def __init__(self, model_dir: str, tok, static: bool, compile: bool = False):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from agent_rl.rollout.engines.base import stop_token_ids
+        from agent_rl.rollout.protocol import STOP_TAGS
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.tok, self.static, self.compile = tok, static or compile, compile
+        self.stop_ids = stop_token_ids(tok, STOP_TAGS)
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.stats = {"generated_tokens": 0}
+        torch.manual_seed(0)
+
+    def generate(self, prompts, max_new_tokens, temperature):
+        import torch
+
+        from agent_rl.rollout.engines.base import Generation
+        from agent_rl.rollout.padding import left_pad
+
+        ids, attention, _ = left_pad(prompts, self.pad_id, "cpu")
+        from transformers import CompileConfig
+
+        extra: dict = {"cache_implementation": "static"} if self.static else {}
+        if self.compile:  # transformers compiles the decode step on GPUs only unless told to
+            config = CompileConfig(fullgraph=False, dynamic=False)
+            config._compile_all_devices = True
+            extra["compile_config"] = config
+        with torch.no_grad():
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=attention,
+                do_sample=True,
+                temperature=temperature,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=max(max_new_tokens),
+                eos_token_id=self.stop_ids,
+                pad_token_id=self.pad_id,
+                return_dict_in_generate=True,
+                output_scores=True,
+                **extra,
+            )
+        new = out.sequences[:, ids.shape[1] :]
+        logps = self.model.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+        gens = []
+        for row, lp in zip(new.tolist(), logps.tolist(), strict=True):
+            n = next((i + 1 for i, t in enumerate(row) if t in self.stop_ids), len(row))
+            gens.append(Generation(row[:n], lp[:n], "stop" if row[n - 1] in self.stop_ids else "length"))
+        self.stats["generated_tokens"] += sum(len(g.token_ids) for g in gens)
+        return gens
+
+
 def worker(args) -> None:
     import torch
 
@@ -72,22 +139,35 @@ def worker(args) -> None:
             ],
         )
         engine = VLLMEngine(args.model, tok, cfg, seed=0)
-    else:
+    elif args.worker == "hf":
         from transformers import AutoModelForCausalLM
 
         from agent_rl.rollout.engines import HFEngine
 
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
         engine = HFEngine(model, tok, "cpu", batch_size=max(64, rows), seed=0)
+    else:
+        engine = _LibraryGenerate(
+            args.model, tok, static=args.worker == "generate-static", compile=args.worker == "generate-compile"
+        )
     startup = time.perf_counter() - start
-    engine.generate(prompts[:2], [8, 8], 1.0)  # warm-up
+    start = time.perf_counter()
+    if args.worker == "generate-compile":  # compiled for the shapes it will be timed on (a best case)
+        engine.generate(prompts, [args.new_tokens] * len(prompts), 1.0)
+    else:
+        engine.generate(prompts[:2], [8, 8], 1.0)
+    warmup = time.perf_counter() - start
     before = engine.stats["generated_tokens"]
     start = time.perf_counter()
     gens = engine.generate(prompts, [args.new_tokens] * len(prompts), 1.0)
     wall = time.perf_counter() - start
     tokens = engine.stats["generated_tokens"] - before
     assert tokens == sum(len(g.token_ids) for g in gens)
-    print(json.dumps({"engine": args.worker, "rows": rows, "tokens": tokens, "seconds": wall, "startup_s": startup}))
+    result = {"engine": args.worker, "rows": rows, "tokens": tokens, "seconds": wall}
+    print(json.dumps({**result, "startup_s": startup, "warmup_s": warmup}))
+
+
+ENGINES = ("hf", "vllm", "generate", "generate-static", "generate-compile")
 
 
 def _run(engine: str, rows: int, args) -> dict:
@@ -119,32 +199,39 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 64])
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument("--worker", choices=["hf", "vllm"], help=argparse.SUPPRESS)
+    ap.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=ENGINES)
+    ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         worker(args)
         return
+    first = args.engines[0]
     for rows in args.rows:
-        tps = {"hf": [], "vllm": []}
-        ratios = []
+        tps: dict[str, list[float]] = {e: [] for e in args.engines}
+        ratios: dict[str, list[float]] = {e: [] for e in args.engines[1:]}
         for pair in range(args.pairs):
-            order = ["hf", "vllm"] if pair % 2 == 0 else ["vllm", "hf"]
+            shift = pair % len(args.engines)
+            order = args.engines[shift:] + args.engines[:shift]
             got = {e: _run(e, rows, args) for e in order}
             for e, r in got.items():
                 tps[e].append(r["tokens"] / r["seconds"])
-            ratios.append(tps["vllm"][-1] / tps["hf"][-1])
+            for e in ratios:
+                ratios[e].append(tps[e][-1] / tps[first][-1])
             print(
                 f"rows {rows} pair {pair + 1}: "
                 + ", ".join(
                     f"{e} {got[e]['tokens']} tok in {got[e]['seconds']:.2f} s "
-                    f"({got[e]['tokens'] / got[e]['seconds']:.1f} tok/s, start {got[e]['startup_s']:.1f} s)"
+                    f"({got[e]['tokens'] / got[e]['seconds']:.1f} tok/s, start {got[e]['startup_s']:.1f} s, "
+                    f"warm-up {got[e]['warmup_s']:.1f} s)"
                     for e in order
                 ),
                 flush=True,
             )
         print(
-            f"rows {rows}: median tokens/s  hf {statistics.median(tps['hf']):.1f}  vllm "
-            f"{statistics.median(tps['vllm']):.1f}  vllm/hf {statistics.median(ratios):.2f}x",
+            f"rows {rows}: median tokens/s  "
+            + "  ".join(f"{e} {statistics.median(tps[e]):.1f}" for e in args.engines)
+            + "  "
+            + "  ".join(f"{e}/{first} {statistics.median(r):.2f}x" for e, r in ratios.items()),
             flush=True,
         )
 

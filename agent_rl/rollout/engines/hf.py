@@ -4,6 +4,14 @@ Each decode step is the model's own forward over its KV cache; `sample_tokens` d
 logits with one generator per row when the caller gives seeds. The engine shares the module with
 the trainer when it sits on the rollout device, so no weight sync is needed; otherwise it holds a
 frozen copy that `sync_weights` overwrites after each update.
+
+Why a loop over the forward and not transformers' `generate()`: a rollout needs each row to draw
+with its own seed (the async driver's trajectories sample the same tokens whatever they are batched
+with) and to stop at its own token allowance (the budget); here a GRPO group's repeated prompt is
+prefilled once and its cache rows copied, and rows that finished leave the batch. `generate()` does
+none of these, returns log-probs only through the scores it keeps for every step (rows x vocabulary
+floats each), and measured no faster, with its static cache or with its decode step compiled
+(`bench/engines.py --engines hf generate generate-static generate-compile`, bench/RESULTS.md).
 """
 
 from __future__ import annotations
