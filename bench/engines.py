@@ -15,9 +15,8 @@ engine's stop ids, returning the processed scores so that each sampled token's l
 (what a rollout needs); `generate-static` adds `cache_implementation="static"`, `generate-compile` also
 has transformers compile the decode step (`torch.compile`, which it does on GPUs only unless told to),
 warmed up on the very call it is timed on, so no recompile is counted (a best case: a rollout's shapes
-change from call to call). Neither draws per row
-seeds, gives each row its own token limit, prefills a repeated prompt once or drops finished rows:
-those are what the HF engine's own loop over the model's forward adds.
+change from call to call). None of them draws per-row seeds, gives each row its own token limit,
+prefills a repeated prompt once or drops finished rows: what the HF engine's own loop adds.
 """
 
 from __future__ import annotations
@@ -68,7 +67,7 @@ class _LibraryGenerate:
         from agent_rl.rollout.protocol import STOP_TAGS
 
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        self.tok, self.static, self.compile = tok, static or compile, compile
+        self.static, self.compile = static or compile, compile
         self.stop_ids = stop_token_ids(tok, STOP_TAGS)
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.stats = {"generated_tokens": 0}
@@ -76,13 +75,12 @@ class _LibraryGenerate:
 
     def generate(self, prompts, max_new_tokens, temperature):
         import torch
+        from transformers import CompileConfig
 
         from agent_rl.rollout.engines.base import Generation
         from agent_rl.rollout.padding import left_pad
 
         ids, attention, _ = left_pad(prompts, self.pad_id, "cpu")
-        from transformers import CompileConfig
-
         extra: dict = {"cache_implementation": "static"} if self.static else {}
         if self.compile:  # transformers compiles the decode step on GPUs only unless told to
             config = CompileConfig(fullgraph=False, dynamic=False)

@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))  # collapse_guard's reading of the fall
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -74,7 +75,7 @@ def step_deltas(run_dir: Path, temperature: float) -> list[dict]:
                 new, _ = forward_logprobs(model, mb, temperature)
             total = count = 0.0
             for r, (t, lp) in enumerate(zip(rows, old, strict=True)):
-                span = slice(t.prompt_tokens, t.prompt_tokens + len(t.response_ids))
+                span = slice(t.prompt_tokens, t.total_tokens)
                 mask = torch.tensor(t.loss_mask, dtype=torch.float32)
                 total += float(((new[r, span] - torch.tensor(lp)) * mask).sum())
                 count += float(mask.sum())
@@ -113,7 +114,6 @@ def summary(entries: list[dict], window: int = 3) -> str:
     """When two candidate rules would first fire (the mean change over the last `window` updates below 0; two
     of the last three updates negative) against when greedy test EM first falls 0.05 below its best (the
     collapse guard bench's measure)."""
-    sys.path.insert(0, str(ROOT / "bench"))
     from collapse_guard import collapse_step
 
     deltas = [(e["step"], e["delta"]) for e in entries if "delta" in e]
