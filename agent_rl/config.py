@@ -539,6 +539,20 @@ class GuardConfig:
         "or the last rollback (the policy is unlearning what it got right); chosen between the demo's healthy runs "
         "and the collapse config's run (bench/RESULTS.md). 0 = a metric only.",
     )
+    update_rows: int = _f(
+        256,
+        "Rows with a positive advantage (the step's first ones) whose log-prob change across the update is read "
+        "every step: guard/update_logprob_change, the mean per trained token of (after - before). Before comes "
+        "from the update's own forward, after from one forward over these rows. GRPO's update should raise them. "
+        "Per row the change is noisy, so all of a step's rewarded rows (a sample of 16 raised false alarms on a "
+        "healthy run, bench/RESULTS.md). 0 = off.",
+    )
+    update_window: int = _f(
+        3,
+        "update signal: the mean of guard/update_logprob_change over the last N updates is below 0 (on balance the "
+        "updates lower the likelihood of the responses they rewarded; chosen from the runs in bench/RESULTS.md). "
+        "0 = a metric only.",
+    )
     grad_factor: float = _f(
         0.0,
         "grad_norm signal: the median gradient norm (before clipping) of the last 3 steps is above this factor x the "

@@ -45,7 +45,7 @@ from agent_rl.infra.prepare import local_retriever, prepare
 from agent_rl.learn.batch import RolloutBatch
 from agent_rl.learn.policy import _DTYPES, ValueModel, assert_no_data_parallel, frozen_copy, load_policy
 from agent_rl.learn.preflight import run_preflight
-from agent_rl.learn.signals import ReplaySet
+from agent_rl.learn.signals import ReplaySet, rewarded_rows, update_logprob_change
 from agent_rl.learn.update import adamw, prepare_batch, update
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.buffer import TrajectoryBuffer
@@ -728,6 +728,12 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
                 if every and run.step % every == 0
                 else None
             )
+            # and the collapse guard's rewarded rows (guard.update_rows), whose log-probs before the update it reports
+            assert batch.advantages is not None
+            before: dict[int, list[float] | None] = dict.fromkeys(
+                rewarded_rows(batch.trajs, batch.advantages, cfg.guard.update_rows)
+            )
+            asked = None if report is None and not before else {**before, **(report or {})}
             upd = update(
                 cfg,
                 run.policy,
@@ -737,14 +743,30 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
                 batch,
                 run.update_rng,
                 world=world,
-                trainer_logprobs=report,
+                trainer_logprobs=asked,
             )
+            if asked is not None:
+                report = None if report is None else {i: asked[i] for i in report}
+                before = {i: asked[i] for i in before}
             # The gradients are spent: freed now, they are not resident across the weight sync, the
             # engine's wake and the rollout (the next update's zero_grad would free them only then).
             run.optimizer.zero_grad(set_to_none=True)
             if run.critic_opt is not None:
                 run.critic_opt.zero_grad(set_to_none=True)
             run.scheduler.step()
+            change = None
+            if cfg.guard.update_rows > 0:  # what the update did to the rows it rewarded
+                start = time.perf_counter()
+                change = update_logprob_change(
+                    run.policy,
+                    batch.trajs,
+                    before,
+                    run.tokenizer.pad_token_id,
+                    cfg.train.device,
+                    cfg.rollout.temperature,
+                    world,
+                )
+                times["update_signal_s"] = time.perf_counter() - start
             times["sync_s"] = run.push_weights()
             allocator.release()  # the update's activations, kept for reuse within it, back to the system
             times["updated"] = time.perf_counter()
@@ -755,6 +777,9 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
                 run, sampled, trajs, rollout_m, client, upd, times, engine.stats["generated_tokens"] - gen_before
             )
             metrics.update(run.replay_signal(sampled))
+            if change is not None:
+                metrics["guard/update_logprob_change"] = change
+                metrics["timing/update_signal_s"] = times["update_signal_s"]
             if (
                 cfg.run.eval_every
                 and run.step % cfg.run.eval_every == 0

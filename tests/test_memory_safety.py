@@ -97,6 +97,7 @@ def _healthy(step: int) -> dict:
         "rollout/searches_mean": 1.5 + 0.05 * wobble,
         "rollout/logprob_diff_mean": 1e-6,
         "guard/replay_logprob": -0.30 + 0.01 * wobble,
+        "guard/update_logprob_change": 0.002 + 0.001 * wobble,
     }
 
 
@@ -111,6 +112,7 @@ def _healthy(step: int) -> dict:
         ({"rollout/repeat_frac": 0.4}, "repeat", None),
         ({"rollout/searches_mean": 0.2}, "search", "guard/search_ratio"),
         ({"rollout/logprob_diff_mean": 0.5}, "logprob_gap", None),
+        ({"guard/update_logprob_change": -0.01}, "update", "guard/update_change_mean"),
     ],
 )
 def test_guard_early_signals_each_fire_on_their_own_metric(change, signal_name, metric):
@@ -882,3 +884,45 @@ def test_the_gpu_update_plan_matches_the_h100_preflight(tmp_path, lora, measured
     assert 0.97 <= update["gpu_bytes_per_device"] / GIB / measured_gib <= 1.08, update["components"]
     assert ("gpu/weight_casts" in update["components"]) == (not lora)
     assert "gpu/weight_casts" not in plan(cfg, 2, 80).phases["update"]["components"]
+
+
+def test_update_logprob_change_reads_what_a_step_did_to_the_rewarded_rows(tiny_model_dir):
+    """The rewarded rows are those with a positive advantage (excluded ones never); the change is the mean over
+    their trained tokens of (log-prob now - the log-prob given), and a gradient step that raises those tokens'
+    likelihood gives a positive change (a step that lowers it, a negative one)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agent_rl.learn.batch import collate
+    from agent_rl.learn.policy import forward_logprobs
+    from agent_rl.learn.signals import rewarded_rows, update_logprob_change
+    from agent_rl.rollout.trajectory import Trajectory
+
+    g = torch.Generator().manual_seed(0)
+    trajs = []
+    for i in range(4):
+        t = Trajectory(f"p{i}", "toy", torch.randint(5, 200, (6,), generator=g).tolist(), ["x"])
+        t.append(torch.randint(5, 200, (4,), generator=g).tolist(), sampled=True, logprobs=[0.0] * 4)
+        t.append(torch.randint(5, 200, (3,), generator=g).tolist(), sampled=False)
+        t.append(torch.randint(5, 200, (2,), generator=g).tolist(), sampled=True, logprobs=[0.0] * 2)
+        trajs.append(t)
+    trajs[3].excluded = True
+    width = max(t.total_tokens for t in trajs)
+    advantages = torch.zeros(4, width)
+    advantages[0, 7], advantages[1, 7], advantages[2, 7], advantages[3, 7] = 1.0, -1.0, 0.5, 1.0
+    assert rewarded_rows(trajs, advantages, 8) == [0, 2] and rewarded_rows(trajs, advantages, 1) == [0]
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).float()
+    rows = [0, 2]
+    mb = collate(trajs, rows, 0, "cpu")
+    lp, _ = forward_logprobs(model, mb, 1.0)
+    before = {i: lp[r, trajs[i].prompt_tokens : trajs[i].total_tokens].detach().tolist() for r, i in enumerate(rows)}
+    assert update_logprob_change(model, trajs, before, 0, "cpu", 1.0) == pytest.approx(0.0, abs=1e-6)
+    for sign in (1.0, -1.0):
+        model_step = AutoModelForCausalLM.from_pretrained(tiny_model_dir).float()
+        opt = torch.optim.SGD(model_step.parameters(), lr=0.01)
+        lp, _ = forward_logprobs(model_step, mb, 1.0)
+        (-sign * (lp * mb.loss_mask).sum()).backward()
+        opt.step()
+        change = update_logprob_change(model_step, trajs, before, 0, "cpu", 1.0)
+        assert change * sign > 0.01, (sign, change)

@@ -6,6 +6,8 @@ healthy steps before it (the last `window` steps that raised no signal, once `mi
 held), so a run that starts weak (malformed, rarely searching) raises none for that.
 
 Early (the policy degenerates before test EM falls):
+- `update`: the mean over the last `update_window` updates of `guard/update_logprob_change` (what each
+  update did to the log-prob per token of the rows it rewarded, which it should raise) is below 0;
 - `replay`: the mean log-prob per token, under the current policy, of responses that earned a
   reward in earlier steps (`learn.signals.ReplaySet`, computed by the trainer) has fallen more
   than `replay_drop` nats below the best it reached (`guard/replay_drop`);
@@ -63,6 +65,8 @@ class CollapseGuard:
         self.history: deque[dict[str, float]] = deque(maxlen=max(1, cfg.window))
         self.recent_grads: deque[float] = deque(maxlen=3)  # every step's, healthy or not
         self.replay_best = -math.inf
+        # every update's guard/update_logprob_change, healthy or not
+        self.recent_changes: deque[float] = deque(maxlen=max(1, cfg.update_window))
         self.rollbacks = 0
         self.first_signal_step = 0  # the step of the first signal of the run (0: none yet)
 
@@ -76,6 +80,11 @@ class CollapseGuard:
         replay = metrics.get("guard/replay_logprob")
         if replay is not None:
             out["guard/replay_drop"] = max(0.0, self.replay_best - replay) if self.replay_best > -math.inf else 0.0
+        change = metrics.get("guard/update_logprob_change")
+        if change is not None:
+            self.recent_changes.append(float(change))
+            if len(self.recent_changes) == self.recent_changes.maxlen:
+                out["guard/update_change_mean"] = statistics.fmean(self.recent_changes)
         grad, median = metrics.get("actor/grad_norm"), self._median("actor/grad_norm")
         if grad is not None:
             self.recent_grads.append(float(grad))
@@ -94,6 +103,12 @@ class CollapseGuard:
         drop = measured.get("guard/replay_drop")
         if c.replay_drop > 0 and drop is not None and drop > c.replay_drop:
             return "replay", f"log-prob of earlier rewarded responses fell {drop:.2f} nats/token below its best"
+        mean = measured.get("guard/update_change_mean")
+        if c.update_window > 0 and mean is not None and mean < 0:
+            return "update", (
+                f"the last {c.update_window} updates lowered the log-prob of the responses they rewarded by "
+                f"{-mean:.4f} nats/token on average"
+            )
         ratio = measured.get("guard/grad_norm_ratio")
         if c.grad_factor > 0 and ratio is not None and ratio > c.grad_factor:
             return "grad_norm", f"gradient norm over the last 3 steps is {ratio:.1f} x the window median"
@@ -155,6 +170,7 @@ class CollapseGuard:
             "history": list(self.history),
             "replay_best": self.replay_best,
             "recent_grads": list(self.recent_grads),
+            "recent_changes": list(self.recent_changes),
             "rollbacks": self.rollbacks,
             "first_signal_step": self.first_signal_step,
         }
@@ -163,5 +179,6 @@ class CollapseGuard:
         self.history = deque(state["history"], maxlen=max(1, self.cfg.window))
         self.replay_best = state["replay_best"]
         self.recent_grads = deque(state["recent_grads"], maxlen=3)
+        self.recent_changes = deque(state.get("recent_changes", []), maxlen=max(1, self.cfg.update_window))
         self.rollbacks = state["rollbacks"]
         self.first_signal_step = state["first_signal_step"]

@@ -73,3 +73,51 @@ class ReplaySet:
         self.trajs, self._prompts = [], set()
         for r in rows:
             self._keep(r["prompt_id"], r["prompt_ids"], r["response_ids"], r["mask"])
+
+
+def rewarded_rows(trajs: list[Trajectory], advantages: torch.Tensor, limit: int) -> list[int]:
+    """The first `limit` rows of the batch with a positive advantage on some trained token (what the update
+    raises)."""
+    rows: list[int] = []
+    for i, t in enumerate(trajs):
+        if len(rows) >= limit:
+            break
+        if not t.excluded and float(advantages[i].max()) > 0:
+            rows.append(i)
+    return rows
+
+
+@torch.no_grad()
+def update_logprob_change(
+    policy: torch.nn.Module,
+    trajs: list[Trajectory],
+    before: dict[int, list[float] | None],
+    pad_id: int,
+    device: str,
+    temperature: float,
+    world: World = LOCAL,
+) -> float | None:
+    """Mean per trained token, over every rank's rows, of (log-prob under `policy` - `before`), for the rows
+    `before` holds (their log-probs before the update, aligned with the response). None when no rank has a row.
+
+    Every rank runs the forward (a sharded policy's gathers are collectives): a rank without rows of its own
+    runs its first trajectory and counts nothing."""
+    rows = [i for i, lp in before.items() if lp is not None]
+    if world.all_reduce_sum(float(len(rows))) == 0:
+        return None
+    was_training = policy.training
+    policy.eval()
+    try:
+        mb = collate(trajs, rows or [0], pad_id, device)
+        after, _ = forward_logprobs(policy, mb, temperature)
+    finally:
+        policy.train(was_training)
+    total = count = 0.0
+    for r, i in enumerate(rows):
+        t = trajs[i]
+        span = slice(t.prompt_tokens, t.total_tokens)
+        mask = mb.loss_mask[r, span]
+        old = torch.tensor(before[i], dtype=after.dtype, device=after.device)
+        total += float(((after[r, span] - old) * mask).sum())
+        count += float(mask.sum())
+    return world.all_reduce_sum(total) / max(1.0, world.all_reduce_sum(count))
