@@ -344,7 +344,12 @@ class Run:
         if self.replay.ready(self.world) and self.step % self.cfg.guard.replay_every == 0:
             pad = self.tokenizer.pad_token_id
             out["guard/replay_logprob"] = self.replay.logprob(
-                self.policy, pad, self.cfg.train.device, self.cfg.rollout.temperature, self.world
+                self.policy,
+                pad,
+                self.cfg.train.device,
+                self.cfg.rollout.temperature,
+                self.cfg.train.max_tokens_per_microbatch,
+                self.world,
             )
             out["timing/replay_s"] = time.perf_counter() - start
         self.replay.add(sampled)
@@ -764,6 +769,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
                     run.tokenizer.pad_token_id,
                     cfg.train.device,
                     cfg.rollout.temperature,
+                    cfg.train.max_tokens_per_microbatch,
                     world,
                 )
                 times["update_signal_s"] = time.perf_counter() - start

@@ -2,8 +2,8 @@
 
 Usage: .venv/bin/python bench/collapse_guard.py [--seeds 0] [--out runs/collapse_guard] [key=value ...]
 
-For each seed, `configs/tiny_cpu_collapse.yaml` (the embedded default's toy world and warm start, a learning
-rate far too high, no KL, greedy test EM every step) runs twice: `guard.action=off` (the collapse as it
+For each seed, `configs/tiny_cpu_collapse.yaml` (the embedded default's toy world and warm start, an entropy
+bonus far too large, no KL, greedy test EM every step) runs twice: `guard.action=off` (the collapse as it
 happens; every signal is still a metric) and `guard.action=rollback`. From the off run it reports the best
 test EM, the step at which test EM first falls 0.05 below the best reached so far (the collapse), and the step
 at which the guard's rule, applied to that run's own metrics, first fires; the lead is the difference. From
@@ -119,12 +119,14 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
     panels = [
         ("test EM (greedy)", "eval/em"),
         ("reward", "reward/mean"),
+        ("update: log-prob change of its rewarded rows", "guard/update_logprob_change"),
+        ("policy entropy", "actor/entropy"),
         ("replay log-prob per token", "guard/replay_logprob"),
         ("grad norm (3-step median / window median)", "guard/grad_norm_ratio"),
         ("malformed responses", "rollout/format_error_frac"),
         ("responses looping on an n-gram", "rollout/repeat_frac"),
     ]
-    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+    fig, axes = plt.subplots(2, 4, figsize=(17, 6.5))
     for ax, (title, key) in zip(axes.flat, panels):
         for name, rows in runs.items():
             xs, ys, update = [], [], 0
@@ -137,6 +139,8 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
             for i, r in enumerate(rows):
                 if r.get("guard/rollback"):
                     ax.axvline(sum("reward/mean" in x for x in rows[: i + 1]), color="red", alpha=0.3, linewidth=1)
+        if key == "guard/update_logprob_change":
+            ax.axhline(0.0, color="grey", linewidth=0.8)  # the update signal's rule: its 3-update mean below this
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("update")
     axes.flat[0].legend(fontsize=8)

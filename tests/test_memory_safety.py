@@ -214,7 +214,7 @@ def test_replay_set_scores_its_responses_under_the_policy(tiny_model_dir):
                         total, count = total + float(lp[pos - 1, ids[0, pos]]), count + 1
         return total / count
 
-    before = replay.logprob(model, 0, "cpu", 1.0)
+    before = replay.logprob(model, 0, "cpu", 1.0, 8192)
     assert before == pytest.approx(by_hand(), abs=1e-4)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for t in replay.trajs:
@@ -223,10 +223,10 @@ def test_replay_set_scores_its_responses_under_the_policy(tiny_model_dir):
         pos = torch.tensor([t.prompt_tokens + k for k, m in enumerate(t.loss_mask) if m])
         (-lp[pos - 1, ids[0, pos]].mean()).backward()
     opt.step()
-    assert replay.logprob(model, 0, "cpu", 1.0) > before + 0.01
+    assert replay.logprob(model, 0, "cpu", 1.0, 8192) > before + 0.01
     again = ReplaySet(size=2)
     again.load_state_dict(json.loads(json.dumps(replay.state_dict())))
-    assert replay.logprob(model, 0, "cpu", 1.0) == again.logprob(model, 0, "cpu", 1.0)
+    assert replay.logprob(model, 0, "cpu", 1.0, 8192) == again.logprob(model, 0, "cpu", 1.0, 8192)
 
 
 # ---------------------------------------------------------------- the guard inside the trainer
@@ -917,12 +917,15 @@ def test_update_logprob_change_reads_what_a_step_did_to_the_rewarded_rows(tiny_m
     mb = collate(trajs, rows, 0, "cpu")
     lp, _ = forward_logprobs(model, mb, 1.0)
     before = {i: lp[r, trajs[i].prompt_tokens : trajs[i].total_tokens].detach().tolist() for r, i in enumerate(rows)}
-    assert update_logprob_change(model, trajs, before, 0, "cpu", 1.0) == pytest.approx(0.0, abs=1e-6)
+    assert update_logprob_change(model, trajs, before, 0, "cpu", 1.0, 8192) == pytest.approx(0.0, abs=1e-6)
     for sign in (1.0, -1.0):
         model_step = AutoModelForCausalLM.from_pretrained(tiny_model_dir).float()
         opt = torch.optim.SGD(model_step.parameters(), lr=0.01)
         lp, _ = forward_logprobs(model_step, mb, 1.0)
         (-sign * (lp * mb.loss_mask).sum()).backward()
         opt.step()
-        change = update_logprob_change(model_step, trajs, before, 0, "cpu", 1.0)
+        change = update_logprob_change(model_step, trajs, before, 0, "cpu", 1.0, 8192)
         assert change * sign > 0.01, (sign, change)
+        # one row a micro-batch (the update's cap at a row's length): the same reading
+        one_row = update_logprob_change(model_step, trajs, before, 0, "cpu", 1.0, trajs[0].total_tokens)
+        assert one_row == pytest.approx(change, abs=1e-6)

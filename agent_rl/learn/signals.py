@@ -4,18 +4,54 @@ A small fixed set of responses that earned a reward in earlier steps (one per pr
 `size` rewarded ones the run samples) is scored under the current policy after every update: the
 mean log-prob per trained token. A policy on its way to collapse unlearns what it had got right
 before test EM shows it (in the LLDS analysis of Search-R1 the likelihood of once-correct responses
-falls from about step 60 while EM holds until step 300). One forward pass over `size` rows, no
+falls from about step 60 while EM holds until step 300). Forward passes over `size` rows, no
 backward.
+
+Both signals here run their forwards in micro-batches under `train.max_tokens_per_microbatch`, the
+update's own cap: without a backward to keep activations for, each needs less memory than an update's
+micro-batch, so the memory plan's update phase bounds them.
 """
 
 from __future__ import annotations
 
 import torch
 
-from agent_rl.learn.batch import collate
+from agent_rl.learn.batch import MicroBatch, collate, pack_microbatches
 from agent_rl.learn.policy import forward_logprobs
 from agent_rl.rollout.trajectory import Trajectory
 from agent_rl.world import LOCAL, World
+
+
+def _scored(
+    policy: torch.nn.Module,
+    trajs: list[Trajectory],
+    rows: list[int],
+    pad_id: int,
+    device: str,
+    temperature: float,
+    max_tokens: int,
+    world: World,
+) -> list[tuple[list[int], MicroBatch, torch.Tensor]]:
+    """`policy`'s log-probs of `rows` of `trajs`, micro-batch by micro-batch: (rows, micro-batch, log-probs).
+
+    Every rank runs as many forwards as the rank with the most (a sharded policy's gathers are
+    collectives); a rank short of them runs its first trajectory again and gets nothing back for it."""
+    lengths = [trajs[i].total_tokens for i in rows]
+    local = [[rows[k] for k in b] for b in pack_microbatches(lengths, max_tokens)] if rows else []
+    most = int(world.all_reduce_max(len(local)))
+    out = []
+    was_training = policy.training
+    policy.eval()
+    try:
+        for k in range(most):
+            index = local[k] if k < len(local) else [0]
+            mb = collate(trajs, index, pad_id, device)
+            logprobs, _ = forward_logprobs(policy, mb, temperature)
+            if k < len(local):
+                out.append((index, mb, logprobs))
+    finally:
+        policy.train(was_training)
+    return out
 
 
 class ReplaySet:
@@ -50,17 +86,20 @@ class ReplaySet:
 
     @torch.no_grad()
     def logprob(
-        self, policy: torch.nn.Module, pad_id: int, device: str, temperature: float, world: World = LOCAL
+        self,
+        policy: torch.nn.Module,
+        pad_id: int,
+        device: str,
+        temperature: float,
+        max_tokens: int,
+        world: World = LOCAL,
     ) -> float:
         """Mean log-prob per policy token of the set under `policy`, over every rank's set."""
-        was_training = policy.training
-        policy.eval()
-        try:
-            mb = collate(self.trajs, list(range(len(self.trajs))), pad_id, device)
-            logprobs, _ = forward_logprobs(policy, mb, temperature)
-            total, count = float((logprobs * mb.loss_mask).sum()), float(mb.loss_mask.sum())
-        finally:
-            policy.train(was_training)
+        total = count = 0.0
+        rows = list(range(len(self.trajs)))
+        for _, mb, logprobs in _scored(policy, self.trajs, rows, pad_id, device, temperature, max_tokens, world):
+            total += float((logprobs * mb.loss_mask).sum())
+            count += float(mb.loss_mask.sum())
         return world.all_reduce_sum(total) / max(1.0, world.all_reduce_sum(count))
 
     def state_dict(self) -> list[dict]:
@@ -95,29 +134,21 @@ def update_logprob_change(
     pad_id: int,
     device: str,
     temperature: float,
+    max_tokens: int,
     world: World = LOCAL,
 ) -> float | None:
     """Mean per trained token, over every rank's rows, of (log-prob under `policy` - `before`), for the rows
-    `before` holds (their log-probs before the update, aligned with the response). None when no rank has a row.
-
-    Every rank runs the forward (a sharded policy's gathers are collectives): a rank without rows of its own
-    runs its first trajectory and counts nothing."""
+    `before` holds (their log-probs before the update, aligned with the response). None when no rank has a row."""
     rows = [i for i, lp in before.items() if lp is not None]
     if world.all_reduce_sum(float(len(rows))) == 0:
         return None
-    was_training = policy.training
-    policy.eval()
-    try:
-        mb = collate(trajs, rows or [0], pad_id, device)
-        after, _ = forward_logprobs(policy, mb, temperature)
-    finally:
-        policy.train(was_training)
     total = count = 0.0
-    for r, i in enumerate(rows):
-        t = trajs[i]
-        span = slice(t.prompt_tokens, t.total_tokens)
-        mask = mb.loss_mask[r, span]
-        old = torch.tensor(before[i], dtype=after.dtype, device=after.device)
-        total += float(((after[r, span] - old) * mask).sum())
-        count += float(mask.sum())
+    for index, mb, after in _scored(policy, trajs, rows, pad_id, device, temperature, max_tokens, world):
+        for r, i in enumerate(index):
+            t = trajs[i]
+            span = slice(t.prompt_tokens, t.total_tokens)
+            mask = mb.loss_mask[r, span]
+            old = torch.tensor(before[i], dtype=after.dtype, device=after.device)
+            total += float(((after[r, span] - old) * mask).sum())
+            count += float(mask.sum())
     return world.all_reduce_sum(total) / max(1.0, world.all_reduce_sum(count))
