@@ -542,10 +542,11 @@ class GuardConfig:
     update_rows: int = _f(
         256,
         "Rows with a positive advantage (the step's first ones) whose log-prob change across the update is read "
-        "every step: guard/update_logprob_change, the mean per trained token of (after - before). Before comes "
-        "from the update's own forward, after from one forward over these rows. GRPO's update should raise them. "
-        "Per row the change is noisy, so all of a step's rewarded rows (a sample of 16 raised false alarms on a "
-        "healthy run, bench/RESULTS.md). 0 = off.",
+        "every step: guard/update_logprob_change, the mean over their trained tokens with a positive advantage of "
+        "(after - before), which the update should raise. Before comes from the update's own forward, after from "
+        "forwards over these rows (no backward, in train.max_tokens_per_microbatch). Per row the change is noisy, "
+        "so all of a step's rewarded rows (a sample of 16 raised false alarms on a healthy run, bench/RESULTS.md). "
+        "0 = off.",
     )
     update_window: int = _f(
         3,

@@ -766,6 +766,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
                     run.policy,
                     batch.trajs,
                     before,
+                    batch.advantages,
                     run.tokenizer.pad_token_id,
                     cfg.train.device,
                     cfg.rollout.temperature,

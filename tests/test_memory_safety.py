@@ -909,7 +909,8 @@ def test_update_logprob_change_reads_what_a_step_did_to_the_rewarded_rows(tiny_m
     trajs[3].excluded = True
     width = max(t.total_tokens for t in trajs)
     advantages = torch.zeros(4, width)
-    advantages[0, 7], advantages[1, 7], advantages[2, 7], advantages[3, 7] = 1.0, -1.0, 0.5, 1.0
+    for i, a in enumerate((1.0, -1.0, 0.5, 1.0)):  # GRPO: one advantage a row
+        advantages[i] = a
     assert rewarded_rows(trajs, advantages, 8) == [0, 2] and rewarded_rows(trajs, advantages, 1) == [0]
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).float()
@@ -917,15 +918,26 @@ def test_update_logprob_change_reads_what_a_step_did_to_the_rewarded_rows(tiny_m
     mb = collate(trajs, rows, 0, "cpu")
     lp, _ = forward_logprobs(model, mb, 1.0)
     before = {i: lp[r, trajs[i].prompt_tokens : trajs[i].total_tokens].detach().tolist() for r, i in enumerate(rows)}
-    assert update_logprob_change(model, trajs, before, 0, "cpu", 1.0, 8192) == pytest.approx(0.0, abs=1e-6)
+    assert update_logprob_change(model, trajs, before, advantages, 0, "cpu", 1.0, 8192) == pytest.approx(0.0, abs=1e-6)
     for sign in (1.0, -1.0):
         model_step = AutoModelForCausalLM.from_pretrained(tiny_model_dir).float()
         opt = torch.optim.SGD(model_step.parameters(), lr=0.01)
         lp, _ = forward_logprobs(model_step, mb, 1.0)
         (-sign * (lp * mb.loss_mask).sum()).backward()
         opt.step()
-        change = update_logprob_change(model_step, trajs, before, 0, "cpu", 1.0, 8192)
+        change = update_logprob_change(model_step, trajs, before, advantages, 0, "cpu", 1.0, 8192)
         assert change * sign > 0.01, (sign, change)
         # one row a micro-batch (the update's cap at a row's length): the same reading
-        one_row = update_logprob_change(model_step, trajs, before, 0, "cpu", 1.0, trajs[0].total_tokens)
+        one_row = update_logprob_change(model_step, trajs, before, advantages, 0, "cpu", 1.0, trajs[0].total_tokens)
         assert one_row == pytest.approx(change, abs=1e-6)
+    # PPO: the advantage changes sign along a row; only the tokens it set out to raise count
+    mixed = advantages.clone()
+    mixed[0, :10] = -1.0  # row 0: its first sampled turn (tokens 6-9) pushed down, its answer (13-14) up
+    with torch.no_grad():
+        lp, _ = forward_logprobs(model_step, mb, 1.0)
+    diff = {
+        i: lp[r, trajs[i].prompt_tokens : trajs[i].total_tokens] - torch.tensor(before[i]) for r, i in enumerate(rows)
+    }
+    expected = (float(diff[0][-2:].sum()) + float((diff[2] * mb.loss_mask[1, 6:15]).sum())) / (2 + 6)
+    got = update_logprob_change(model_step, trajs, before, mixed, 0, "cpu", 1.0, 8192)
+    assert got == pytest.approx(expected, abs=1e-6)

@@ -115,8 +115,7 @@ class ReplaySet:
 
 
 def rewarded_rows(trajs: list[Trajectory], advantages: torch.Tensor, limit: int) -> list[int]:
-    """The first `limit` rows of the batch with a positive advantage on some trained token (what the update
-    raises)."""
+    """The first `limit` rows of the batch with a positive advantage on some token (what the update raises)."""
     rows: list[int] = []
     for i, t in enumerate(trajs):
         if len(rows) >= limit:
@@ -131,14 +130,17 @@ def update_logprob_change(
     policy: torch.nn.Module,
     trajs: list[Trajectory],
     before: dict[int, list[float] | None],
+    advantages: torch.Tensor,
     pad_id: int,
     device: str,
     temperature: float,
     max_tokens: int,
     world: World = LOCAL,
 ) -> float | None:
-    """Mean per trained token, over every rank's rows, of (log-prob under `policy` - `before`), for the rows
-    `before` holds (their log-probs before the update, aligned with the response). None when no rank has a row."""
+    """Mean, over every rank's trained tokens with a positive advantage in the rows `before` holds, of (log-prob
+    under `policy` - `before`); `before` holds each row's log-probs before the update, aligned with the response,
+    and `advantages` is the batch's (N, W), aligned with the tokens. What the update set out to raise: a GRPO
+    row's advantage is one number, a PPO row's changes sign along the row. None when no rank has a row."""
     rows = [i for i, lp in before.items() if lp is not None]
     if world.all_reduce_sum(float(len(rows))) == 0:
         return None
@@ -147,7 +149,7 @@ def update_logprob_change(
         for r, i in enumerate(index):
             t = trajs[i]
             span = slice(t.prompt_tokens, t.total_tokens)
-            mask = mb.loss_mask[r, span]
+            mask = mb.loss_mask[r, span] * (advantages[i, span] > 0).to(mb.loss_mask.device)
             old = torch.tensor(before[i], dtype=after.dtype, device=after.device)
             total += float(((after[r, span] - old) * mask).sum())
             count += float(mask.sum())
