@@ -550,9 +550,15 @@ class GuardConfig:
     )
     update_window: int = _f(
         3,
-        "update signal: the mean of guard/update_logprob_change over the last N updates is below 0 (on balance the "
-        "updates lower the likelihood of the responses they rewarded; chosen from the runs in bench/RESULTS.md). "
-        "0 = a metric only.",
+        "update signal: the median of guard/update_logprob_change over the last N updates is below "
+        "-update_threshold (most recent updates lowered the likelihood of the responses they rewarded; a median, "
+        "not a mean, so that one bad update of a healthy run does not fire it; chosen from the runs in "
+        "bench/RESULTS.md). 0 = a metric only.",
+    )
+    update_threshold: float = _f(
+        1e-4,
+        "update signal: how far below 0 (nats per token) the median change must be. A converged healthy run's "
+        "updates change their rewarded rows by a few 1e-4 either way; at 0 the demo's seed 2 raised a false alarm.",
     )
     grad_factor: float = _f(
         0.0,

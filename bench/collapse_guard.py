@@ -154,14 +154,27 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--out", default="runs/collapse_guard")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["off", "rollback"],
+        default=["off", "rollback"],
+        help="runs to make; one left out is read from an earlier run in --out (rollback only: after a rule change)",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides for both runs (key=value)")
     args = parser.parse_args(argv)
     out = (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     results = {}
     for seed in args.seeds:
-        off_dir, off_s = run(out, "off", seed, args.overrides)
-        rb_dir, rb_s = run(out, "rollback", seed, args.overrides)
+        off_dir, off_s = (
+            run(out, "off", seed, args.overrides) if "off" in args.modes else (out / f"off_seed_{seed}", 0.0)
+        )
+        rb_dir, rb_s = (
+            run(out, "rollback", seed, args.overrides)
+            if "rollback" in args.modes
+            else (out / f"rollback_seed_{seed}", 0.0)
+        )
         res = summarise(off_dir, rb_dir, args.overrides)
         res["wall_s"] = {"off": off_s, "rollback": rb_s}
         results[seed] = res

@@ -112,14 +112,14 @@ def _healthy(step: int) -> dict:
         ({"rollout/repeat_frac": 0.4}, "repeat", None),
         ({"rollout/searches_mean": 0.2}, "search", "guard/search_ratio"),
         ({"rollout/logprob_diff_mean": 0.5}, "logprob_gap", None),
-        ({"guard/update_logprob_change": -0.01}, "update", "guard/update_change_mean"),
+        ({"guard/update_logprob_change": -0.01}, "update", "guard/update_change_median"),
     ],
 )
 def test_guard_early_signals_each_fire_on_their_own_metric(change, signal_name, metric):
     """Eight healthy steps raise nothing; when one early signal's metric moves, that signal fires (the gradient
-    norm on its second high step: one spike is not a rise), and each signal's own value is reported as a metric
-    at every step once the window is full. The bad steps stay out of the window: healthy steps after them
-    raise nothing."""
+    norm and the update signal on their second bad step: one spike, one bad update, is not a trend), and each
+    signal's own value is reported as a metric at every step once the window is full. The bad steps stay out of
+    the window: healthy steps after them raise nothing."""
     cfg = GuardConfig(action="warn", entropy_factor=2.0, logprob_gap=0.1, grad_factor=3.0)
     guard = CollapseGuard(cfg)
     for step in range(1, 9):
@@ -129,7 +129,7 @@ def test_guard_early_signals_each_fire_on_their_own_metric(change, signal_name, 
         if metric and step > cfg.min_history + 1:
             assert metric in signals
     decisions = [guard.observe(step, {**_healthy(step), **change})[0] for step in (9, 10)]
-    first = 10 if signal_name == "grad_norm" else 9
+    first = 10 if signal_name in ("grad_norm", "update") else 9
     assert [d.action for d in decisions] == ["none"] * (first - 9) + ["warn"] * (11 - first)
     assert decisions[-1].signal == signal_name and guard.first_signal_step == first
     assert [guard.observe(step, _healthy(step))[0].action for step in (11, 12, 13)][-1] == "none"

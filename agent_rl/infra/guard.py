@@ -6,8 +6,9 @@ healthy steps before it (the last `window` steps that raised no signal, once `mi
 held), so a run that starts weak (malformed, rarely searching) raises none for that.
 
 Early (the policy degenerates before test EM falls):
-- `update`: the mean over the last `update_window` updates of `guard/update_logprob_change` (what each
-  update did to the log-prob per token of the rows it rewarded, which it should raise) is below 0;
+- `update`: the median over the last `update_window` updates of `guard/update_logprob_change` (what each
+  update did to the log-prob per token of the rows it rewarded, which it should raise) is below
+  -`update_threshold`;
 - `replay`: the mean log-prob per token, under the current policy, of responses that earned a
   reward in earlier steps (`learn.signals.ReplaySet`, computed by the trainer) has fallen more
   than `replay_drop` nats below the best it reached (`guard/replay_drop`);
@@ -84,7 +85,7 @@ class CollapseGuard:
         if change is not None:
             self.recent_changes.append(float(change))
             if len(self.recent_changes) == self.recent_changes.maxlen:
-                out["guard/update_change_mean"] = statistics.fmean(self.recent_changes)
+                out["guard/update_change_median"] = statistics.median(self.recent_changes)
         grad, median = metrics.get("actor/grad_norm"), self._median("actor/grad_norm")
         if grad is not None:
             self.recent_grads.append(float(grad))
@@ -103,11 +104,11 @@ class CollapseGuard:
         drop = measured.get("guard/replay_drop")
         if c.replay_drop > 0 and drop is not None and drop > c.replay_drop:
             return "replay", f"log-prob of earlier rewarded responses fell {drop:.2f} nats/token below its best"
-        mean = measured.get("guard/update_change_mean")
-        if c.update_window > 0 and mean is not None and mean < 0:
+        median = measured.get("guard/update_change_median")
+        if c.update_window > 0 and median is not None and median < -c.update_threshold:
             return "update", (
                 f"the last {c.update_window} updates lowered the log-prob of the responses they rewarded by "
-                f"{-mean:.4f} nats/token on average"
+                f"a median {-median:.4f} nats/token"
             )
         ratio = measured.get("guard/grad_norm_ratio")
         if c.grad_factor > 0 and ratio is not None and ratio > c.grad_factor:
