@@ -140,7 +140,7 @@ def plot(runs: dict[str, list[dict]], path: Path) -> None:
                 if r.get("guard/rollback"):
                     ax.axvline(sum("reward/mean" in x for x in rows[: i + 1]), color="red", alpha=0.3, linewidth=1)
         if key == "guard/update_logprob_change":
-            ax.axhline(0.0, color="grey", linewidth=0.8)  # the update signal's rule: its 3-update mean below this
+            ax.axhline(0.0, color="grey", linewidth=0.8)  # the update should raise its rewarded rows: above this
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("update")
     axes.flat[0].legend(fontsize=8)
