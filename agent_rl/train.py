@@ -334,6 +334,43 @@ class Run:
         """The run's config with these algo fields changed (what a rollback set, or a checkpoint restores)."""
         self.cfg = dataclasses.replace(self.cfg, algo=dataclasses.replace(self.cfg.algo, **changes))
 
+    def asked_rows(
+        self, trajs: list[Trajectory], batch: RolloutBatch
+    ) -> tuple[dict[int, list[float] | None] | None, dict[int, list[float] | None]]:
+        """The rows whose log-probs before the update the update is asked for: this step's first rows (this
+        rank's share) every run.save_trajectories_every steps, for the trajectory file (None on other steps),
+        and the collapse guard's rewarded rows (guard.update_rows)."""
+        every = self.cfg.run.save_trajectories_every
+        report = (
+            dict.fromkeys(range(min(len(trajs), self.cfg.run.save_trajectories_per_step)))
+            if every and self.step % every == 0
+            else None
+        )
+        assert batch.advantages is not None
+        return report, dict.fromkeys(rewarded_rows(batch.trajs, batch.advantages, self.cfg.guard.update_rows))
+
+    def update_signal(self, batch: RolloutBatch, before: dict[int, list[float] | None]) -> dict[str, float]:
+        """guard/update_logprob_change: what the update just made did to the log-probs of the rows it rewarded,
+        from their log-probs `before` it (guard.update_rows; nothing when 0 or no rank has such a row)."""
+        if self.cfg.guard.update_rows <= 0:
+            return {}
+        start = time.perf_counter()
+        assert batch.advantages is not None
+        change = update_logprob_change(
+            self.policy,
+            batch.trajs,
+            before,
+            batch.advantages,
+            self.tokenizer.pad_token_id,
+            self.cfg.train.device,
+            self.cfg.rollout.temperature,
+            self.cfg.train.max_tokens_per_microbatch,
+            self.world,
+        )
+        if change is None:
+            return {}
+        return {"guard/update_logprob_change": change, "timing/update_signal_s": time.perf_counter() - start}
+
     def replay_signal(self, sampled: list[Trajectory]) -> dict[str, float]:
         """guard/replay_logprob of the replay set under the updated policy (once every rank's set is full), then
         this step's rewarded responses into the set while it fills."""
@@ -726,18 +763,8 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
                 world=world,
             )
             times["prepared"] = time.perf_counter()
-            # 5. update; this step's first rows (this rank's share) reported with the update's log-probs
-            every = cfg.run.save_trajectories_every
-            report = (
-                dict.fromkeys(range(min(len(trajs), cfg.run.save_trajectories_per_step)))
-                if every and run.step % every == 0
-                else None
-            )
-            # and the collapse guard's rewarded rows (guard.update_rows), whose log-probs before the update it reports
-            assert batch.advantages is not None
-            before: dict[int, list[float] | None] = dict.fromkeys(
-                rewarded_rows(batch.trajs, batch.advantages, cfg.guard.update_rows)
-            )
+            # 5. update; the rows to save and the guard's rewarded rows reported with the update's log-probs
+            report, before = run.asked_rows(trajs, batch)
             asked = None if report is None and not before else {**before, **(report or {})}
             upd = update(
                 cfg,
@@ -759,21 +786,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             if run.critic_opt is not None:
                 run.critic_opt.zero_grad(set_to_none=True)
             run.scheduler.step()
-            change = None
-            if cfg.guard.update_rows > 0:  # what the update did to the rows it rewarded
-                start = time.perf_counter()
-                change = update_logprob_change(
-                    run.policy,
-                    batch.trajs,
-                    before,
-                    batch.advantages,
-                    run.tokenizer.pad_token_id,
-                    cfg.train.device,
-                    cfg.rollout.temperature,
-                    cfg.train.max_tokens_per_microbatch,
-                    world,
-                )
-                times["update_signal_s"] = time.perf_counter() - start
+            update_signal = run.update_signal(batch, before)
             times["sync_s"] = run.push_weights()
             allocator.release()  # the update's activations, kept for reuse within it, back to the system
             times["updated"] = time.perf_counter()
@@ -784,9 +797,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
                 run, sampled, trajs, rollout_m, client, upd, times, engine.stats["generated_tokens"] - gen_before
             )
             metrics.update(run.replay_signal(sampled))
-            if change is not None:
-                metrics["guard/update_logprob_change"] = change
-                metrics["timing/update_signal_s"] = times["update_signal_s"]
+            metrics.update(update_signal)
             if (
                 cfg.run.eval_every
                 and run.step % cfg.run.eval_every == 0
