@@ -29,17 +29,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def _model_dir(src: Path) -> Path:
-    """`src` if it holds weights, else a random-init copy of its architecture in a temp dir."""
-    if any(src.glob("*.safetensors")):
-        return src
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    out = Path(tempfile.mkdtemp(prefix="update_tput_model_"))
-    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src)).save_pretrained(out)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/smollm2_nq_grpo.yaml")
@@ -52,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
     import yaml
+    from plan_vs_measured_gpu import _model_dir  # a random-init copy of the architecture when DIR has no weights
 
     from agent_rl.config import load_config
     from agent_rl.learn.batch import MicroBatch
