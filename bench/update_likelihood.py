@@ -35,8 +35,7 @@ def step_deltas(run_dir: Path, temperature: float) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agent_rl.learn.batch import collate
-    from agent_rl.learn.policy import forward_logprobs
+    from agent_rl.learn.signals import update_logprob_change
     from agent_rl.rollout.prompts import load_tokenizer
     from agent_rl.rollout.trajectory import Trajectory
 
@@ -70,16 +69,14 @@ def step_deltas(run_dir: Path, temperature: float) -> list[dict]:
         entry = {"step": step, "rows": len(rows), "skipped": skipped, **_metric_view(metrics.get(step, {}))}
         if rows:
             model = AutoModelForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
-            with torch.no_grad():
-                mb = collate(rows, list(range(len(rows))), tok.pad_token_id, "cpu")
-                new, _ = forward_logprobs(model, mb, temperature)
-            total = count = 0.0
-            for r, (t, lp) in enumerate(zip(rows, old, strict=True)):
-                span = slice(t.prompt_tokens, t.total_tokens)
-                mask = torch.tensor(t.loss_mask, dtype=torch.float32)
-                total += float(((new[r, span] - torch.tensor(lp)) * mask).sum())
-                count += float(mask.sum())
-            entry["delta"] = total / max(count, 1.0)
+            # the guard's own reading; every row kept has a positive advantage, every trained token counts
+            width = max(t.total_tokens for t in rows)
+            positive = torch.ones(len(rows), width)
+            before: dict[int, list[float] | None] = dict(enumerate(old))
+            pad = tok.pad_token_id
+            entry["delta"] = update_logprob_change(
+                model, rows, before, positive, pad, "cpu", temperature, width * len(rows)
+            )
         out.append(entry)
     return out
 
