@@ -77,6 +77,9 @@ def test_one_step_run_writes_the_report_and_resumes(tmp_path, smollm2_dir, hotpo
         "sft.steps=2",
         "sft.batch_size=2",
         "run.preflight=false",
+        # The warm start of two SFT steps writes to the end of every turn: shorter turns keep its evaluations and
+        # rollouts (most of this test's time) short; the report does not depend on their length.
+        "budget.max_tokens_per_turn=12",
     ]
     args = ["--data", str(data), "--out", str(out), "--nq-test", "4", "--triviaqa-test", "3", "--train-size", "26"]
     args += ["--index", str(hotpot_index_dir)]
