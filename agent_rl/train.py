@@ -40,7 +40,7 @@ from agent_rl.infra.checkpoint import (
 )
 from agent_rl.infra.guard import CollapseGuard
 from agent_rl.infra.logger import MetricsLogger
-from agent_rl.infra.memory import peak_rss_bytes
+from agent_rl.infra.memory import peak_rss_bytes, proc_status_bytes
 from agent_rl.infra.prepare import local_retriever, prepare
 from agent_rl.learn.batch import RolloutBatch
 from agent_rl.learn.policy import _DTYPES, ValueModel, assert_no_data_parallel, frozen_copy, load_policy
@@ -685,6 +685,8 @@ def step_metrics(
         "timing/gen_tokens_per_s": gen_tokens / max(1e-9, t1 - t0),
         "timing/tokens_per_s": sum(t.total_tokens for t in trajs) / max(1e-9, t3 - t1),
         "memory/peak_rss_gib": peak_rss_bytes() / 2**30,
+        # Resident now, at the step's end: a peak can only rise, so host memory kept from step to step shows here.
+        "memory/rss_gib": (proc_status_bytes("VmRSS") or 0) / 2**30,
     }
     if torch.cuda.is_available() and run.cfg.train.device.startswith("cuda"):
         metrics["memory/gpu_peak_gib"] = torch.cuda.max_memory_allocated(run.cfg.train.device) / 2**30
