@@ -1,7 +1,7 @@
 """Does a real model learn on real questions? SmolLM2 + GRPO on NQ, held-out NQ and TriviaQA.
 
 Usage: .venv/bin/python bench/real_model_learns.py --data DIR [--out runs/real_nq] [--config CONFIG]
-       [--seed 0] [--nq-test 300] [--triviaqa-test 300] [--train-triviaqa] [key=value ...]
+       [--seed 0] [--nq-test 300] [--triviaqa-test 300] [--train-triviaqa] [--rl-unsolved] [key=value ...]
 
 DIR is a folder in FlashRAG layout: `corpus.jsonl` (`id`, `contents` = "Title\\ntext"), `nq_1000.jsonl`
 and `triviaqa_1000.jsonl` (`id`, `question`, `golden_answers`), e.g. ../shared/data/wiki18_nq_triviaqa.
@@ -144,6 +144,29 @@ def write_rl_train(cfg, out: Path, rows: list[dict], hits: list[bool]) -> int:
         raise SystemExit("--rl-answerable: no training question's search finds a gold answer; use --no-rl-answerable")
     write_rows(kept, out / "train_rl.parquet", "train", cfg.data.template, load_tokenizer(cfg.model.path))
     return len(kept)
+
+
+def write_rl_unsolved(agent_rl: list[str], config: str, overrides: list[str], out: Path) -> tuple[int, int]:
+    """--rl-unsolved: the GRPO prompts narrowed to the questions the warm start answers wrong greedily.
+
+    A greedy evaluation of the warm start on OUT/data/train_rl.parquet (its per-question scores in
+    OUT/data/warm_start_train_rl_questions, reused when complete), then OUT/data/train_rl_unsolved.parquet with
+    the questions of EM 0. On a question greedy decoding already answers, a group with differing rewards mostly
+    sharpens the samples toward that answer (bench/temperature_probe.py); on one it gets wrong, such a group is
+    the signal that can change the greedy answer. Returns (kept, evaluated)."""
+    import pyarrow.parquet as pq
+    from temperature_probe import per_question
+
+    pool, table_out = out / "train_rl.parquet", out / "warm_start_train_rl.md"
+    cmd = [*agent_rl, "eval", config, *overrides, "--checkpoint", str(out.parent / "sft"), "--data", str(pool)]
+    run_phase("probe", [*cmd, "--out", str(table_out)], out.parent / "logs" / "probe_train_rl.log")
+    greedy = {qid: ems[0] for qid, ems in per_question(table_out).items()}
+    table = pq.read_table(pool)
+    wrong = [greedy[qid] == 0.0 for qid in table.column("id").to_pylist()]
+    if not any(wrong):
+        raise SystemExit("--rl-unsolved: the warm start answers every GRPO training question; drop --rl-unsolved")
+    pq.write_table(table.filter(wrong), out / "train_rl_unsolved.parquet")
+    return sum(wrong), len(wrong)
 
 
 def run_phase(name: str, cmd: list[str], log: Path) -> dict:
@@ -365,7 +388,12 @@ def render(res: dict, header: str) -> str:
         + f"; a scripted demonstration's observation holds a gold answer "
         f"for {recall_train:.3f} of them (with sft.answer_in_observation, the warm start learns from those only; "
         "otherwise the rest teach answering from memory)."
-        + (f" GRPO samples from those {rl} (--rl-answerable)." if rl else " GRPO samples from all of them."),
+        + (f" GRPO samples from those {rl} (--rl-answerable)." if rl else " GRPO samples from all of them.")
+        + (
+            f" Of those, the {unsolved} the warm start answers wrong greedily (--rl-unsolved)."
+            if (unsolved := res["split"].get("train_rl_unsolved"))
+            else ""
+        ),
         "",
         "## GRPO",
         "",
@@ -426,6 +454,12 @@ def main(argv: list[str] | None = None) -> int:
         default=True,
         help="GRPO on the training questions whose top-k passages hold a gold answer only (default; SFT reads "
         "every training question and keeps those by sft.answer_in_observation)",
+    )
+    parser.add_argument(
+        "--rl-unsolved",
+        action="store_true",
+        help="GRPO on those of --rl-answerable's questions that the warm start gets wrong greedily (one greedy "
+        "evaluation of the pool after the warm start)",
     )
     parser.add_argument(
         "--index",
@@ -500,6 +534,12 @@ def main(argv: list[str] | None = None) -> int:
         phases["sft"] = run_phase("sft", [*agent_rl, "sft", config, *overrides], out / "logs" / "sft.log")
     else:
         _log(f"sft: reusing the warm start in {out / 'sft'}")
+    if args.rl_unsolved:
+        if not args.rl_answerable:
+            raise SystemExit("--rl-unsolved narrows --rl-answerable's pool: drop --no-rl-answerable")
+        sizes["train_rl_unsolved"], _ = write_rl_unsolved(agent_rl, config, overrides, out / "data")
+        train_overrides = [*overrides, f"data.train_files=[{out / 'data' / 'train_rl_unsolved.parquet'}]"]
+        _log(f"data: GRPO trains on the {sizes['train_rl_unsolved']} of them the warm start answers wrong greedily")
     train_cmd = [*agent_rl, "train", config, *train_overrides]
     if args.resume:
         if not (out / "grpo" / "checkpoints").is_dir():

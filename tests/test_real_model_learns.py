@@ -12,6 +12,7 @@ import json
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 pytestmark = pytest.mark.real_model
@@ -55,7 +56,8 @@ def test_split_is_seeded_and_disjoint(tmp_path):
 
 def test_one_step_run_writes_the_report_and_resumes(tmp_path, smollm2_dir, hotpot_index_dir):
     """Data, index (the session's index of the same 200 paragraphs, as `--index` reuses another run's),
-    warm start, evaluation of both held-out sets, one GRPO step, evaluation after:
+    warm start, evaluation of both held-out sets, one GRPO step (on the questions the warm start gets wrong greedily,
+    --rl-unsolved), evaluation after:
     results.json and results.md hold EM per set with a paired interval, the reward curve, wall time
     and peak RSS per phase with the plan's prediction, and view reports of the same questions. Then
     `--resume run.max_steps=2` continues from step 1's checkpoint (LoRA adapters and AdamW state, the
@@ -82,12 +84,21 @@ def test_one_step_run_writes_the_report_and_resumes(tmp_path, smollm2_dir, hotpo
         "budget.max_tokens_per_turn=12",
     ]
     args = ["--data", str(data), "--out", str(out), "--nq-test", "4", "--triviaqa-test", "3", "--train-size", "26"]
-    args += ["--index", str(hotpot_index_dir)]
+    args += ["--index", str(hotpot_index_dir), "--rl-unsolved"]
     assert main([*args, *overrides]) == 0
     res = json.loads((out / "results.json").read_text())
     # every training question of the fixture (26): some demonstrations read their answer (sft.answer_in_observation)
     rl = res["split"].pop("train_rl")  # GRPO's prompts: the training questions whose search finds the answer
-    assert res["split"] == {"train": 26, "nq": 4, "triviaqa": 3} and 0 < rl < 26
+    unsolved = res["split"].pop("train_rl_unsolved")  # and, of them, those the warm start gets wrong greedily
+    assert res["split"] == {"train": 26, "nq": 4, "triviaqa": 3} and 0 < rl < 26 and 0 < unsolved <= rl
+    probe = [
+        json.loads(line)
+        for p in (out / "data" / "warm_start_train_rl_questions").glob("part-*.jsonl")
+        for line in p.read_text().splitlines()
+    ]
+    wrong = {r["id"] for r in probe if r["em"] == 0.0}
+    assert len(probe) == rl and len(wrong) == unsolved
+    assert set(pq.read_table(out / "data" / "train_rl_unsolved.parquet").column("id").to_pylist()) == wrong
     assert {s: r["n"] for s, r in res["held_out"].items()} == {"nq": 4, "triviaqa": 3}
     for r in res["held_out"].values():
         lo, hi = r["em_diff_ci95"]
