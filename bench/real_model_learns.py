@@ -150,14 +150,18 @@ def write_rl_unsolved(agent_rl: list[str], config: str, overrides: list[str], ou
     """--rl-unsolved: the GRPO prompts narrowed to the questions the warm start answers wrong greedily.
 
     A greedy evaluation of the warm start on OUT/data/train_rl.parquet (its per-question scores in
-    OUT/data/warm_start_train_rl_questions, reused when complete), then OUT/data/train_rl_unsolved.parquet with
-    the questions of EM 0. On a question greedy decoding already answers, a group with differing rewards mostly
-    sharpens the samples toward that answer (bench/temperature_probe.py); on one it gets wrong, such a group is
-    the signal that can change the greedy answer. Returns (kept, evaluated)."""
+    OUT/data/warm_start_train_rl_questions), then OUT/data/train_rl_unsolved.parquet with the questions of EM 0
+    (reused when it exists, as the warm start is). On a question greedy decoding already answers, a group with
+    differing rewards mostly sharpens the samples toward that answer (bench/temperature_probe.py); on one it gets
+    wrong, such a group is the signal that can change the greedy answer. Returns (kept, evaluated)."""
     import pyarrow.parquet as pq
     from temperature_probe import per_question
 
-    pool, table_out = out / "train_rl.parquet", out / "warm_start_train_rl.md"
+    pool, target = out / "train_rl.parquet", out / "train_rl_unsolved.parquet"
+    table_out = out / "warm_start_train_rl.md"
+    if target.exists():  # the warm start in OUT/sft is reused too
+        _log(f"probe: reusing {target}")
+        return pq.read_metadata(target).num_rows, pq.read_metadata(pool).num_rows
     cmd = [*agent_rl, "eval", config, *overrides, "--checkpoint", str(out.parent / "sft"), "--data", str(pool)]
     run_phase("probe", [*cmd, "--out", str(table_out)], out.parent / "logs" / "probe_train_rl.log")
     greedy = {qid: ems[0] for qid, ems in per_question(table_out).items()}
@@ -165,7 +169,7 @@ def write_rl_unsolved(agent_rl: list[str], config: str, overrides: list[str], ou
     wrong = [greedy[qid] == 0.0 for qid in table.column("id").to_pylist()]
     if not any(wrong):
         raise SystemExit("--rl-unsolved: the warm start answers every GRPO training question; drop --rl-unsolved")
-    pq.write_table(table.filter(wrong), out / "train_rl_unsolved.parquet")
+    pq.write_table(table.filter(wrong), target)
     return sum(wrong), len(wrong)
 
 

@@ -54,7 +54,7 @@ def test_split_is_seeded_and_disjoint(tmp_path):
     assert not {r["id"] for r in both["train"][20:]} & set(ids["triviaqa"])
 
 
-def test_one_step_run_writes_the_report_and_resumes(tmp_path, smollm2_dir, hotpot_index_dir):
+def test_one_step_run_writes_the_report_and_resumes(tmp_path, capsys, smollm2_dir, hotpot_index_dir):
     """Data, index (the session's index of the same 200 paragraphs, as `--index` reuses another run's),
     warm start, evaluation of both held-out sets, one GRPO step (on the questions the warm start gets wrong greedily,
     --rl-unsolved), evaluation after:
@@ -114,7 +114,9 @@ def test_one_step_run_writes_the_report_and_resumes(tmp_path, smollm2_dir, hotpo
     md = (out / "results.md").read_text()
     assert "| nq | 4 |" in md and "| triviaqa | 3 |" in md and "predicted" in md
 
+    capsys.readouterr()
     assert main([*args, "--resume", *overrides, "run.max_steps=2"]) == 0
+    assert "probe: reusing" in capsys.readouterr().out  # the warm start's greedy answers are not redone
     (log,) = (out / "logs").glob("train_resume_*.log")
     assert "resumed from" in log.read_text() and "step_1" in log.read_text()
     res = json.loads((out / "results.json").read_text())
