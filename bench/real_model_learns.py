@@ -146,14 +146,14 @@ def write_rl_train(cfg, out: Path, rows: list[dict], hits: list[bool]) -> int:
     return len(kept)
 
 
-def write_rl_unsolved(agent_rl: list[str], config: str, overrides: list[str], out: Path) -> tuple[int, int]:
+def write_rl_unsolved(agent_rl: list[str], config: str, overrides: list[str], out: Path) -> int:
     """--rl-unsolved: the GRPO prompts narrowed to the questions the warm start answers wrong greedily.
 
     A greedy evaluation of the warm start on OUT/data/train_rl.parquet (its per-question scores in
     OUT/data/warm_start_train_rl_questions), then OUT/data/train_rl_unsolved.parquet with the questions of EM 0
     (reused when it exists, as the warm start is). On a question greedy decoding already answers, a group with
     differing rewards mostly sharpens the samples toward that answer (bench/temperature_probe.py); on one it gets
-    wrong, such a group is the signal that can change the greedy answer. Returns (kept, evaluated)."""
+    wrong, such a group is the signal that can change the greedy answer. Returns how many it keeps."""
     import pyarrow.parquet as pq
     from temperature_probe import per_question
 
@@ -161,7 +161,7 @@ def write_rl_unsolved(agent_rl: list[str], config: str, overrides: list[str], ou
     table_out = out / "warm_start_train_rl.md"
     if target.exists():  # the warm start in OUT/sft is reused too
         _log(f"probe: reusing {target}")
-        return pq.read_metadata(target).num_rows, pq.read_metadata(pool).num_rows
+        return pq.read_metadata(target).num_rows
     cmd = [*agent_rl, "eval", config, *overrides, "--checkpoint", str(out.parent / "sft"), "--data", str(pool)]
     run_phase("probe", [*cmd, "--out", str(table_out)], out.parent / "logs" / "probe_train_rl.log")
     greedy = {qid: ems[0] for qid, ems in per_question(table_out).items()}
@@ -170,7 +170,7 @@ def write_rl_unsolved(agent_rl: list[str], config: str, overrides: list[str], ou
     if not any(wrong):
         raise SystemExit("--rl-unsolved: the warm start answers every GRPO training question; drop --rl-unsolved")
     pq.write_table(table.filter(wrong), target)
-    return sum(wrong), len(wrong)
+    return sum(wrong)
 
 
 def run_phase(name: str, cmd: list[str], log: Path) -> dict:
@@ -541,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rl_unsolved:
         if not args.rl_answerable:
             raise SystemExit("--rl-unsolved narrows --rl-answerable's pool: drop --no-rl-answerable")
-        sizes["train_rl_unsolved"], _ = write_rl_unsolved(agent_rl, config, overrides, out / "data")
+        sizes["train_rl_unsolved"] = write_rl_unsolved(agent_rl, config, overrides, out / "data")
         train_overrides = [*overrides, f"data.train_files=[{out / 'data' / 'train_rl_unsolved.parquet'}]"]
         _log(f"data: GRPO trains on the {sizes['train_rl_unsolved']} of them the warm start answers wrong greedily")
     train_cmd = [*agent_rl, "train", config, *train_overrides]

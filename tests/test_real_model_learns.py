@@ -64,6 +64,7 @@ def test_one_step_run_writes_the_report_and_resumes(tmp_path, capsys, smollm2_di
     merged weights pushed to vLLM again) and the report covers both steps; engine and trainer
     log-probs agree within 1e-3 on average at every step (fp32 on CPU)."""
     from real_model_learns import main
+    from temperature_probe import per_question
 
     data = flashrag_folder(tmp_path / "data")
     out = tmp_path / "run"
@@ -91,12 +92,8 @@ def test_one_step_run_writes_the_report_and_resumes(tmp_path, capsys, smollm2_di
     rl = res["split"].pop("train_rl")  # GRPO's prompts: the training questions whose search finds the answer
     unsolved = res["split"].pop("train_rl_unsolved")  # and, of them, those the warm start gets wrong greedily
     assert res["split"] == {"train": 26, "nq": 4, "triviaqa": 3} and 0 < rl < 26 and 0 < unsolved <= rl
-    probe = [
-        json.loads(line)
-        for p in (out / "data" / "warm_start_train_rl_questions").glob("part-*.jsonl")
-        for line in p.read_text().splitlines()
-    ]
-    wrong = {r["id"] for r in probe if r["em"] == 0.0}
+    probe = per_question(out / "data" / "warm_start_train_rl.md")  # the greedy pass's EM per question
+    wrong = {qid for qid, ems in probe.items() if ems == [0.0]}
     assert len(probe) == rl and len(wrong) == unsolved
     assert set(pq.read_table(out / "data" / "train_rl_unsolved.parquet").column("id").to_pylist()) == wrong
     assert {s: r["n"] for s, r in res["held_out"].items()} == {"nq": 4, "triviaqa": 3}
