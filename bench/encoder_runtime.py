@@ -17,6 +17,10 @@ Usage: .venv/bin/python bench/encoder_runtime.py --data ../shared/data/wiki18_nq
 2. `--recall`: the whole corpus encoded with onnx fp32 and with onnx-int8 (each timed), FAISS flat
    inner product, answer recall@1/3/10 (a passage holds a gold answer as a token span) for NQ and
    TriviaQA with (passages, queries) = (fp32, fp32), (fp32, int8), (int8, int8).
+3. `--split` (instead of 1 and 2): the server's batches, 32 consecutive questions of a stream that
+   alternates NQ and TriviaQA ones, encoded in fp32 and int8 with the length split's fixed cost of a
+   forward (`Encoder.forward_tokens`) at each of --forward-tokens and off (one forward a batch, padded to
+   its longest question, as before the split), in alternated rounds: queries/s.
 The encoder is the default MiniLM; every variant uses all cores.
 """
 
@@ -97,6 +101,24 @@ def speed(variants: dict, queries: list[str], passages: list[str], rounds: int, 
     return {name: {k: statistics.median(v) for k, v in row.items()} for name, row in runs.items()}
 
 
+def split_speed(encoders: dict, queries: list[str], costs: list[int], rounds: int) -> dict:
+    """Queries/s of batches of 32 by (encoder, fixed cost of a forward); 1 << 30 stands for off."""
+    cells = [(name, c) for name in encoders for c in [1 << 30, *costs]]
+    runs: dict[tuple[str, int], list[float]] = {cell: [] for cell in cells}
+    for r in range(rounds):
+        for name, c in cells[r % len(cells) :] + cells[: r % len(cells)]:
+            enc = encoders[name]
+            enc.forward_tokens = c
+            t = time.perf_counter()
+            for lo in range(0, len(queries), 32):
+                enc.encode(queries[lo : lo + 32], 32)
+            runs[(name, c)].append(len(queries) / (time.perf_counter() - t))
+            print(
+                f"round {r}  {name:<9} forward cost {'off' if c == 1 << 30 else c:>4}: {runs[(name, c)][-1]:6.0f} q/s"
+            )
+    return {f"{name} {'off' if c == 1 << 30 else c}": statistics.median(v) for (name, c), v in runs.items()}
+
+
 def recall_at(vectors: np.ndarray, q: np.ndarray, contents: list[str], answers: list[list[str]]) -> list[float]:
     import faiss
 
@@ -119,10 +141,26 @@ def main() -> int:
         "--passage-batch", type=int, default=16, help="agent-rl's passage batch (retriever-build's default on a CPU)"
     )
     p.add_argument("--recall", action="store_true", help="also the whole-corpus encodings and answer recall")
+    p.add_argument("--split", action="store_true", help="only the length split's fixed forward cost (3.)")
+    p.add_argument("--forward-tokens", type=int, nargs="+", default=[0, 8, 16, 32, 64])
     p.add_argument("--out", type=Path, help="write the numbers here as JSON")
     a = p.parse_args()
     corpus = read_jsonl(a.data / "corpus.jsonl")
     sets = {name: read_jsonl(a.data / f"{name}_1000.jsonl") for name in ("nq", "triviaqa")}
+    if a.split:
+        pairs = zip(sets["nq"][: a.queries // 2], sets["triviaqa"][: a.queries // 2])
+        stream = [row["question"] for pair in pairs for row in pair]
+        cache = Path(tempfile.mkdtemp(prefix="encoder_runtime_"))
+        encoders = {"fp32": Encoder(cache_dir=cache), "int8": Encoder(int8=True, cache_dir=cache)}
+        table = split_speed(encoders, stream, a.forward_tokens, a.rounds)
+        print(
+            f"\nmedians over {a.rounds} rounds, {len(stream)} questions in batches of 32 (NQ and TriviaQA alternating)"
+        )
+        for name, qps in table.items():
+            print(f"  {name:<10} {qps:7.0f} q/s  ({qps / table[name.split()[0] + ' off']:.2f}x of one forward a batch)")
+        if a.out:
+            a.out.write_text(json.dumps({"split": table}, indent=1))
+        return 0
     contents = [c["contents"] for c in corpus]
     queries = [q["question"] for q in sets["nq"]][: a.queries]
     cache = Path(tempfile.mkdtemp(prefix="encoder_runtime_"))

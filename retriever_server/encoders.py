@@ -9,8 +9,9 @@ pooling and the normalisation are exported once by torch.onnx's exporter into on
 the index (`encoder.onnx`; `encoder.int8.onnx` with dynamic int8 weights) and in a per-user cache,
 and exported again when the weights, the pooling or the versions change. Optimum is not used: its
 ONNX exporter pins transformers < 4.58. On GPUs, and with `runtime="torch"`, transformers' own
-padded forward runs. Either way the texts of a batch are sorted by length first, so little compute
-goes to padding.
+padded forward runs. Either way the texts are tokenized first, sorted by token count and cut into
+forwards where padding the short ones to the long ones would cost more than another forward
+(`length_batches`): a server batch of 32 questions of 10 to 60 tokens is otherwise a third padding.
 """
 
 from __future__ import annotations
@@ -317,21 +318,52 @@ class FastTokenizer:
         tok = tokenizers.Tokenizer.from_file(str(files[0]))
         return cls(tok, pad) if isinstance(pad, str) and tok.token_to_id(pad) is not None else None
 
-    def __call__(self, texts: list[str], padding: bool, truncation: bool, max_length: int, return_tensors: str):
-        if truncation:
-            self.tok.enable_truncation(max_length)
-        else:
-            self.tok.no_truncation()
-        if padding:
-            self.tok.enable_padding(pad_id=self.pad_id, pad_token=self.pad_token)
-        else:
-            self.tok.no_padding()
+    def __call__(self, texts: list[str], max_length: int) -> tuple[list[list[int]], list[list[int]]]:
+        """Token ids and token types of each text, truncated to max_length, unpadded."""
+        self.tok.enable_truncation(max_length)
+        self.tok.no_padding()  # a tokenizer.json may carry a fixed padding of its own
         enc = self.tok.encode_batch(texts)
-        return {
-            "input_ids": np.array([e.ids for e in enc], dtype=np.int64),
-            "attention_mask": np.array([e.attention_mask for e in enc], dtype=np.int64),
-            "token_type_ids": np.array([e.type_ids for e in enc], dtype=np.int64),
-        }
+        return [e.ids for e in enc], [e.type_ids for e in enc]
+
+
+# The fixed cost of one forward on a CPU, in padded tokens' worth of compute (bench/RESULTS.md).
+# Elsewhere it is not measured: there the fewest forwards are kept, as before the split.
+CPU_FORWARD_TOKENS = 16
+
+
+def length_batches(lengths: np.ndarray, max_rows: int, forward_tokens: int) -> list[tuple[int, int]]:
+    """lengths: (n,) token counts, ascending. Cuts them into runs [lo, hi) of at most max_rows whose
+    cost, the padded tokens (rows x longest) plus forward_tokens a run, is least; exact (dynamic
+    programming over where each run starts, O(n * max_rows))."""
+    n = len(lengths)
+    best = np.zeros(n + 1)
+    start = np.zeros(n + 1, dtype=np.int64)
+    for hi in range(1, n + 1):
+        lo = np.arange(max(0, hi - max_rows), hi)
+        cost = best[lo] + (hi - lo) * float(lengths[hi - 1]) + forward_tokens
+        i = int(np.argmin(cost))  # ties go to the longest run: the fewest forwards
+        best[hi], start[hi] = cost[i], lo[i]
+    runs, hi = [], n
+    while hi > 0:
+        runs.append((int(start[hi]), hi))
+        hi = int(start[hi])
+    return runs[::-1]
+
+
+def pad(ids: list[list[int]], types: list[list[int]], pad_id: int) -> dict[str, np.ndarray]:
+    """Right-padded (rows, longest) int64 input_ids, attention_mask and token_type_ids, as
+    transformers' tokenizers pad with padding=True."""
+    width = max(len(i) for i in ids)
+    out = {
+        "input_ids": np.full((len(ids), width), pad_id, dtype=np.int64),
+        "attention_mask": np.zeros((len(ids), width), dtype=np.int64),
+        "token_type_ids": np.zeros((len(ids), width), dtype=np.int64),
+    }
+    for r, (row, kinds) in enumerate(zip(ids, types)):
+        out["input_ids"][r, : len(row)] = row
+        out["attention_mask"][r, : len(row)] = 1
+        out["token_type_ids"][r, : len(kinds)] = kinds
+    return out
 
 
 class Encoder:
@@ -406,19 +438,33 @@ class Encoder:
             from retriever_server.pooled import Pooled
 
             self.model = Pooled(model, pooling).eval()
+        pad_id = self.tokenizer.pad_id if isinstance(self.tokenizer, FastTokenizer) else self.tokenizer.pad_token_id
+        if pad_id is None:
+            raise ValueError(f"{self.path}: its tokenizer names no pad token, which batches of unequal texts need")
+        self.pad_id = int(pad_id)
+        self.forward_tokens = CPU_FORWARD_TOKENS if device.split(":")[0] == "cpu" else 1 << 30
+
+    def tokenize(self, texts: list[str]) -> tuple[list[list[int]], list[list[int]]]:
+        """Token ids and token types of each text, truncated to max_length, unpadded."""
+        if isinstance(self.tokenizer, FastTokenizer):
+            return self.tokenizer(texts, self.max_length)
+        enc = self.tokenizer(texts, truncation=True, max_length=self.max_length)
+        ids = enc["input_ids"]
+        return ids, enc.get("token_type_ids") or [[0] * len(i) for i in ids]
 
     def encode(self, texts: list[str], batch_size: int = 64) -> np.ndarray:
-        """texts -> float32 (n, dim), unit L2 norm."""
+        """texts -> float32 (n, dim), unit L2 norm; at most batch_size texts a forward."""
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        # Similar lengths share a batch, so little compute goes to padding (2x on Wikipedia text).
-        order = np.argsort([len(t) for t in texts], kind="stable")
-        for lo in range(0, len(texts), batch_size):
-            idx = order[lo : lo + batch_size]
-            batch = self.tokenizer(
-                [texts[i] for i in idx], padding=True, truncation=True, max_length=self.max_length, return_tensors="np"
-            )
+        if not texts:
+            return out
+        ids, types = self.tokenize(texts)
+        lengths = np.array([len(i) for i in ids])
+        order = np.argsort(lengths, kind="stable")
+        for lo, hi in length_batches(lengths[order], batch_size, self.forward_tokens):
+            idx = order[lo:hi]
+            batch = pad([ids[i] for i in idx], [types[i] for i in idx], self.pad_id)
             if self.session is not None:
-                out[idx] = self.session.run(None, {n: batch[n].astype(np.int64) for n in self.input_names})[0]
+                out[idx] = self.session.run(None, {n: batch[n] for n in self.input_names})[0]
             else:
                 import torch
 

@@ -107,10 +107,11 @@ def test_onnx_export_is_kept_and_redone_when_its_inputs_change(tiny_bert, tmp_pa
 
 def test_the_onnx_encoders_tokenizer_gives_transformers_ids():
     """The ONNX path reads tokenizer.json with `tokenizers` alone (no transformers import): the same
-    ids, attention masks and token types as transformers' tokenizer, padded and truncated alike."""
+    ids and token types as transformers' tokenizer, truncated alike; padded by `pad`, the same ids,
+    attention masks and token types as transformers' padding=True."""
     from transformers import AutoTokenizer
 
-    from retriever_server.encoders import FastTokenizer, default_encoder_path
+    from retriever_server.encoders import FastTokenizer, default_encoder_path, pad
 
     path = Path(default_encoder_path())
     ours, theirs = FastTokenizer.load(path), AutoTokenizer.from_pretrained(path)
@@ -118,10 +119,44 @@ def test_the_onnx_encoders_tokenizer_gives_transformers_ids():
     texts = [*_texts(), "", "Ünïcödé naïve café 東京", "  spaced\tout\n text  "]
     for max_length in (8, 256):
         for lo in range(0, len(texts), 5):
-            args = dict(padding=True, truncation=True, max_length=max_length, return_tensors="np")
-            a, b = ours(texts[lo : lo + 5], **args), theirs(texts[lo : lo + 5], **args)
+            ids, types = ours(texts[lo : lo + 5], max_length)
+            want = theirs(texts[lo : lo + 5], truncation=True, max_length=max_length)
+            assert ids == want["input_ids"] and types == want["token_type_ids"], (lo, max_length)
+            a = pad(ids, types, ours.pad_id)
+            b = theirs(texts[lo : lo + 5], padding=True, truncation=True, max_length=max_length, return_tensors="np")
             for name in ("input_ids", "attention_mask", "token_type_ids"):
                 assert np.array_equal(a[name], b[name]), (name, lo, max_length)
+
+
+def test_length_batches_cut_where_padding_costs_more_than_a_forward():
+    """The split of length-sorted texts into forwards is the least-cost one (padded tokens plus a
+    fixed cost a forward), checked against every split of small cases; rows per forward never pass
+    the cap; a huge forward cost keeps the fewest forwards; the cuts cover every text once."""
+    import itertools
+
+    from retriever_server.encoders import length_batches
+
+    def cost(lengths, runs, per):
+        return sum((hi - lo) * lengths[hi - 1] + per for lo, hi in runs)
+
+    assert length_batches(np.array([10, 10, 10, 60]), 8, 16) == [(0, 3), (3, 4)]  # 46 < 240 + 16
+    assert length_batches(np.array([10, 10, 12, 12]), 8, 16) == [(0, 4)]  # 48 < 40 + 24 + 16
+    assert len(length_batches(np.array([5] * 10), 4, 16)) == 3  # no padding to save: the fewest forwards
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n, cap, per = int(rng.integers(1, 9)), int(rng.integers(1, 6)), int(rng.integers(0, 40))
+        lengths = np.sort(rng.integers(1, 80, n))
+        runs = length_batches(lengths, cap, per)
+        assert [lo for lo, _ in runs] == [0] + [hi for _, hi in runs[:-1]] and runs[-1][1] == n
+        assert all(hi - lo <= cap for lo, hi in runs)
+        every = []
+        for cuts in itertools.product([0, 1], repeat=n - 1):
+            bounds = [0] + [i + 1 for i, c in enumerate(cuts) if c] + [n]
+            split = list(zip(bounds, bounds[1:]))
+            if all(hi - lo <= cap for lo, hi in split):
+                every.append(cost(lengths, split, per))
+        assert cost(lengths, runs, per) == min(every)
+    assert len(length_batches(np.arange(1, 101), 32, 1 << 30)) == 4
 
 
 def test_encoder_runtime_errors_say_what_to_change(monkeypatch):
