@@ -38,7 +38,8 @@ import numpy as np
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
-from agent_fixtures import start_server  # noqa: E402  (retriever_load puts tests/ on the path)
+sys.path.insert(0, str(ROOT.parent / "tests"))
+from agent_fixtures import start_server  # noqa: E402
 from retriever_load import FIXTURE, Ceiling, Queries, drive, ensure_index  # noqa: E402
 
 from agent_rl.infra.prepare import stop_process  # noqa: E402
