@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from retriever_server.answers import contains_answer  # noqa: E402
-from retriever_server.encoders import Encoder, _export, _quantize, default_encoder_path, onnx_session  # noqa: E402
+from retriever_server.encoders import FEWEST_FORWARDS, Encoder, _export, _quantize, default_encoder_path, onnx_session  # noqa: E402
 
 
 class Transformers:
@@ -102,8 +102,8 @@ def speed(variants: dict, queries: list[str], passages: list[str], rounds: int, 
 
 
 def split_speed(encoders: dict, queries: list[str], costs: list[int], rounds: int) -> dict:
-    """Queries/s of batches of 32 by (encoder, fixed cost of a forward); 1 << 30 stands for off."""
-    cells = [(name, c) for name in encoders for c in [1 << 30, *costs]]
+    """Queries/s of batches of 32 by (encoder, fixed cost of a forward); FEWEST_FORWARDS is off."""
+    cells = [(name, c) for name in encoders for c in [FEWEST_FORWARDS, *costs]]
     runs: dict[tuple[str, int], list[float]] = {cell: [] for cell in cells}
     for r in range(rounds):
         for name, c in cells[r % len(cells) :] + cells[: r % len(cells)]:
@@ -113,10 +113,10 @@ def split_speed(encoders: dict, queries: list[str], costs: list[int], rounds: in
             for lo in range(0, len(queries), 32):
                 enc.encode(queries[lo : lo + 32], 32)
             runs[(name, c)].append(len(queries) / (time.perf_counter() - t))
-            print(
-                f"round {r}  {name:<9} forward cost {'off' if c == 1 << 30 else c:>4}: {runs[(name, c)][-1]:6.0f} q/s"
-            )
-    return {f"{name} {'off' if c == 1 << 30 else c}": statistics.median(v) for (name, c), v in runs.items()}
+            label = "off" if c == FEWEST_FORWARDS else c
+            print(f"round {r}  {name:<9} forward cost {label:>4}: {runs[(name, c)][-1]:6.0f} q/s", flush=True)
+    labels = {c: "off" if c == FEWEST_FORWARDS else c for _, c in cells}
+    return {f"{name} {labels[c]}": statistics.median(v) for (name, c), v in runs.items()}
 
 
 def recall_at(vectors: np.ndarray, q: np.ndarray, contents: list[str], answers: list[list[str]]) -> list[float]:

@@ -297,8 +297,7 @@ class FastTokenizer:
     model zoo (~5 s a process), which an ONNX encoder never runs."""
 
     def __init__(self, tokenizer, pad_token: str):
-        self.tok, self.pad_token = tokenizer, pad_token
-        self.pad_id = tokenizer.token_to_id(pad_token)
+        self.tok, self.pad_id = tokenizer, tokenizer.token_to_id(pad_token)
 
     @classmethod
     def load(cls, model_dir: Path) -> FastTokenizer | None:
@@ -329,6 +328,7 @@ class FastTokenizer:
 # The fixed cost of one forward on a CPU, in padded tokens' worth of compute (bench/RESULTS.md).
 # Elsewhere it is not measured: there the fewest forwards are kept, as before the split.
 CPU_FORWARD_TOKENS = 16
+FEWEST_FORWARDS = 1 << 30  # a fixed cost no padding outweighs: batch_size texts a forward
 
 
 def length_batches(lengths: np.ndarray, max_rows: int, forward_tokens: int) -> list[tuple[int, int]]:
@@ -442,7 +442,7 @@ class Encoder:
         if pad_id is None:
             raise ValueError(f"{self.path}: its tokenizer names no pad token, which batches of unequal texts need")
         self.pad_id = int(pad_id)
-        self.forward_tokens = CPU_FORWARD_TOKENS if device.split(":")[0] == "cpu" else 1 << 30
+        self.forward_tokens = CPU_FORWARD_TOKENS if device.split(":")[0] == "cpu" else FEWEST_FORWARDS
 
     def tokenize(self, texts: list[str]) -> tuple[list[list[int]], list[list[int]]]:
         """Token ids and token types of each text, truncated to max_length, unpadded."""

@@ -134,7 +134,7 @@ def test_length_batches_cut_where_padding_costs_more_than_a_forward():
     the cap; a huge forward cost keeps the fewest forwards; the cuts cover every text once."""
     import itertools
 
-    from retriever_server.encoders import length_batches
+    from retriever_server.encoders import FEWEST_FORWARDS, length_batches
 
     def cost(lengths, runs, per):
         return sum((hi - lo) * lengths[hi - 1] + per for lo, hi in runs)
@@ -156,7 +156,7 @@ def test_length_batches_cut_where_padding_costs_more_than_a_forward():
             if all(hi - lo <= cap for lo, hi in split):
                 every.append(cost(lengths, split, per))
         assert cost(lengths, runs, per) == min(every)
-    assert len(length_batches(np.arange(1, 101), 32, 1 << 30)) == 4
+    assert len(length_batches(np.arange(1, 101), 32, FEWEST_FORWARDS)) == 4
 
 
 def test_encoder_runtime_errors_say_what_to_change(monkeypatch):
