@@ -1,7 +1,7 @@
 """Does a real model learn on real questions? SmolLM2 + GRPO on NQ, held-out NQ and TriviaQA.
 
 Usage: .venv/bin/python bench/real_model_learns.py --data DIR [--out runs/real_nq] [--config CONFIG]
-       [--seed 0] [--nq-test 300] [--triviaqa-test 300] [--train-triviaqa] [--rl-unsolved] [key=value ...]
+       [--seed 0] [--nq-test 500] [--triviaqa-test 300] [--train-triviaqa] [--rl-unsolved] [key=value ...]
 
 DIR is a folder in FlashRAG layout: `corpus.jsonl` (`id`, `contents` = "Title\\ntext"), `nq_1000.jsonl`
 and `triviaqa_1000.jsonl` (`id`, `question`, `golden_answers`), e.g. ../shared/data/wiki18_nq_triviaqa.
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/real_nq")
     parser.add_argument("--config", default="configs/smollm2_nq_grpo.yaml")
     parser.add_argument("--seed", type=int, default=0, help="seed of the split (the runs use run.seed)")
-    parser.add_argument("--nq-test", type=int, default=300, help="held-out NQ questions")
+    parser.add_argument("--nq-test", type=int, default=500, help="held-out NQ questions")
     parser.add_argument("--triviaqa-test", type=int, default=300, help="held-out TriviaQA questions")
     parser.add_argument("--train-size", type=int, default=0, help="training questions (0 = every other NQ one)")
     parser.add_argument(
