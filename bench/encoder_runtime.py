@@ -11,10 +11,11 @@ Usage: .venv/bin/python bench/encoder_runtime.py --data ../shared/data/wiki18_nq
    - `torch`: agent-rl's Encoder(runtime="torch"): length-sorted batches (of --passage-batch
      passages), the same forward;
    - `onnx`, `onnx-int8`: Encoder(runtime="onnx"), fp32 (on ORT's fused kernels) and that graph in
-     dynamic int8 (its fused Attention keeps the QKV weights in float: the quantiser does not reach them);
+     dynamic int8 (its fused Attention as QAttention: the QKV projection in int8 too);
    - `onnx-unfused`, `onnx-int8-unfused`: the fp32 graph as torch.onnx exports it, before the kernel
      fusion, and that graph quantised the same way (its QKV projections in int8 too).
-2. `--recall`: the whole corpus encoded with onnx fp32 and with onnx-int8 (each timed), FAISS flat
+2. `--recall`: the whole corpus encoded with transformers' plain forward, onnx fp32 and onnx-int8 (each
+   timed once, in that order: the passage goal's measure), FAISS flat
    inner product, answer recall@1/3/10 (a passage holds a gold answer as a token span) for NQ and
    TriviaQA with (passages, queries) = (fp32, fp32), (fp32, int8), (int8, int8).
 3. `--split` (instead of 1 and 2): the server's batches, 32 consecutive questions of a stream that
@@ -195,11 +196,16 @@ def main() -> int:
         )
     if a.recall:
         vectors, seconds = {}, {}
-        for name in ("onnx", "onnx-int8"):
+        for name in ("transformers", "onnx", "onnx-int8"):
             t = time.perf_counter()
-            vectors[name] = variants[name].encode_passages(contents, a.passage_batch)
+            enc = variants[name]
+            if name == "transformers":
+                vectors[name] = enc.encode(contents)
+            else:
+                vectors[name] = enc.encode_passages(contents, a.passage_batch)
             seconds[name] = round(time.perf_counter() - t, 1)
-            print(f"{name}: {len(contents)} passages encoded in {seconds[name]} s", flush=True)
+            x = seconds["transformers"] / seconds[name]
+            print(f"{name}: {len(contents)} passages encoded in {seconds[name]} s ({x:.2f}x)", flush=True)
         report["full_corpus_seconds"] = seconds
         report["recall"] = {}
         for set_name, rows in sets.items():

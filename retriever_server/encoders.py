@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 
 RUNTIMES = ("auto", "onnx", "torch")
 ONNX_PACKAGES = ("onnxruntime", "onnx", "onnxscript")
+INT8_RECIPE = "qattention"  # what `_quantize` does, in an int8 export's key: a new recipe exports again
 
 
 def default_encoder_path() -> str:
@@ -90,7 +91,7 @@ def _export_key(model: torch.nn.Module, input_names: list[str], pooling: str, in
         "config": model.config.to_dict(),  # type: ignore[union-attr, operator]
         "pooling": pooling,
         "inputs": input_names,
-        "int8": int8,
+        "int8": INT8_RECIPE if int8 else False,
         **_versions_key(),
     }
     h.update(json.dumps(what, sort_keys=True, default=str).encode())
@@ -115,7 +116,7 @@ def _files_key(model_dir: Path, pooling: str, int8: bool) -> str | None:
     if not config.is_file() or not weights:
         return None
     h = hashlib.sha256()
-    what = {"pooling": pooling, "int8": int8, **_versions_key()}
+    what = {"pooling": pooling, "int8": INT8_RECIPE if int8 else False, **_versions_key()}
     h.update(json.dumps(what, sort_keys=True).encode())
     tokenizer_config = model_dir / "tokenizer_config.json"
     for path in [config, *([tokenizer_config] if tokenizer_config.is_file() else []), *weights]:
@@ -216,19 +217,108 @@ def _fuse(path: Path) -> None:
         logging.getLogger(__name__).warning("ONNX encoder: kernel fusion skipped (%s); the graph runs unfused", err)
 
 
+def _quantizable_attention(model) -> int:
+    """Rewrite the fused Attention nodes of an onnx ModelProto (in place) into the form ONNX Runtime's
+    quantiser turns into QAttention, whose QKV projection runs in int8: the QKV weight as one
+    initializer (the fusion concatenates Q's, K's and V's at run time), no `qkv_hidden_sizes` where
+    the three are one width, and the padding mask as the node's 2-D `mask_index` (the graph's
+    `attention_mask`, 1 = a token) instead of the additive bias the fusion builds from it (QAttention
+    takes no bias). Nodes of another form are left alone. Returns how many were rewritten."""
+    import onnx
+    from onnx import numpy_helper
+
+    graph = model.graph
+    if "attention_mask" not in {i.name for i in graph.input}:
+        return 0
+    inits = {t.name: t for t in graph.initializer}
+    producer = {o: n for n in graph.node for o in n.output}
+    mask = "attention_mask_int32"
+    done = 0
+    for node in graph.node:
+        if (node.domain, node.op_type) != ("com.microsoft", "Attention"):
+            continue
+        attrs = {a.name: a for a in node.attribute}
+        sizes = list(attrs["qkv_hidden_sizes"].ints) if "qkv_hidden_sizes" in attrs else []
+        ins = list(node.input)  # input, weights, bias, mask_index, past, attention_bias
+        if len(set(sizes)) > 1 or len(ins) != 6 or any(ins[3:5]) or not ins[5] or not ins[2]:
+            continue
+        if ins[1] not in inits:
+            cat = producer.get(ins[1])
+            if cat is None or cat.op_type != "Concat" or not all(i in inits for i in cat.input):
+                continue
+            axis = onnx.helper.get_attribute_value(next(a for a in cat.attribute if a.name == "axis"))
+            weight = np.concatenate([numpy_helper.to_array(inits[i]) for i in cat.input], axis=axis)
+            folded = numpy_helper.from_array(weight, f"{ins[1]}_folded")
+            graph.initializer.append(folded)
+            inits[folded.name] = folded
+            node.input[1] = folded.name
+        if "qkv_hidden_sizes" in attrs:
+            node.attribute.remove(attrs["qkv_hidden_sizes"])
+        del node.input[3:]
+        node.input.append(mask)
+        done += 1
+    if not done:
+        return 0
+    graph.node.insert(0, onnx.helper.make_node("Cast", ["attention_mask"], [mask], to=onnx.TensorProto.INT32))
+    # what only the bias and the concatenated weights needed goes
+    live = {o.name for o in graph.output}
+    keep = []
+    for node in reversed(graph.node):
+        if any(o in live for o in node.output):
+            keep.append(node)
+            live.update(i for i in node.input if i)
+    del graph.node[:]
+    graph.node.extend(reversed(keep))
+    unused = [t for t in graph.initializer if t.name not in live]
+    for t in unused:
+        graph.initializer.remove(t)
+    return done
+
+
+def _same_outputs(a, b, input_names: list[str]) -> bool:
+    """Whether two ONNX models give the same vectors (to 1e-4) for a padded batch."""
+    import onnxruntime as ort
+
+    rng = np.random.default_rng(0)
+    feed = {"input_ids": rng.integers(1, 100, (3, 9)), "attention_mask": np.ones((3, 9), dtype=np.int64)}
+    feed["attention_mask"][1, 4:] = 0
+    feed["attention_mask"][2, 7:] = 0
+    feed["token_type_ids"] = np.zeros((3, 9), dtype=np.int64)
+    outs = []
+    for model in (a, b):
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        outs.append(session.run(None, {n: feed[n] for n in input_names})[0])
+    return bool(np.abs(outs[0] - outs[1]).max() < 1e-4)
+
+
 def _quantize(fp32: Path, out: Path) -> None:
-    """Dynamic int8: the weights of the linear layers outside attention as int8, one scale per output
-    channel, their inputs quantised per call; the fused Attention (its QKV projection and the
-    activation-by-activation products) stays float."""
+    """Dynamic int8: the weights of the linear layers as int8, one scale per output channel, their
+    inputs quantised per call, the fused Attention's QKV projection too (QAttention, by
+    `_quantizable_attention`; checked to give the fp32 graph's vectors before quantising, else the
+    Attention stays float); the activation-by-activation products of attention stay float."""
+    import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    original = onnx.load(str(fp32))
+    model = onnx.load(str(fp32))
+    names = [i.name for i in model.graph.input]
+    if _quantizable_attention(model) and not _same_outputs(original, model, names):
+        logging.getLogger(__name__).warning("ONNX encoder: attention not quantised (its rewrite changed the outputs)")
+        model = original
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)  # its advice to pre-process is for static quantisation
     try:
-        quantize_dynamic(
-            str(fp32), str(out), weight_type=QuantType.QInt8, per_channel=True, extra_options={"MatMulConstBOnly": True}
-        )
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / "fp32.onnx"
+            onnx.save(model, str(src))
+            quantize_dynamic(
+                str(src),
+                str(out),
+                weight_type=QuantType.QInt8,
+                per_channel=True,
+                extra_options={"MatMulConstBOnly": True},
+            )
     finally:
         root.setLevel(level)
 
@@ -263,8 +353,8 @@ def onnx_model(
     shared = shared_dir / name
     exported = False
     if not _cached(shared, key):
-        if int8:  # the fused graph quantised: faster and closer to fp32 than the unfused one quantised
-            # (its fused Attention keeps the QKV weights in float; bench/RESULTS.md)
+        if int8:  # the fused graph quantised, its Attention too: faster than the unfused graph quantised,
+            # and as close to fp32 (bench/RESULTS.md)
             fp32, _ = onnx_model(key_for, load, pooling, False, None, encoder)
             _place(lambda tmp: _quantize(fp32, tmp), shared, meta)
         else:

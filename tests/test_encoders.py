@@ -42,8 +42,8 @@ def tiny_bert(tmp_path_factory) -> Path:
 
 def test_onnx_encoder_equals_transformers_forward(tmp_path):
     """MiniLM through ONNX Runtime (auto picks it on CPU) gives transformers' forward's unit vectors
-    to float rounding at batch sizes 1, 5 and 64; its int8 version keeps a mean cosine above 0.99 to them
-    and is under 40% of the size (the fused attention's QKV weights stay float)."""
+    to float rounding at batch sizes 1, 5 and 64; its int8 version keeps a mean cosine above 0.99 to them,
+    runs the fused attention's QKV projection in int8 too (QAttention) and is under 30% of the size."""
     from retriever_server.encoders import Encoder
 
     texts = _texts()
@@ -56,7 +56,34 @@ def test_onnx_encoder_equals_transformers_forward(tmp_path):
     int8 = Encoder(int8=True, cache_dir=tmp_path)
     cosine = (int8.encode_queries(texts) * want).sum(1)
     assert cosine.mean() > 0.99 and cosine.min() > 0.97
-    assert (tmp_path / "encoder.int8.onnx").stat().st_size < 0.4 * (tmp_path / "encoder.onnx").stat().st_size
+    import onnx
+
+    ops = [n.op_type for n in onnx.load(str(tmp_path / "encoder.int8.onnx")).graph.node]
+    assert ops.count("QAttention") == 6 and "Attention" not in ops
+    assert (tmp_path / "encoder.int8.onnx").stat().st_size < 0.3 * (tmp_path / "encoder.onnx").stat().st_size
+
+
+def test_int8_attention_stays_float_when_its_rewrite_would_change_the_vectors(tiny_bert, tmp_path, monkeypatch, caplog):
+    """The rewrite that lets the quantiser reach the fused Attention is checked against the fp32 graph
+    before quantising: where it holds (the tiny BERT, CLS pooling) the Attention becomes QAttention;
+    where the check fails the int8 graph keeps the float Attention, says so, and still encodes."""
+    from retriever_server import encoders
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    texts = _texts()
+    want = encoders.Encoder(str(tiny_bert), pooling="cls", runtime="torch").encode(texts)
+    for checked in (True, False):
+        if not checked:
+            monkeypatch.setattr(encoders, "_same_outputs", lambda *args: False)
+        index = tmp_path / f"index_{checked}"
+        int8 = encoders.Encoder(str(tiny_bert), pooling="cls", int8=True, cache_dir=index)
+        import onnx
+
+        ops = [n.op_type for n in onnx.load(str(index / "encoder.int8.onnx")).graph.node]
+        assert ("QAttention" in ops) is checked and ("Attention" in ops) is not checked
+        assert ("attention not quantised" in caplog.text) is not checked
+        assert (int8.encode(texts) * want).sum(1).mean() > 0.95
+        shutil.rmtree(tmp_path / "cache")
 
 
 def test_onnx_export_is_kept_and_redone_when_its_inputs_change(tiny_bert, tmp_path, monkeypatch):
