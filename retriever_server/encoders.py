@@ -217,19 +217,21 @@ def _fuse(path: Path) -> None:
         logging.getLogger(__name__).warning("ONNX encoder: kernel fusion skipped (%s); the graph runs unfused", err)
 
 
-def _quantizable_attention(model) -> int:
-    """Rewrite the fused Attention nodes of an onnx ModelProto (in place) into the form ONNX Runtime's
+def _quantizable_attention(model):
+    """Rewrite the fused Attention nodes of an onnx ModelProto (which this changes) into the form ONNX Runtime's
     quantiser turns into QAttention, whose QKV projection runs in int8: the QKV weight as one
     initializer (the fusion concatenates Q's, K's and V's at run time), no `qkv_hidden_sizes` where
     the three are one width, and the padding mask as the node's 2-D `mask_index` (the graph's
     `attention_mask`, 1 = a token) instead of the additive bias the fusion builds from it (QAttention
-    takes no bias). Nodes of another form are left alone. Returns how many were rewritten."""
+    takes no bias), the nodes only the bias and the concatenation needed removed. Nodes of another form
+    are left alone. Returns the rewritten ModelProto, or None where no node was."""
     import onnx
+    import onnx_ir as ir
     from onnx import numpy_helper
 
     graph = model.graph
     if "attention_mask" not in {i.name for i in graph.input}:
-        return 0
+        return None
     inits = {t.name: t for t in graph.initializer}
     producer = {o: n for n in graph.node for o in n.output}
     mask = "attention_mask_int32"
@@ -258,21 +260,11 @@ def _quantizable_attention(model) -> int:
         node.input.append(mask)
         done += 1
     if not done:
-        return 0
+        return None
     graph.node.insert(0, onnx.helper.make_node("Cast", ["attention_mask"], [mask], to=onnx.TensorProto.INT32))
-    # what only the bias and the concatenated weights needed goes
-    live = {o.name for o in graph.output}
-    keep = []
-    for node in reversed(graph.node):
-        if any(o in live for o in node.output):
-            keep.append(node)
-            live.update(i for i in node.input if i)
-    del graph.node[:]
-    graph.node.extend(reversed(keep))
-    unused = [t for t in graph.initializer if t.name not in live]
-    for t in unused:
-        graph.initializer.remove(t)
-    return done
+    rewritten = ir.from_proto(model)
+    ir.passes.common.RemoveUnusedNodesPass()(rewritten)
+    return ir.to_proto(rewritten)
 
 
 def _same_outputs(a, b, input_names: list[str]) -> bool:
@@ -299,12 +291,14 @@ def _quantize(fp32: Path, out: Path) -> None:
     import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    original = onnx.load(str(fp32))
     model = onnx.load(str(fp32))
-    names = [i.name for i in model.graph.input]
-    if _quantizable_attention(model) and not _same_outputs(original, model, names):
+    original = onnx.ModelProto()
+    original.CopyFrom(model)  # the rewrite works in place
+    rewritten = _quantizable_attention(model)
+    if rewritten is not None and not _same_outputs(original, rewritten, [i.name for i in original.graph.input]):
         logging.getLogger(__name__).warning("ONNX encoder: attention not quantised (its rewrite changed the outputs)")
-        model = original
+        rewritten = None
+    model = original if rewritten is None else rewritten
     root = logging.getLogger()
     level = root.level
     root.setLevel(logging.ERROR)  # its advice to pre-process is for static quantisation

@@ -67,6 +67,8 @@ def test_int8_attention_stays_float_when_its_rewrite_would_change_the_vectors(ti
     """The rewrite that lets the quantiser reach the fused Attention is checked against the fp32 graph
     before quantising: where it holds (the tiny BERT, CLS pooling) the Attention becomes QAttention;
     where the check fails the int8 graph keeps the float Attention, says so, and still encodes."""
+    import onnx
+
     from retriever_server import encoders
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -77,8 +79,6 @@ def test_int8_attention_stays_float_when_its_rewrite_would_change_the_vectors(ti
             monkeypatch.setattr(encoders, "_same_outputs", lambda *args: False)
         index = tmp_path / f"index_{checked}"
         int8 = encoders.Encoder(str(tiny_bert), pooling="cls", int8=True, cache_dir=index)
-        import onnx
-
         ops = [n.op_type for n in onnx.load(str(index / "encoder.int8.onnx")).graph.node]
         assert ("QAttention" in ops) is checked and ("Attention" in ops) is not checked
         assert ("attention not quantised" in caplog.text) is not checked
