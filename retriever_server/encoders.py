@@ -227,6 +227,7 @@ def _quantizable_attention(model):
     are left alone. Returns the rewritten ModelProto, or None where no node was."""
     import onnx
     import onnx_ir as ir
+    import onnx_ir.passes.common  # noqa: F401 - ir.passes does not import its submodules
     from onnx import numpy_helper
 
     graph = model.graph
