@@ -13,7 +13,8 @@ and API key: the agent's `read` tool.
 
 The parts, top to bottom: `Settings` (every limit and its default, which the CLI reads),
 `Metrics`, `ResultCache`, `Batcher`, `Retriever` (validation, cache, search, answer), `Guard`
-(API key and body size before FastAPI reads a request), the routes, `create_app`, `main`.
+(API key and body size before FastAPI reads a request; a valid `/retrieve` answered there), the
+routes, `create_app`, `main`.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Histogram, generate_latest
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from retriever_server.schema import ReadRequest, ReadResponse, RetrieveRequest, RetrieveResponse
@@ -428,11 +429,22 @@ async def drain(receive: Callable, already: int, more: bool, cap: int) -> bool:
     return True
 
 
+def is_plain_json(content_type: bytes | None) -> bool:
+    """A body FastAPI would read as JSON: no content type, or application/json (any parameters)."""
+    return content_type is None or content_type.split(b";", 1)[0].strip().lower() == b"application/json"
+
+
 class Guard:
     """API key and body size, checked before FastAPI reads the request. A plain ASGI middleware:
     Starlette's `@app.middleware("http")` runs every request through an extra task and stream,
     about a third of this server's per-request CPU on a cache hit. A body is read here (so a
-    chunked body with no Content-Length is bounded too) and replayed to the app."""
+    chunked body with no Content-Length is bounded too) and replayed to the app.
+
+    A `/retrieve` body that pydantic's JSON parser reads as a valid `RetrieveRequest` is answered
+    here, by the route's own `Retriever.retrieve`: at high concurrency the encoder waits on the
+    event loop between batches, and FastAPI's routing, dependency solving and middleware were
+    the larger part of that loop's work a request (bench/RESULTS.md). Every other body (malformed
+    JSON, a wrong type, another content type) goes on to FastAPI, which answers it as before."""
 
     def __init__(self, app: Any, retriever: Retriever):
         self.app, self.retriever = app, retriever
@@ -471,7 +483,16 @@ class Guard:
                     413, f"request body exceeds the limit of {s.max_body_bytes} bytes (--max-body-bytes)", close=True
                 )
                 return await refusal(scope, receive, send)
-        replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        body = b"".join(chunks)
+        if scope["path"] == "/retrieve" and is_plain_json(headers.get(b"content-type")):
+            try:
+                req = RetrieveRequest.model_validate_json(body)
+            except ValidationError:
+                pass  # FastAPI gives the error its usual answer
+            else:
+                response = await self.retriever.retrieve(req)
+                return await response(scope, receive, send)
+        replay = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replayed() -> dict:
             return replay.pop() if replay else await receive()

@@ -1,12 +1,13 @@
-"""The document store: the corpus in Arrow, memory-mapped, fetched by row indices vectorised.
+"""The document store: the corpus in Arrow, memory-mapped, read by row without copying it.
 
 A 21M-passage corpus must never live in Python objects: `build` converts the JSONL to an Arrow
-dataset (`datasets.save_to_disk`) once; the server memory-maps it and gathers rows with one
-`take` per batch. Accepts `{"id", "contents": "Title\\ntext"}` lines, or `title` + `text`.
+file once; the server memory-maps it and decodes only the rows a request asks for, straight from
+the mapped string buffers. Accepts `{"id", "contents": "Title\\ntext"}` lines, or `title` + `text`.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 from pathlib import Path
 
@@ -45,7 +46,10 @@ def write_store(corpus: Path, out_dir: Path, batch: int = 50_000) -> int:
 
 
 class DocStore:
-    """Memory-mapped Arrow table of the corpus; `get(rows)` gathers documents in one call."""
+    """Memory-mapped Arrow table of the corpus. `get(rows)` decodes each row's `id` and `contents`
+    straight from the mapped offsets and bytes of its record batch: the server calls it once a
+    request on its event loop, where `Table.take`'s fixed cost a call was the largest part of a
+    cached answer (bench/RESULTS.md)."""
 
     def __init__(self, index_dir: Path):
         path = Path(index_dir) / "docs.arrow"
@@ -54,21 +58,51 @@ class DocStore:
         self._source = pa.memory_map(str(path), "r")
         self.table = pa.ipc.open_file(self._source).read_all()
         self._id_to_row: dict[str, int] | None = None
+        # per record batch: (ids' offsets, ids' bytes, contents' offsets, contents' bytes); numpy
+        # views and memoryviews over the map, so nothing is read until a row is asked for
+        self._batches: list[tuple[np.ndarray, memoryview, np.ndarray, memoryview]] = []
+        starts = [0]
+        for batch in self.table.to_batches():
+            self._batches.append((*_string_buffers(batch.column(0)), *_string_buffers(batch.column(1))))
+            starts.append(starts[-1] + batch.num_rows)
+        self._starts = starts
 
     def __len__(self) -> int:
         return self.table.num_rows
 
     def get(self, rows: np.ndarray) -> list[dict]:
         """rows: int array (any shape flattened, -1 = missing -> skipped) -> documents in order."""
-        flat = np.asarray(rows, dtype=np.int64).ravel()
-        valid = flat[flat >= 0]
-        taken = self.table.take(pa.array(valid))
-        ids = taken.column("id").to_pylist()
-        contents = taken.column("contents").to_pylist()
-        return [{"id": i, "contents": c} for i, c in zip(ids, contents)]
+        docs, n = [], len(self)
+        for row in np.asarray(rows, dtype=np.int64).ravel().tolist():
+            if row < 0:
+                continue
+            if row >= n:
+                raise IndexError(f"row {row} is past the store's {n} documents")
+            b = bisect.bisect_right(self._starts, row) - 1
+            r = row - self._starts[b]
+            id_off, id_bytes, off, data = self._batches[b]
+            docs.append(
+                {
+                    "id": str(id_bytes[id_off[r] : id_off[r + 1]], "utf-8"),
+                    "contents": str(data[off[r] : off[r + 1]], "utf-8"),
+                }
+            )
+        return docs
 
     def row_of(self, doc_ids: list[str]) -> np.ndarray:
         """Map document ids to rows (for BM25, whose hits are ids); -1 when unknown."""
         if self._id_to_row is None:
             self._id_to_row = {d: r for r, d in enumerate(self.table.column("id").to_pylist())}
         return np.array([self._id_to_row.get(d, -1) for d in doc_ids], dtype=np.int64)
+
+
+def _string_buffers(column: pa.Array) -> tuple[np.ndarray, memoryview]:
+    """A string column's value offsets (this slice's, as plain ints) and its bytes, zero-copy."""
+    if column.null_count:
+        raise ValueError("docs.arrow has a null id or contents: rebuild the index with retriever-build")
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        raise ValueError(f"docs.arrow holds {column.type}, not strings: rebuild the index with retriever-build")
+    _, offsets, data = column.buffers()
+    width = np.int64 if pa.types.is_large_string(column.type) else np.int32
+    offs = np.frombuffer(offsets, dtype=width)[column.offset : column.offset + len(column) + 1]
+    return offs, memoryview(data) if data is not None else memoryview(b"")

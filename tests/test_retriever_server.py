@@ -417,6 +417,67 @@ def test_each_app_counts_apart_and_the_cache_evicts_the_least_recently_used(hotp
         assert p["retriever_queries_total"] == 6 and p["retriever_cache_misses_total"] == 0
 
 
+def test_a_valid_retrieve_answered_before_fastapi_equals_fastapi_s_answer(hotpot_index_dir):  # noqa: F811
+    """A valid JSON `/retrieve` is answered by the middleware (pydantic's JSON parser, then the
+    route's own code); the same body as `application/vnd.api+json` goes through FastAPI's route.
+    Both give the same bytes and are counted alike; a malformed or mistyped body still gets
+    FastAPI's 422, whichever content type it came with."""
+    from fastapi.testclient import TestClient
+
+    from retriever_server.app import Settings, create_app
+
+    body = json.dumps({"queries": _questions()[:2], "topk": 4.0, "return_scores": True, "extra": 1}).encode()
+    with TestClient(create_app(hotpot_index_dir, Settings(cache_size=0))) as client:
+        answers = {
+            ct: client.post("/retrieve", content=body, headers={"content-type": ct} if ct else {})
+            for ct in ("application/json", "application/json; charset=utf-8", None, "application/vnd.api+json")
+        }
+        assert {r.status_code for r in answers.values()} == {200}
+        assert len({r.content for r in answers.values()}) == 1
+        assert [len(items) for items in answers[None].json()["result"]] == [4, 4]
+        m = _parse_metrics(client.get("/metrics").text)
+        assert m['retriever_requests_total{code="200"}'] == 4 and m["retriever_queries_total"] == 8
+        for bad in (b'{"queries": "one"}', b'{"queries": ["a"], "topk": true}', b'{"queries": ["a"]', b""):
+            for ct in ("application/json", "application/vnd.api+json"):
+                r = client.post("/retrieve", content=bad, headers={"content-type": ct})
+                assert r.status_code == 422 and set(r.json()) == {"detail"}, (bad, ct, r.text)
+        r = client.post("/retrieve", content=body, headers={"content-type": "text/plain"})
+        assert r.status_code == 422 and "dictionary" in r.json()["detail"]
+        # with FastAPI's route gone, only the middleware's answer is left
+        client.app.router.routes = [r for r in client.app.router.routes if getattr(r, "path", "") != "/retrieve"]
+        again = client.post("/retrieve", content=body, headers={"content-type": "application/json"})
+        assert again.status_code == 200 and again.content == answers[None].content
+        assert (
+            client.post("/retrieve", content=body, headers={"content-type": "application/vnd.api+json"}).status_code
+            == 404
+        )
+
+
+def test_store_reads_rows_across_record_batches_as_arrow_take_does(tmp_path):
+    """`DocStore.get` decodes rows from the mapped buffers of each record batch: on a store written
+    in batches of 5 (non-ASCII text, an empty text), any rows in any order equal Arrow's own
+    `take`; -1 is skipped and a row past the end is an IndexError."""
+    import pyarrow as pa
+
+    from retriever_server.store import DocStore, write_store
+
+    corpus = tmp_path / "corpus.jsonl"
+    texts = [f"Tïtle {i}\nтекст {'x' * i} 🙂" if i != 7 else "" for i in range(23)]
+    corpus.write_text("".join(json.dumps({"id": f"d{i}", "contents": t}) + "\n" for i, t in enumerate(texts)))
+    write_store(corpus, tmp_path, batch=5)
+    store = DocStore(tmp_path)
+    assert len(store) == 23 and store.table.column("id").num_chunks == 5
+    rows = np.random.default_rng(0).integers(-1, 23, size=(40, 3))
+    taken = store.table.take(pa.array(rows[rows >= 0]))
+    want = [
+        {"id": i, "contents": c} for i, c in zip(taken.column("id").to_pylist(), taken.column("contents").to_pylist())
+    ]
+    assert store.get(rows) == want
+    assert store.get(np.array([7, -1, 22]))[0] == {"id": "d7", "contents": ""}
+    with pytest.raises(IndexError, match="23"):
+        store.get(np.array([0, 23]))
+
+
 def test_cli_defaults_are_the_settings_defaults(monkeypatch):
     """`retriever-server --index DIR` alone gives `Settings()` and passes no index option on (open_index's
     defaults apply); the flags map onto their fields; a default topk past --max-topk exits 2 naming both."""
