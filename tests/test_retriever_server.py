@@ -453,6 +453,37 @@ def test_a_valid_retrieve_answered_before_fastapi_equals_fastapi_s_answer(hotpot
         )
 
 
+def test_a_failing_index_gets_503_and_the_server_stays_up(hotpot_index_dir):  # noqa: F811
+    """The index raising, or giving a NaN score (which JSON cannot carry), is a 503 naming the
+    failure, for every request of the batch; the next search is answered as before."""
+    from fastapi.testclient import TestClient
+
+    from retriever_server.app import Settings, create_app
+
+    app = create_app(hotpot_index_dir, Settings(cache_size=0))
+    index = app.state.retriever.index
+    search = index.search_vectors
+
+    def broken(q, k):
+        raise RuntimeError("disk gone")
+
+    def nan(q, k):
+        scores, rows = search(q, k)
+        scores[0, 0] = np.nan
+        return scores, rows
+
+    body = {"queries": _questions()[:2], "return_scores": True}
+    with TestClient(app) as client:
+        good = client.post("/retrieve", json=body)
+        for fault, words in ((broken, "RuntimeError: disk gone"), (nan, "not a finite number")):
+            index.search_vectors = fault
+            r = client.post("/retrieve", json=body)
+            assert r.status_code == 503 and words in r.json()["detail"], r.text
+            index.search_vectors = search
+            again = client.post("/retrieve", json=body)
+            assert again.status_code == 200 and again.json() == good.json()
+
+
 def test_store_reads_rows_across_record_batches_as_arrow_take_does(tmp_path):
     """`DocStore.get` decodes rows from the mapped buffers of each record batch: on a store written
     in batches of 5 (non-ASCII text, an empty text), any rows in any order equal Arrow's own
