@@ -63,7 +63,7 @@ class DocStore:
         self._batches: list[tuple[np.ndarray, memoryview, np.ndarray, memoryview]] = []
         starts = [0]
         for batch in self.table.to_batches():
-            self._batches.append((*_string_buffers(batch.column(0)), *_string_buffers(batch.column(1))))
+            self._batches.append((*_string_buffers(batch.column("id")), *_string_buffers(batch.column("contents"))))
             starts.append(starts[-1] + batch.num_rows)
         self._starts = starts
 
@@ -97,7 +97,7 @@ class DocStore:
 
 
 def _string_buffers(column: pa.Array) -> tuple[np.ndarray, memoryview]:
-    """A string column's value offsets (this slice's, as plain ints) and its bytes, zero-copy."""
+    """A string column's value offsets (numpy, this slice's rows only) and its bytes, both zero-copy."""
     if column.null_count:
         raise ValueError("docs.arrow has a null id or contents: rebuild the index with retriever-build")
     if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
