@@ -49,7 +49,7 @@ test: setup lint
 	# Headless Chromium for the report viewer's browser test (Debian's package; skipped with a reason where it cannot be installed).
 	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ] && \
 	  { apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; }; }; } || \
-	  echo "chromium could not be installed: tests/test_view.py's browser test will skip"
+	  echo "chromium could not be installed: tests/test_view.py's browser test will skip (and fail under CI=true)"
 	# The suite under the demo's allocator (mimalloc where its wheel is installed): the tests' CPU training runs
 	# faster without the page faults (bench/RESULTS.md, host memory); tests/test_allocator.py sets its own.
 	# Two workers, a test file each at a time (`--dist loadfile`: a module's fixtures are built once), the longest files

@@ -29,6 +29,7 @@ from agent_rl.config import Config
 from agent_rl.infra import allocator
 from agent_rl.infra import distributed as dist_lib
 from agent_rl.infra.checkpoint import (
+    REFERENCE,
     StopFlag,
     checkpoint_step,
     checkpoints,
@@ -36,6 +37,7 @@ from agent_rl.infra.checkpoint import (
     install_signal_handlers,
     latest_checkpoint,
     load_checkpoint,
+    load_reference,
     save_checkpoint,
 )
 from agent_rl.infra.guard import CollapseGuard
@@ -249,6 +251,8 @@ class Run:
     stop: StopFlag
     update_rng: random.Random
     step: int = 0
+    # `ref` is a rollback's (a frozen copy of the policy it restored): no file but the checkpoint rebuilds it
+    rollback_ref: bool = False
 
     @property
     def ckpt_root(self) -> Path:
@@ -297,6 +301,7 @@ class Run:
             extra,
             self.cfg.to_dict(),
             self.cfg.run.keep_last,
+            reference=self.ref if self.rollback_ref else None,
         )
 
     def restore(self, path: Path) -> None:
@@ -315,19 +320,40 @@ class Run:
         self.update_rng.setstate(extra["update_rng"])
         if "guard" in extra:
             self.guard.load_state_dict(extra["guard"])
+            self._restore_reference(path, extra["kl_coef"])
             self._set_kl(extra["kl_coef"])
             self._set_algo(entropy_coef=extra.get("entropy_coef", self.cfg.algo.entropy_coef))
             if self.replay is not None:
                 self.replay.load_state_dict(extra["replay"])
         self.push_weights()
 
+    def _restore_reference(self, path: Path, kl_coef: float) -> None:
+        """The reference checkpoint `path` was saved with: a rollback's, read back whole, or none (a checkpoint
+        from before the rollback that made the one held now, which is then dropped)."""
+        if (path / REFERENCE).exists():
+            if self.ref is None:
+                self.ref = frozen_copy(self.policy, self.cfg.train.device, _DTYPES[self.cfg.model.dtype])
+            load_reference(path, self.ref)
+            self.rollback_ref = True
+            return
+        if self.rollback_ref:
+            self.ref, self.rollback_ref = None, False
+        if kl_coef > 0 and self.ref is None and not hasattr(self.policy, "disable_adapter") and not self.world.sharded:
+            print(
+                f"[guard] {path} holds a rollback's KL coefficient but not its reference (saved before references "
+                "were kept): the reference is the restored policy",
+                file=sys.stderr,
+            )
+
     def _set_kl(self, kl_coef: float) -> None:
         if kl_coef > 0 and self.ref is None and not hasattr(self.policy, "disable_adapter"):
             if self.world.sharded:
                 print("[guard] no reference model on this FSDP run: the KL coefficient stays 0", file=sys.stderr)
                 return
-            # a rollback's first KL: the reference is the policy as restored (the last healthy one)
+            # a rollback's first KL: the reference is the policy as restored (the last healthy one), saved
+            # with every checkpoint from here on
             self.ref = frozen_copy(self.policy, self.cfg.train.device, _DTYPES[self.cfg.model.dtype])
+            self.rollback_ref = True
         self._set_algo(kl_coef=kl_coef)
 
     def _set_algo(self, **changes) -> None:

@@ -2,11 +2,12 @@
 
 A checkpoint holds the model (`model/`, safetensors through `save_pretrained`, so a checkpoint
 is also a loadable Hugging Face model dir), the optimizer and scheduler states, every RNG state
-(python, numpy, torch CPU and CUDA), the caller's extra state (step, data cursor, ...) and the
-config. A run killed mid-save leaves only a `.tmp_*` directory, which `latest_checkpoint`
-ignores, so the previous checkpoint stays usable. Tensors are written file by file (model
-shards by safetensors, optimizer state with torch.save) so saving does not build a second
-full copy of the model in host memory.
+(python, numpy, torch CPU and CUDA), the caller's extra state (step, data cursor, ...), the
+config, and, when the caller has one that no other file can rebuild (the frozen reference a
+rollback anchors its KL to), the reference's weights (`reference.safetensors`). A run killed
+mid-save leaves only a `.tmp_*` directory, which `latest_checkpoint` ignores, so the previous
+checkpoint stays usable. Tensors are written file by file (model shards by safetensors, optimizer
+state with torch.save) so saving does not build a second full copy of the model in host memory.
 """
 
 from __future__ import annotations
@@ -96,9 +97,23 @@ def _fsync_tree(path: Path) -> None:
         os.close(fd)
 
 
+REFERENCE = "reference.safetensors"
+
+
 def save_checkpoint(
-    root: Path, step: int, model, optimizer, scheduler, extra_state: dict, config_dict: dict, keep_last: int
+    root: Path,
+    step: int,
+    model,
+    optimizer,
+    scheduler,
+    extra_state: dict,
+    config_dict: dict,
+    keep_last: int,
+    reference: torch.nn.Module | None = None,
 ) -> Path:
+    """Write `root/step_N` atomically and prune to `keep_last`; `reference`, when given, is saved whole
+    with it (`load_reference` reads it back), so the checkpoint does not depend on another one that
+    pruning may delete."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp_step_{step}"
@@ -117,6 +132,10 @@ def save_checkpoint(
         },
         tmp / "optim.pt",
     )
+    if reference is not None:
+        from safetensors.torch import save_model
+
+        save_model(reference, str(tmp / REFERENCE))  # tied weights written once
     torch.save({"rng": rng_state(), "extra": extra_state, "step": step}, tmp / "state.pt")
     (tmp / "config.json").write_text(json.dumps(config_dict, indent=1, default=str))
     _fsync_tree(tmp)  # make the bytes durable before the rename publishes them
@@ -174,6 +193,18 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
     set_rng_state(state["rng"])
     return state["extra"]
+
+
+def load_reference(path: Path, module: torch.nn.Module) -> bool:
+    """The reference saved with checkpoint `path` into `module` (same architecture and dtype); False when the
+    checkpoint holds none."""
+    file = Path(path) / REFERENCE
+    if not file.exists():
+        return False
+    from safetensors.torch import load_model
+
+    load_model(module, str(file))
+    return True
 
 
 class StopFlag:
