@@ -5,16 +5,17 @@ concurrent requests are coalesced into one encode + search batch (a max batch, a
 only a batch smaller than the previous one waits) run in a worker thread, so the event loop and
 `/health` stay responsive under load; an LRU cache keyed by (normalised query, topk) answers
 GRPO's repeated queries; every input is validated (limits on queries, query length, topk and
-body size answer 4xx naming the limit); an optional bearer API key; 127.0.0.1 by default.
+body size answer 4xx naming the limit); an optional bearer API key, a dependency of the keyed routes
+(so a mount's prefix or a proxy's root path cannot route around it); 127.0.0.1 by default.
 Queries are whitespace-normalised before encoding, so a cached answer is always the answer the
 index would give. `/metrics` is Prometheus text (prometheus_client), from a registry per app.
 `/read` returns whole documents by id (the ids `/retrieve` answered with), under the same limits
 and API key: the agent's `read` tool.
 
 The parts, top to bottom: `Settings` (every limit and its default, which the CLI reads),
-`Metrics`, `ResultCache`, `Batcher`, `Retriever` (validation, cache, search, answer), `Guard`
-(API key and body size before FastAPI reads a request; a valid `/retrieve` answered there), the
-routes, `create_app`, `main`.
+`Metrics`, `ResultCache`, `Batcher`, `Retriever` (validation, cache, search, answer), the API key
+check, `Guard` (API key and body size before FastAPI reads a request; a valid `/retrieve` answered
+there), the routes, `create_app`, `main`.
 """
 
 from __future__ import annotations
@@ -23,26 +24,28 @@ import argparse
 import asyncio
 import functools
 import hashlib
+import hmac
 import json
 import os
 import socket
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import pydantic_core
 from cachetools import LRUCache
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, HTTPException, Request, Security
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Counter, Histogram, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -77,7 +80,8 @@ class Settings:
     cache_size: int = 10_000
     """LRU entries keyed by (normalised query, topk); 0 turns the cache off (--cache-size, --no-cache)"""
     api_key: str | None = None
-    """require 'Authorization: Bearer KEY' on /retrieve (--api-key, env RETRIEVER_API_KEY)"""
+    """require 'Authorization: Bearer KEY' on /retrieve and /read (--api-key, env RETRIEVER_API_KEY); an empty
+    key is refused at start-up, not taken for no key"""
     max_drain_bytes: int = 64_000_000
     """an over-limit body up to this size is read to the end before the 413; past it the connection
     is closed (--max-drain-bytes)"""
@@ -87,6 +91,18 @@ class Settings:
     def __post_init__(self) -> None:
         if not 1 <= self.topk <= self.max_topk:
             raise ValueError(f"--topk {self.topk} must be between 1 and --max-topk ({self.max_topk})")
+        # A blank RETRIEVER_API_KEY (a deployment's unset variable) would otherwise serve with no key at all.
+        # The key itself is never put in a message: it would end up in logs.
+        key = self.api_key
+        if key is not None and not key:
+            raise ValueError(
+                "--api-key (or env RETRIEVER_API_KEY) is empty: give a key, or leave both unset to serve without one"
+            )
+        if key is not None and not (key.isascii() and key.isprintable() and key == key.strip()):
+            raise ValueError(
+                "--api-key (or env RETRIEVER_API_KEY) must be printable ASCII with no spaces at its ends, "
+                "as a client sends it in 'Authorization: Bearer KEY'"
+            )
 
 
 def normalize_query(q: str) -> str:
@@ -450,11 +466,45 @@ def is_plain_json(content_type: bytes | None) -> bool:
     return content_type is None or content_type.split(b";", 1)[0].strip().lower() == b"application/json"
 
 
+def first_values(raw_headers: list[tuple[bytes, bytes]]) -> dict[bytes, bytes]:
+    """Each header's first value, as Starlette's `Headers.get` (hence FastAPI) reads a repeated header."""
+    headers: dict[bytes, bytes] = {}
+    for name, value in raw_headers:
+        headers.setdefault(name, value)
+    return headers
+
+
+def route_path(scope: Mapping[str, Any]) -> str:
+    """The path Starlette routes on: `path` less `root_path` (a mount's prefix, or a proxy's root path
+    that uvicorn prepends), the same rule as Starlette's own."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and (path == root or path[len(root)] == "/"):
+        return path[len(root) :]
+    return path
+
+
+KEYED_ROUTES = ("/retrieve", "/read")
+"""The routes that take a JSON body and, when the server has one, the API key."""
+BEARER = HTTPBearer(
+    auto_error=False, description="the key the server was started with (--api-key, env RETRIEVER_API_KEY)"
+)
+KEY_REFUSAL = "missing or wrong API key: send 'Authorization: Bearer KEY'"
+KEY_CHALLENGE = {"WWW-Authenticate": "Bearer"}
+
+
+def key_matches(credentials: HTTPAuthorizationCredentials | None, key: str) -> bool:
+    """Whether `credentials` (`BEARER`'s reading of the Authorization header) carry `key`, compared in
+    constant time. Starlette decodes header bytes as latin-1, so encoding back gives the bytes sent;
+    `Settings` holds the key to printable ASCII, so its bytes are unambiguous."""
+    return credentials is not None and hmac.compare_digest(credentials.credentials.encode("latin-1"), key.encode())
+
+
 class Guard:
-    """API key and body size, checked before FastAPI reads the request. A plain ASGI middleware:
-    Starlette's `@app.middleware("http")` runs every request through an extra task and stream,
-    about a third of this server's per-request CPU on a cache hit. A body is read here (so a
-    chunked body with no Content-Length is bounded too) and replayed to the app.
+    """API key and body size, checked before FastAPI reads the request, on the path Starlette routes
+    on (the key is a dependency of the keyed routes too, so what passes here still needs it there).
+    A plain ASGI middleware: Starlette's `@app.middleware("http")` runs every request through an
+    extra task and stream, about a third of this server's per-request CPU on a cache hit. A body is
+    read here (so a chunked body with no Content-Length is bounded too) and replayed to the app.
 
     A `/retrieve` body that pydantic's JSON parser reads as a valid `RetrieveRequest` is answered
     here, by the route's own `Retriever.retrieve`: at high concurrency the encoder waits on the
@@ -469,11 +519,12 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         s, error = self.retriever.s, self.retriever.error
-        headers = dict(scope["headers"])
-        if s.api_key and scope["path"] in ("/retrieve", "/read"):
-            if headers.get(b"authorization", b"") != f"Bearer {s.api_key}".encode():
-                refusal = error(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")
-                return await refusal(scope, receive, send)
+        headers = first_values(scope["headers"])
+        path = route_path(scope)
+        if s.api_key and path in KEYED_ROUTES and not key_matches(await BEARER(Request(scope)), s.api_key):
+            refusal = error(401, KEY_REFUSAL)
+            refusal.headers.update(KEY_CHALLENGE)
+            return await refusal(scope, receive, send)
         if scope["method"] != "POST":
             return await self.app(scope, receive, send)
         length = headers.get(b"content-length", b"")
@@ -500,7 +551,7 @@ class Guard:
                 )
                 return await refusal(scope, receive, send)
         body = b"".join(chunks)
-        if scope["path"] == "/retrieve" and is_plain_json(headers.get(b"content-type")):
+        if path == "/retrieve" and is_plain_json(headers.get(b"content-type")):
             try:
                 req = RetrieveRequest.model_validate_json(body)
             except ValidationError:
@@ -535,7 +586,8 @@ METRICS_RESPONSE: dict[int | str, dict[str, Any]] = {
     200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format 0.0.4"}
 }
 
-router = APIRouter()
+keyed = APIRouter()  # KEYED_ROUTES; `create_app` puts `require_key` on each when the server has a key
+router = APIRouter()  # open to all: /health, /metrics
 
 
 def retriever_of(app: Any) -> Retriever:
@@ -543,12 +595,21 @@ def retriever_of(app: Any) -> Retriever:
     return app.state.retriever
 
 
-@router.post("/retrieve", response_model=RetrieveResponse, responses=ERROR_RESPONSES)
+async def require_key(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)]
+) -> None:
+    """401 (with the guard's body and `WWW-Authenticate: Bearer`) unless the request carries the API key."""
+    key = retriever_of(request.app).s.api_key
+    if key and not key_matches(credentials, key):
+        raise HTTPException(401, KEY_REFUSAL, headers=KEY_CHALLENGE)
+
+
+@keyed.post("/retrieve", response_model=RetrieveResponse, responses=ERROR_RESPONSES)
 async def retrieve(req: RetrieveRequest, request: Request) -> Response:
     return await retriever_of(request.app).retrieve(req)
 
 
-@router.post("/read", response_model=ReadResponse, responses=ERROR_RESPONSES)
+@keyed.post("/read", response_model=ReadResponse, responses=ERROR_RESPONSES)
 async def read(req: ReadRequest, request: Request) -> Response:
     return await retriever_of(request.app).read(req)
 
@@ -566,7 +627,7 @@ async def metrics(request: Request) -> Response:
 async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
     # FastAPI answers 400 when the body is not decodable JSON at all (invalid UTF-8, nesting
     # past the recursion limit); the contract says malformed JSON is a 422.
-    if exc.status_code == 400 and request.url.path in ("/retrieve", "/read"):
+    if exc.status_code == 400 and route_path(request.scope) in KEYED_ROUTES:
         return retriever_of(request.app).error(422, f"malformed request body: {exc.detail} (send UTF-8 JSON)")
     retriever_of(request.app).metrics.count(exc.status_code)
     return await http_exception_handler(request, exc)
@@ -630,7 +691,17 @@ def create_app(
     **index_options: Any,
 ) -> FastAPI:
     """The app over the index in `index_dir`; `index_options` go to `open_index` (device, fp16,
-    ef_search, encoder_device, encoder_runtime, int8, threads), whose signature holds their defaults."""
+    ef_search, encoder_device, encoder_runtime, int8, threads), whose signature holds their defaults.
+
+    Mounted in another app (`outer.mount("/search", app)`) it keeps its API key, limits and answers,
+    but the outer app does not run its lifespan (which starts the batcher and writes the ready file):
+    enter it from the outer app's own, or requests are answered one at a time::
+
+        @asynccontextmanager
+        async def outer_lifespan(outer: FastAPI) -> AsyncIterator[None]:
+            async with app.router.lifespan_context(app):
+                yield
+    """
     from retriever_server.indexes import open_index  # faiss and torch: not imported for `--help`
 
     manifest, store, index = open_index(index_dir, **index_options)
@@ -644,6 +715,9 @@ def create_app(
     app.state.retriever = Retriever(manifest, index, store, settings or Settings(), fingerprint)
     app.state.ready_file, app.state.url = ready_file, url
     app.add_middleware(Guard, retriever=app.state.retriever)
+    # The key as a dependency of the keyed routes, not only the guard's: no path to them skips it, and
+    # the OpenAPI document states it (only where there is a key to send).
+    app.include_router(keyed, dependencies=[Security(require_key)] if app.state.retriever.s.api_key else [])
     app.include_router(router)
     app.openapi = functools.partial(openapi_with_limits, app)  # type: ignore[method-assign]  # FastAPI's documented way
     return app
@@ -682,7 +756,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings, di
     p.add_argument(
         "--api-key",
         default=os.environ.get("RETRIEVER_API_KEY", d.api_key),
-        help="require 'Authorization: Bearer KEY' (or env RETRIEVER_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on /retrieve and /read (or env RETRIEVER_API_KEY; an empty "
+        "key is an error, not 'no key')",
     )
     p.add_argument(
         "--max-batch", type=int, default=d.max_batch, help="most queries in one encode + search (%(default)s)"
