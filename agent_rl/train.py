@@ -45,9 +45,16 @@ from agent_rl.infra.logger import MetricsLogger
 from agent_rl.infra.memory import peak_rss_bytes, proc_status_bytes
 from agent_rl.infra.prepare import local_retriever, prepare
 from agent_rl.learn.batch import RolloutBatch
-from agent_rl.learn.policy import _DTYPES, ValueModel, assert_no_data_parallel, frozen_copy, load_policy
+from agent_rl.learn.policy import (
+    _DTYPES,
+    ValueModel,
+    assert_no_data_parallel,
+    frozen_copy,
+    load_policy,
+    trainer_autocast,
+)
 from agent_rl.learn.preflight import run_preflight
-from agent_rl.learn.signals import ReplaySet, rewarded_rows, update_logprob_change
+from agent_rl.learn.signals import ReplaySet, rewarded_rows, row_logprobs, update_logprob_change
 from agent_rl.learn.update import adamw, prepare_batch, update
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.buffer import TrajectoryBuffer
@@ -360,42 +367,62 @@ class Run:
         """The run's config with these algo fields changed (what a rollback set, or a checkpoint restores)."""
         self.cfg = dataclasses.replace(self.cfg, algo=dataclasses.replace(self.cfg.algo, **changes))
 
-    def asked_rows(
-        self, trajs: list[Trajectory], batch: RolloutBatch
-    ) -> tuple[dict[int, list[float] | None] | None, dict[int, list[float] | None]]:
-        """The rows whose log-probs before the update the update is asked for: this step's first rows (this
-        rank's share) every run.save_trajectories_every steps, for the trajectory file (None on other steps),
-        and the collapse guard's rewarded rows (guard.update_rows)."""
+    def asked_rows(self, trajs: list[Trajectory], batch: RolloutBatch) -> tuple[dict | None, list[int]]:
+        """The rows whose log-probs before the update the update is asked for, for the trajectory file: this
+        step's first rows (this rank's share) every run.save_trajectories_every steps (None on other steps); and
+        the collapse guard's rewarded rows (guard.update_rows), which the update signal scores itself."""
         every = self.cfg.run.save_trajectories_every
-        report = (
+        report: dict[int, list[float] | None] | None = (
             dict.fromkeys(range(min(len(trajs), self.cfg.run.save_trajectories_per_step)))
             if every and self.step % every == 0
             else None
         )
+        if self.cfg.guard.update_rows <= 0:
+            return report, []
         assert batch.advantages is not None
-        return report, dict.fromkeys(rewarded_rows(batch.trajs, batch.advantages, self.cfg.guard.update_rows))
+        return report, rewarded_rows(batch.trajs, batch.advantages, self.cfg.guard.update_rows)
 
-    def update_signal(self, batch: RolloutBatch, before: dict[int, list[float] | None]) -> dict[str, float]:
+    def signal_logprobs(self, batch: RolloutBatch, rows: list[int]) -> dict[int, torch.Tensor]:
+        """The update signal's rows scored as the signal scores them after the update (`row_logprobs`, in the
+        trainer's arithmetic); nothing when guard.update_rows is 0."""
+        if self.cfg.guard.update_rows <= 0:
+            return {}
+        with trainer_autocast(self.cfg, self.world):
+            return row_logprobs(
+                self.policy,
+                batch.trajs,
+                rows,
+                self.tokenizer.pad_token_id,
+                self.cfg.train.device,
+                self.cfg.rollout.temperature,
+                self.cfg.train.max_tokens_per_microbatch,
+                self.world,
+            )
+
+    def update_signal(self, batch: RolloutBatch, before: dict[int, torch.Tensor], seconds: float) -> dict[str, float]:
         """guard/update_logprob_change: what the update just made did to the log-probs of the rows it rewarded,
-        from their log-probs `before` it (guard.update_rows; nothing when 0 or no rank has such a row)."""
+        from their log-probs `before` it (`signal_logprobs`, which took `seconds`; nothing when guard.update_rows
+        is 0 or no rank has such a row)."""
         if self.cfg.guard.update_rows <= 0:
             return {}
         start = time.perf_counter()
         assert batch.advantages is not None
-        change = update_logprob_change(
-            self.policy,
-            batch.trajs,
-            before,
-            batch.advantages,
-            self.tokenizer.pad_token_id,
-            self.cfg.train.device,
-            self.cfg.rollout.temperature,
-            self.cfg.train.max_tokens_per_microbatch,
-            self.world,
-        )
+        with trainer_autocast(self.cfg, self.world):
+            change = update_logprob_change(
+                self.policy,
+                batch.trajs,
+                before,
+                batch.advantages,
+                self.tokenizer.pad_token_id,
+                self.cfg.train.device,
+                self.cfg.rollout.temperature,
+                self.cfg.train.max_tokens_per_microbatch,
+                self.world,
+            )
         if change is None:
             return {}
-        return {"guard/update_logprob_change": change, "timing/update_signal_s": time.perf_counter() - start}
+        spent = seconds + time.perf_counter() - start
+        return {"guard/update_logprob_change": change, "timing/update_signal_s": spent}
 
     def replay_signal(self, sampled: list[Trajectory]) -> dict[str, float]:
         """guard/replay_logprob of the replay set under the updated policy (once every rank's set is full), then
@@ -792,8 +819,10 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             )
             times["prepared"] = time.perf_counter()
             # 5. update; the rows to save and the guard's rewarded rows reported with the update's log-probs
-            report, before = run.asked_rows(trajs, batch)
-            asked = None if report is None and not before else {**before, **(report or {})}
+            report, signal_rows = run.asked_rows(trajs, batch)
+            start = time.perf_counter()
+            before = run.signal_logprobs(batch, signal_rows)
+            signal_s = time.perf_counter() - start
             upd = update(
                 cfg,
                 run.policy,
@@ -803,18 +832,15 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
                 batch,
                 run.update_rng,
                 world=world,
-                trainer_logprobs=asked,
+                trainer_logprobs=report,
             )
-            if asked is not None:
-                report = None if report is None else {i: asked[i] for i in report}
-                before = {i: asked[i] for i in before}
             # The gradients are spent: freed now, they are not resident across the weight sync, the
             # engine's wake and the rollout (the next update's zero_grad would free them only then).
             run.optimizer.zero_grad(set_to_none=True)
             if run.critic_opt is not None:
                 run.critic_opt.zero_grad(set_to_none=True)
             run.scheduler.step()
-            update_signal = run.update_signal(batch, before)
+            update_signal = run.update_signal(batch, before, signal_s)
             times["sync_s"] = run.push_weights()
             allocator.release()  # the update's activations, kept for reuse within it, back to the system
             times["updated"] = time.perf_counter()

@@ -72,7 +72,7 @@ def step_deltas(run_dir: Path, temperature: float) -> list[dict]:
             # the guard's own reading; every row kept has a positive advantage, every trained token counts
             width = max(t.total_tokens for t in rows)
             positive = torch.ones(len(rows), width)
-            before: dict[int, list[float] | None] = dict(enumerate(old))
+            before = {i: torch.tensor(lp) for i, lp in enumerate(old)}
             pad = tok.pad_token_id
             entry["delta"] = update_logprob_change(
                 model, rows, before, positive, pad, "cpu", temperature, width * len(rows)

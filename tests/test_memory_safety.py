@@ -237,8 +237,8 @@ class ExplodingPolicy:
     """A scripted rollout engine: answers in a few tokens, but on the calls in `explode` it first
     writes a long <think> block (its response length blows up)."""
 
-    def __init__(self, model, tokenizer, explode):
-        self.model, self.tok, self.explode = model, tokenizer, explode
+    def __init__(self, model, tokenizer, explode, answers=("x",)):
+        self.model, self.tok, self.explode, self.answers = model, tokenizer, explode, answers
         import torch
 
         self.generator = torch.Generator().manual_seed(0)
@@ -261,10 +261,11 @@ class ExplodingPolicy:
         from agent_rl.rollout.engines import Generation
 
         self.calls += 1
-        text = ("<think>" + " the" * 60 + "</think>" if self.explode(self.calls) else "") + "<answer>x</answer>"
-        ids = self.tok(text, add_special_tokens=False)["input_ids"]
+        think = "<think>" + " the" * 60 + "</think>" if self.explode(self.calls) else ""
         out = []
-        for n in max_new_tokens:
+        for row, n in enumerate(max_new_tokens):  # row by row through `answers`: mixed rewards in a group
+            text = f"{think}<answer>{self.answers[row % len(self.answers)]}</answer>"
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
             out.append(Generation(ids[:n], [-1.0] * len(ids[:n]), "stop"))
             self.stats["generated_tokens"] += len(ids[:n])
         return out
@@ -279,7 +280,7 @@ def keep_signal_handlers():
         signal.signal(s, h)
 
 
-def _train(tiny_model_dir, tmp_path, monkeypatch, explode, steps, *extra):
+def _train(tiny_model_dir, tmp_path, monkeypatch, explode, steps, *extra, answers=("x",)):
     """Run the real trainer in-process on 4 prompts with the scripted policy; returns (cfg, metrics rows, error)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -331,7 +332,7 @@ def _train(tiny_model_dir, tmp_path, monkeypatch, explode, steps, *extra):
     engines = []
 
     def scripted(cfg_, policy, tokenizer, **kw):
-        engines.append(ExplodingPolicy(policy, tokenizer, explode))
+        engines.append(ExplodingPolicy(policy, tokenizer, explode, answers))
         return engines[-1]
 
     monkeypatch.setattr(train_mod, "build_engine", scripted)
@@ -451,6 +452,56 @@ def test_rollback_without_kl_starts_one_and_resume_keeps_what_it_changed(
     cfg.run.max_steps = 6
     train_mod.train(cfg, resume=True)
     assert seen == [(5, 0.004, 0.01, pytest.approx(5e-4), 1)]  # step_5 (the last), saved with what the rollback set
+
+
+@pytest.mark.parametrize("bf16", ["true", "false"])
+def test_update_signal_reads_zero_when_the_update_changes_nothing(
+    tiny_model_dir, tmp_path, monkeypatch, keep_signal_handlers, bf16
+):
+    """train.lr 0 (AdamW then leaves every weight as it is): guard/update_logprob_change is within 1e-6 of 0 on
+    every step, under bf16 autocast too, where the rows' log-probs after the update are computed in the same
+    arithmetic as those before it (they came from the update's autocast forward; an fp32 forward after it read
+    bf16's rounding, ~1e-4, as a change)."""
+    _, rows, error = _train(
+        tiny_model_dir,
+        tmp_path,
+        monkeypatch,
+        lambda call: False,
+        3,
+        f"train.bf16={bf16}",
+        "train.lr=0",
+        "algo.entropy_coef=0",
+        answers=("x", "y"),  # half of each group right: positive advantages
+    )
+    assert error is None
+    changes = [r["guard/update_logprob_change"] for r in rows if "reward/mean" in r]
+    assert len(changes) == 3 and all(abs(c) < 1e-6 for c in changes), changes
+
+
+def test_update_signal_fires_inside_train_and_rolls_back(tiny_model_dir, tmp_path, monkeypatch, keep_signal_handlers):
+    """The update signal end to end: an entropy bonus far above the reward's pull makes every update lower the
+    log-prob of the responses it rewarded; the trainer measures it (guard/update_logprob_change < 0), the guard
+    fires `update` once update_window updates are held and rolls back, and when it fires again after
+    max_rollbacks the run stops naming it."""
+    _, rows, error = _train(
+        tiny_model_dir,
+        tmp_path,
+        monkeypatch,
+        lambda call: False,
+        8,
+        "guard.action=rollback",
+        "guard.max_rollbacks=1",
+        "guard.update_window=2",
+        "guard.replay_drop=0",
+        "algo.entropy_coef=5.0",
+        "train.lr=1e-2",
+        answers=("x", "y"),
+    )
+    assert error is not None and "gave up after 1 rollbacks" in str(error.code) and ": update:" in str(error.code)
+    fired = [r for r in rows if r.get("guard/fired/update")]
+    assert len(fired) == 2 and fired[0].get("guard/rollback") == 1.0 and fired[1].get("guard/stop") == 1.0
+    assert all(r["guard/update_change_median"] < -1e-4 for r in fired)
+    assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 2, 3], "back to step_1, step 2 redone"
 
 
 def _reproducible(row: dict) -> dict:
@@ -939,7 +990,7 @@ def test_update_logprob_change_reads_what_a_step_did_to_the_rewarded_rows(tiny_m
 
     from agent_rl.learn.batch import collate
     from agent_rl.learn.policy import forward_logprobs
-    from agent_rl.learn.signals import rewarded_rows, update_logprob_change
+    from agent_rl.learn.signals import rewarded_rows, row_logprobs, update_logprob_change
     from agent_rl.rollout.trajectory import Trajectory
 
     g = torch.Generator().manual_seed(0)
@@ -960,8 +1011,10 @@ def test_update_logprob_change_reads_what_a_step_did_to_the_rewarded_rows(tiny_m
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).float()
     rows = [0, 2]
     mb = collate(trajs, rows, 0, "cpu")
+    before = row_logprobs(model, trajs, rows, 0, "cpu", 1.0, 8192)
     lp, _ = forward_logprobs(model, mb, 1.0)
-    before = {i: lp[r, trajs[i].prompt_tokens : trajs[i].total_tokens].detach().tolist() for r, i in enumerate(rows)}
+    for r, i in enumerate(rows):  # the rows' response log-probs, as the update's forward gives them
+        assert torch.allclose(before[i], lp[r, trajs[i].prompt_tokens : trajs[i].total_tokens], atol=1e-6)
     assert update_logprob_change(model, trajs, before, advantages, 0, "cpu", 1.0, 8192) == pytest.approx(0.0, abs=1e-6)
     for sign in (1.0, -1.0):
         model_step = AutoModelForCausalLM.from_pretrained(tiny_model_dir).float()
@@ -979,9 +1032,7 @@ def test_update_logprob_change_reads_what_a_step_did_to_the_rewarded_rows(tiny_m
     mixed[0, :10] = -1.0  # row 0: its first sampled turn (tokens 6-9) pushed down, its answer (13-14) up
     with torch.no_grad():
         lp, _ = forward_logprobs(model_step, mb, 1.0)
-    diff = {
-        i: lp[r, trajs[i].prompt_tokens : trajs[i].total_tokens] - torch.tensor(before[i]) for r, i in enumerate(rows)
-    }
+    diff = {i: lp[r, trajs[i].prompt_tokens : trajs[i].total_tokens] - before[i] for r, i in enumerate(rows)}
     expected = (float(diff[0][-2:].sum()) + float((diff[2] * mb.loss_mask[1, 6:15]).sum())) / (2 + 6)
     got = update_logprob_change(model_step, trajs, before, mixed, 0, "cpu", 1.0, 8192)
     assert got == pytest.approx(expected, abs=1e-6)

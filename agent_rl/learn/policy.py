@@ -19,6 +19,7 @@ from agent_rl.config import PREFIX_MAX_SHARE, Config
 from agent_rl.learn.batch import MicroBatch
 from agent_rl.learn.losses import entropy_from_logits, token_logprobs
 from agent_rl.rollout.padding import distinct, left_pad
+from agent_rl.world import World
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -60,6 +61,13 @@ def compute_autocast(cfg: Config, device: str | torch.device):
     if not cfg.train.bf16:
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+
+
+def trainer_autocast(cfg: Config, world: World):
+    """The arithmetic of the trainer's forwards: bf16 autocast in one process (`compute_autocast`); under FSDP its
+    mixed-precision policy casts instead, so nothing here. Every forward whose log-probs are compared with the
+    update's (the collapse guard's update signal) runs under it too."""
+    return contextlib.nullcontext() if world.sharded else compute_autocast(cfg, cfg.train.device)
 
 
 def frozen_copy(model: nn.Module, device: str, dtype: torch.dtype | None = None) -> nn.Module:

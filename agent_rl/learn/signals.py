@@ -126,10 +126,32 @@ def rewarded_rows(trajs: list[Trajectory], advantages: torch.Tensor, limit: int)
 
 
 @torch.no_grad()
+def row_logprobs(
+    policy: torch.nn.Module,
+    trajs: list[Trajectory],
+    rows: list[int],
+    pad_id: int,
+    device: str,
+    temperature: float,
+    max_tokens: int,
+    world: World = LOCAL,
+) -> dict[int, torch.Tensor]:
+    """Each of `rows`' log-probs over its response tokens under `policy` (float32, on the host; 0 where its
+    `loss_mask` is 0). The update signal reads them before and after the update through this one function, so
+    the two differ by what the update changed and nothing else: the update's own forward packs and shares
+    prefixes across other rows, and in bf16 that rounds differently (~1e-4 a token)."""
+    out = {}
+    for index, _, logprobs in _scored(policy, trajs, rows, pad_id, device, temperature, max_tokens, world):
+        for r, i in enumerate(index):
+            t = trajs[i]
+            out[i] = logprobs[r, t.prompt_tokens : t.total_tokens].float().cpu()
+    return out
+
+
 def update_logprob_change(
     policy: torch.nn.Module,
     trajs: list[Trajectory],
-    before: dict[int, list[float] | None],
+    before: dict[int, torch.Tensor],
     advantages: torch.Tensor,
     pad_id: int,
     device: str,
@@ -138,19 +160,18 @@ def update_logprob_change(
     world: World = LOCAL,
 ) -> float | None:
     """Mean, over every rank's trained tokens with a positive advantage in the rows `before` holds, of (log-prob
-    under `policy` - `before`); `before` holds each row's log-probs before the update, aligned with the response,
-    and `advantages` is the batch's (N, W), aligned with the tokens. What the update set out to raise: a GRPO
-    row's advantage is one number, a PPO row's changes sign along the row. None when no rank has a row."""
-    rows = [i for i, lp in before.items() if lp is not None]
+    under `policy` - `before`); `before` holds each row's `row_logprobs` before the update, and `advantages` is
+    the batch's (N, W), aligned with the tokens. What the update set out to raise: a GRPO row's advantage is one
+    number, a PPO row's changes sign along the row. None when no rank has a row."""
+    rows = list(before)
     if world.all_reduce_sum(float(len(rows))) == 0:
         return None
+    after = row_logprobs(policy, trajs, rows, pad_id, device, temperature, max_tokens, world)
     total = count = 0.0
-    for index, mb, after in _scored(policy, trajs, rows, pad_id, device, temperature, max_tokens, world):
-        for r, i in enumerate(index):
-            t = trajs[i]
-            span = slice(t.prompt_tokens, t.total_tokens)
-            mask = mb.loss_mask[r, span] * (advantages[i, span] > 0).to(mb.loss_mask.device)
-            old = torch.tensor(before[i], dtype=after.dtype, device=after.device)
-            total += float(((after[r, span] - old) * mask).sum())
-            count += float(mask.sum())
+    for i in rows:
+        t = trajs[i]
+        raised = advantages[i, t.prompt_tokens : t.total_tokens].cpu() > 0
+        mask = torch.tensor(t.loss_mask, dtype=torch.bool) & raised
+        total += float((after[i] - before[i])[mask].sum())
+        count += float(mask.sum())
     return world.all_reduce_sum(total) / max(1.0, world.all_reduce_sum(count))

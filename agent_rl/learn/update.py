@@ -14,7 +14,6 @@ micro-batches take the step one process would take in one pass.
 
 from __future__ import annotations
 
-import contextlib
 import random
 
 import torch
@@ -24,7 +23,7 @@ from agent_rl.config import Config
 from agent_rl.learn import advantages as adv_lib
 from agent_rl.learn import losses
 from agent_rl.learn.batch import MicroBatch, RolloutBatch, even_microbatches, pack_microbatches
-from agent_rl.learn.policy import compute_autocast, forward_logprobs, reference_mode, update_logprobs
+from agent_rl.learn.policy import forward_logprobs, reference_mode, trainer_autocast, update_logprobs
 from agent_rl.rollout.trajectory import Trajectory
 from agent_rl.world import LOCAL, World
 
@@ -43,11 +42,6 @@ def adamw(params, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.0) -> t
 def share_prefix(cfg: Config, world: World) -> bool:
     """Share a group's prompt in the forward? Not under FSDP (every rank must run the same passes)."""
     return cfg.train.share_prompt_prefix and not world.sharded and not cfg.model.gradient_checkpointing
-
-
-def _autocast(cfg: Config, world: World):
-    """bf16 autocast in one process; under FSDP its mixed-precision policy casts instead."""
-    return contextlib.nullcontext() if world.sharded else compute_autocast(cfg, cfg.train.device)
 
 
 def _pack(cfg: Config, batch: RolloutBatch, members: list[int], share: bool) -> list[list[int]]:
@@ -77,7 +71,7 @@ def prepare_batch(
     wanted = {"old": need_old or k1_reward, "ref": use_ref, "values": critic is not None}
     out = {k: torch.zeros((n, width), dtype=torch.float32) for k, on in wanted.items() if on}
     share = share_prefix(cfg, world)
-    with torch.no_grad(), _autocast(cfg, world):
+    with torch.no_grad(), trainer_autocast(cfg, world):
         for index, real in even_microbatches(_pack(cfg, batch, list(range(n)), share), world):
             mb = batch.micro(index, cfg.train.device)
             got = {}
@@ -233,7 +227,7 @@ def _microbatch_step(
     stats: dict[str, float] = {}
     advantages, engine_lp = mb.advantages, mb.rollout_logprobs
     assert advantages is not None and engine_lp is not None, "micro-batches of a scored RolloutBatch carry both"
-    with _autocast(cfg, world):
+    with trainer_autocast(cfg, world):
         logprobs, entropy = update_logprobs(cfg, policy, mb, share)
     old = logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs  # None: on-policy, the update's own forward
     if first_epoch:  # old = the weights the engine sampled with
@@ -278,7 +272,7 @@ def _microbatch_step(
         assert mb.values is not None and mb.returns is not None, (
             "prepare_batch computes values and returns with a critic"
         )
-        with _autocast(cfg, world):
+        with trainer_autocast(cfg, world):
             values = critic(mb.input_ids, mb.attention_mask)
         v_loss, v_stats = losses.value_loss(
             values, mb.values, mb.returns, mb.loss_mask, cfg.algo.value_clip or None, cfg.algo.loss_agg
