@@ -11,6 +11,9 @@ import dataclasses
 import json
 import os
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -105,6 +108,25 @@ def _loop(cfg, model_path: str, url: str | None):
     return loop, tokenizer, budget
 
 
+@contextmanager
+def _engine_model_dir(cfg, model_path: str, world, near: Path) -> Iterator[str]:
+    """The model dir every rank's rollout engine loads: `model_path`, or for LoRA adapters under vLLM
+    (which serves plain weights) the adapters merged into their base as `agent-rl export --merge`
+    writes them. Rank 0 merges once into a temporary directory in `near` (the evaluation's output
+    folder, which every rank shares) and removes it on exit, error or not; the caller keeps rank 0
+    inside until every rank has loaded its engine."""
+    if cfg.rollout.resolved_engine() != "vllm" or not _is_lora(model_path):
+        yield model_path
+        return
+    if world.is_main:
+        near.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".merged-lora-", dir=near) if world.is_main else nullcontext(None) as tmp:
+        if tmp is not None:
+            print(f"[eval] {model_path} holds LoRA adapters: merged into {tmp} for vLLM", file=sys.stderr)
+            export_model(cfg, model_path, Path(tmp), merge=True)
+        yield world.broadcast_object(tmp)
+
+
 def cmd_rollout(args) -> int:
     from agent_rl.infra.prepare import local_retriever, prepare
     from agent_rl.rollout.loop import rollout_metrics
@@ -143,8 +165,6 @@ def cmd_eval(args) -> int:
     """The papers' table over one or more test sets: per data_source EM, F1 (95% bootstrap
     intervals), searches, response tokens and end reasons, and the unweighted mean over datasets.
     Resumable, and sharded over torchrun ranks or `--shard i/n` processes (agent_rl/evaluation.py)."""
-    from contextlib import nullcontext
-
     from agent_rl import evaluation
     from agent_rl.infra.prepare import local_retriever, prepare
     from agent_rl.rollout.prompts import load_prompts
@@ -181,60 +201,64 @@ def cmd_eval(args) -> int:
     data = args.data or cfg.data.test_files
     out = Path(args.out or Path(cfg.run.output_dir) / "eval.json")
     folder = evaluation.questions_dir(out)
-    with local_retriever(cfg) if world.is_main else nullcontext(None) as url:
-        url = world.broadcast_object(url)  # the server rank 0 started, or retriever.url
-        loop, tokenizer, budget = _loop(cfg, model_path, url)
-        prompts = evaluation.select(
-            loop.admit(load_prompts(data, tokenizer, budget, args.max_samples)), args.per_source, cfg.run.seed
-        )
-        spec = evaluation.make_spec(
-            cfg,
-            args.checkpoint,
-            model_path,
-            data,
-            prompts,
-            evaluation.describe_retriever(loop.client, cfg),
-            max_samples=args.max_samples,
-            per_source=args.per_source,
-            pass_k=args.pass_k,
-            chunk_size=args.chunk_size,
-        )
-        refused = None
-        if world.is_main or world.world_size == 1:
-            try:
-                evaluation.open_folder(folder, spec, fresh=args.fresh)
-            except evaluation.EvalMismatch as err:
-                refused = str(err)
-        refused = world.broadcast_object(refused)
-        if refused:
-            print(f"agent-rl eval: error: {refused}", file=sys.stderr)
-            loop.engine.close()
-            world.close()
-            return 2
-        traj_path = Path(args.trajectories) if args.trajectories else None
-        if traj_path is not None and world.world_size > 1:
-            traj_path = traj_path.with_name(f"{traj_path.stem}.rank{world.rank}{traj_path.suffix}")
-        kept: list = []
-        reward = Reward(cfg.reward)
-        if traj_path is not None:
-            traj_path.parent.mkdir(parents=True, exist_ok=True)
-            traj_path.write_text("")
+    # A LoRA checkpoint under vLLM: merged into a temporary dir, removed when the evaluation ends.
+    with _engine_model_dir(cfg, model_path, world, out.parent) as engine_dir:
+        with local_retriever(cfg) if world.is_main else nullcontext(None) as url:
+            url = world.broadcast_object(url)  # the server rank 0 started, or retriever.url
+            loop, tokenizer, budget = _loop(cfg, engine_dir, url)
+            prompts = evaluation.select(
+                loop.admit(load_prompts(data, tokenizer, budget, args.max_samples)), args.per_source, cfg.run.seed
+            )
+            spec = evaluation.make_spec(
+                cfg,
+                args.checkpoint,
+                model_path,
+                data,
+                prompts,
+                evaluation.describe_retriever(loop.client, cfg),
+                max_samples=args.max_samples,
+                per_source=args.per_source,
+                pass_k=args.pass_k,
+                chunk_size=args.chunk_size,
+            )
+            refused = None
+            if world.is_main or world.world_size == 1:
+                try:
+                    evaluation.open_folder(folder, spec, fresh=args.fresh)
+                except evaluation.EvalMismatch as err:
+                    refused = str(err)
+            refused = world.broadcast_object(refused)
+            if refused:
+                print(f"agent-rl eval: error: {refused}", file=sys.stderr)
+                world.barrier()  # every rank's engine has loaded before rank 0 removes a merged model
+                loop.engine.close()
+                world.close()
+                return 2
+            traj_path = Path(args.trajectories) if args.trajectories else None
+            if traj_path is not None and world.world_size > 1:
+                traj_path = traj_path.with_name(f"{traj_path.stem}.rank{world.rank}{traj_path.suffix}")
+            kept: list = []
+            reward = Reward(cfg.reward)
+            if traj_path is not None:
+                traj_path.parent.mkdir(parents=True, exist_ok=True)
+                traj_path.write_text("")
 
-        def keep(trajs: list) -> None:  # this process's trajectories, appended chunk by chunk
-            assert traj_path is not None
-            with traj_path.open("a") as fh:
-                for t in trajs:
-                    t.reward = reward(t)
-                    rec = {**t.to_record(tokenizer), **answer_scores(t.response_text, t.golden_answers)}
-                    fh.write(json.dumps(rec) + "\n")
-            kept.extend(t.prompt_id for t in trajs)
+            def keep(trajs: list) -> None:  # this process's trajectories, appended chunk by chunk
+                assert traj_path is not None
+                with traj_path.open("a") as fh:
+                    for t in trajs:
+                        t.reward = reward(t)
+                        rec = {**t.to_record(tokenizer), **answer_scores(t.response_text, t.golden_answers)}
+                        fh.write(json.dumps(rec) + "\n")
+                kept.extend(t.prompt_id for t in trajs)
 
-        evaluation.score_shard(
-            loop, prompts, spec, folder, shard, shards, on_trajectories=keep if traj_path is not None else None
-        )
-        world.barrier()  # every rank's share is in before rank 0 merges (and stops the retriever)
-    loop.client.close()
-    loop.engine.close()  # before the process group: vLLM's own groups are built on it
+            evaluation.score_shard(
+                loop, prompts, spec, folder, shard, shards, on_trajectories=keep if traj_path is not None else None
+            )
+            # Every rank's share is in before rank 0 merges the parts, stops the retriever, removes a merged model.
+            world.barrier()
+        loop.client.close()
+        loop.engine.close()  # before the process group: vLLM's own groups are built on it
     world.close()
     if traj_path is not None:
         print(f"wrote {len(kept)} trajectories to {traj_path} (see them with: agent-rl view {traj_path} --out DIR)")
@@ -292,19 +316,23 @@ def cmd_view(args) -> int:
     return 0
 
 
-def cmd_export(args) -> int:
-    """Write a checkpoint's model as a plain Hugging Face directory; LoRA adapters merged with --merge."""
-    cfg = _config(args)
-    src = resolve_model_dir(args.checkpoint)
-    out = Path(args.out)
+def export_model(cfg, src: str, out: Path, merge: bool) -> None:
+    """Write the model in `src` to `out` as a Hugging Face directory with its tokenizer; LoRA
+    adapters folded into the base weights when `merge` (peft's `merge_and_unload`)."""
     model = _load_model(src)
     if _is_lora(src):
-        if args.merge:
+        if merge:
             model = model.merge_and_unload()
         else:
             print("exporting the LoRA adapters only (add --merge for a full model)")
     model.save_pretrained(out)
     _load_tokenizer(cfg, src).save_pretrained(out)
+
+
+def cmd_export(args) -> int:
+    """Write a checkpoint's model as a plain Hugging Face directory; LoRA adapters merged with --merge."""
+    out = Path(args.out)
+    export_model(_config(args), resolve_model_dir(args.checkpoint), out, args.merge)
     print(f"wrote {out}")
     return 0
 
@@ -420,7 +448,12 @@ def main(argv: list[str] | None = None) -> int:
         "their unweighted mean, bootstrap intervals); resumable, sharded under torchrun or --shard",
     )
     _with_config(p)
-    p.add_argument("--checkpoint", required=True, help="checkpoint dir (step_N) or model dir")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        help="checkpoint dir (step_N) or model dir; LoRA adapters under rollout.engine=vllm are merged into a "
+        "temporary dir beside --out for the evaluation",
+    )
     p.add_argument(
         "--data",
         nargs="+",

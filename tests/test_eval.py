@@ -1,7 +1,8 @@
 """`agent-rl eval` as the papers' table: several test sets, per-source rows with bootstrap intervals
 and their unweighted mean, the exact questions recorded; a killed evaluation resumes to the same
-scores; shards (processes or torchrun ranks) merge to the unsharded table. Plus the pure table
-math on hand-made records."""
+scores; shards (processes or torchrun ranks) merge to the unsharded table; a LoRA run's checkpoint
+evaluates under vLLM (adapters merged into a temporary dir) to the HF engine's scores. Plus the pure
+table math on hand-made records."""
 
 import importlib.util
 import json
@@ -51,9 +52,9 @@ def world(toy_warm_start, tmp_path_factory):
         yield {"cache": cache, "sft": toy_warm_start["sft"], "files": files, "url": url}
 
 
-def _eval(world, out: Path, *extra: str, env=None, launcher=None, overrides=()):
+def _eval(world, out: Path, *extra: str, env=None, launcher=None, overrides=(), checkpoint=None):
     cmd = [*(launcher or [sys.executable, "-m", "agent_rl.cli"]), "eval", "configs/tiny_cpu_grpo.yaml"]
-    cmd += [*_overrides(world["cache"], out.parent), *overrides, "--checkpoint", str(world["sft"])]
+    cmd += [*_overrides(world["cache"], out.parent), *overrides, "--checkpoint", str(checkpoint or world["sft"])]
     cmd += ["--retriever-url", world["url"], "--data", *map(str, world["files"]), "--out", str(out), *extra]
     return subprocess.run(cmd, cwd=ROOT, env=env or ENV, capture_output=True, text=True, timeout=900)
 
@@ -159,31 +160,63 @@ def test_torchrun_two_ranks_merge_to_the_unsharded_table(world, whole, tmp_path)
     assert json.loads(out.read_text())["table"] == json.loads(whole.read_text())["table"]
 
 
-def _scores(out: Path) -> dict:
-    return {r["id"]: (r["em"], r["f1"], r["searches"]) for r in _records(out)}
+def _lora_checkpoint(world, root: Path) -> Path:
+    """A LoRA run's checkpoint `root/checkpoints/step_1`, written as the trainer writes one (`load_policy`
+    wraps the warm start in peft adapters, `save_checkpoint` saves them). The adapters' B is seeded noise
+    (fresh adapters are a no-op), small enough that the policy still searches and answers."""
+    import torch
+
+    from agent_rl.config import load_config
+    from agent_rl.infra.checkpoint import save_checkpoint
+    from agent_rl.learn.policy import load_policy
+
+    cfg = load_config(
+        ROOT / "configs" / "tiny_cpu_grpo.yaml",
+        [*_overrides(world["cache"], root), f"model.warm_start={world['sft']}", "model.lora.enabled=true"],
+    )
+    policy = load_policy(cfg, str(world["sft"]), "cpu")
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    return save_checkpoint(root / "checkpoints", 1, policy, None, None, {}, cfg.to_dict(), keep_last=0)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is installed by `make setup` on x86-64")
-def test_torchrun_ranks_each_run_their_own_vllm_engine(world, whole, tmp_path):
-    """`rollout.engine=vllm` under torchrun: each rank builds its own in-process vLLM engine (vLLM builds
-    its groups on the trainer's process group), scores its chunks and closes the engine before the group
-    is destroyed. A clean exit (vLLM's shutdown at exit used to fail on the destroyed group), and the
-    per-question scores of the HF engine's unsharded run (greedy decoding agrees between the two)."""
-    out = tmp_path / "eval.json"
-    res = _eval(
-        world,
-        out,
-        "--chunk-size",
-        "2",
-        launcher=torchrun_cmd(2, "-m", "agent_rl"),
-        overrides=("rollout.engine=vllm", "rollout.cpu_kv_cache_gib=1"),
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
+def test_torchrun_ranks_each_run_their_own_vllm_engine_on_a_lora_checkpoint(world, whole, tmp_path):
+    """`rollout.engine=vllm` under torchrun on a LoRA run's own `step_N`, one command: rank 0 merges the
+    adapters once into a temporary directory beside the output (vLLM serves plain weights), each rank
+    builds its own in-process vLLM engine on it (vLLM builds its groups on the trainer's process group),
+    scores its chunks and closes the engine before the group is destroyed, and the directory is gone at
+    the end. A clean exit (vLLM's shutdown at exit used to fail on the destroyed group), and the EM and
+    per-question records of the HF engine's unsharded run of the unmerged peft model (greedy decoding
+    agrees), whose answers are not the base model's."""
+    step = _lora_checkpoint(world, tmp_path / "run")
+    outs = {engine: tmp_path / engine / "eval.json" for engine in ("hf", "vllm")}
+    for engine, launcher in (("hf", None), ("vllm", torchrun_cmd(2, "-m", "agent_rl"))):
+        res = _eval(
+            world,
+            outs[engine],
+            "--chunk-size",
+            "2",
+            launcher=launcher,
+            overrides=(f"model.warm_start={world['sft']}", f"rollout.engine={engine}", "rollout.cpu_kv_cache_gib=1"),
+            checkpoint=step,
+        )
+        assert res.returncode == 0, res.stderr[-4000:]
     assert "Traceback" not in res.stderr and "Invalid process group" not in res.stderr, res.stderr[-4000:]
     assert (res.stdout + res.stderr).count("Initializing a V1 LLM engine") == 2  # one engine per rank
-    folder = tmp_path / "eval_questions"
+    assert res.stderr.count("holds LoRA adapters: merged into") == 1  # rank 0 merges, every rank loads it
+    assert sorted(p.name for p in outs["vllm"].parent.iterdir()) == ["eval.json", "eval.md", "eval_questions"]
+    folder = tmp_path / "vllm" / "eval_questions"
     assert (folder / "part-0.jsonl").exists() and (folder / "part-1.jsonl").exists()
-    assert _scores(out) == _scores(whole)
+    hf, vllm = (json.loads(outs[engine].read_text()) for engine in ("hf", "vllm"))
+    assert vllm["decoding"]["engine"] == "vllm" and vllm["model_fingerprint"] == hf["model_fingerprint"]
+    assert vllm["eval/em"] == hf["eval/em"]
+    assert _records(outs["vllm"]) == _records(outs["hf"])
+    answers = {r["id"]: r["answer"] for r in _records(outs["hf"])}
+    assert answers != {r["id"]: r["answer"] for r in _records(whole)}  # the adapters change the policy
 
 
 def test_pass_at_k_samples_k_per_question(world, tmp_path):
