@@ -122,7 +122,7 @@ def _engine_model_dir(cfg, model_path: str, world, near: Path) -> Iterator[str]:
         near.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix=".merged-lora-", dir=near) if world.is_main else nullcontext(None) as tmp:
         if tmp is not None:
-            print(f"[eval] {model_path} holds LoRA adapters: merged into {tmp} for vLLM", file=sys.stderr)
+            print(f"[agent-rl] {model_path} holds LoRA adapters: merged into {tmp} for vLLM", file=sys.stderr)
             export_model(cfg, model_path, Path(tmp), merge=True)
         yield world.broadcast_object(tmp)
 
@@ -133,6 +133,7 @@ def cmd_rollout(args) -> int:
     from agent_rl.rollout.prompts import load_prompts
     from agent_rl.rollout.rewards import Reward
     from agent_rl.rollout.trajectory import write_trajectories
+    from agent_rl.world import LOCAL
 
     cfg = _config(args)
     prepare(cfg)
@@ -141,8 +142,9 @@ def cmd_rollout(args) -> int:
         if args.checkpoint
         else (cfg.model.warm_start if cfg.model.warm_start and Path(cfg.model.warm_start).exists() else cfg.model.path)
     )
-    with local_retriever(cfg) as url:
-        loop, tokenizer, budget = _loop(cfg, model_path, url)
+    out = Path(args.out)
+    with local_retriever(cfg) as url, _engine_model_dir(cfg, model_path, LOCAL, out.parent) as engine_dir:
+        loop, tokenizer, budget = _loop(cfg, engine_dir, url)
         prompts = loop.admit(load_prompts(cfg.data.train_files, tokenizer, budget, args.num_prompts))
         trajs = loop.run(
             prompts.items,
@@ -150,7 +152,6 @@ def cmd_rollout(args) -> int:
             cfg.rollout.temperature,
             cfg.rollout.top_p,
         )
-    out = Path(args.out)
     reward = Reward(cfg.reward)
     for t in trajs:
         t.reward = reward(t)

@@ -114,6 +114,79 @@ def stop_token_ids(tokenizer, stop_tags: Sequence[str] = STOP_TAGS) -> list[int]
     return sorted(set(ids))
 
 
+def _after(tag: str, state: int, text: str) -> int:
+    """The matcher's state after `text` from `state` (len(tag) once the tag has occurred): the longest prefix
+    of `tag` that the text read so far ends with."""
+    seen = tag[:state] + text
+    if tag in seen:
+        return len(tag)
+    return next((k for k in range(min(len(tag) - 1, len(seen)), 0, -1) if seen.endswith(tag[:k])), 0)
+
+
+def _transitions(tag: str, texts: list[str]) -> torch.Tensor:
+    """(len(tag) + 1, V): the state after each token id from each state (the last state: the tag occurred).
+
+    Computed in full for the tokens holding the tag's first character; when that character occurs once in the
+    tag (`</search>`'s `<`), any other token leads back to 0 except where it continues the tag read so far or
+    completes it, which are looked up rather than computed for every state and token."""
+    n, first = len(tag), tag[0]
+    table = torch.zeros((n + 1, len(texts)), dtype=torch.int32)
+    table[n] = n
+    once = tag.count(first) == 1
+    for v, text in enumerate(texts):
+        if not once or first in text:
+            for q in range(n):
+                table[q, v] = _after(tag, q, text)
+    if once:
+        by_text: dict[str, list[int]] = {}
+        for v, text in enumerate(texts):
+            if text and first not in text:
+                by_text.setdefault(text, []).append(v)
+        for q in range(1, n):
+            rest = tag[q:]
+            for k in range(1, len(rest) + 1):
+                for v in by_text.get(rest[:k], ()):
+                    table[q, v] = q + k
+            ends = [v for v, text in enumerate(texts) if first not in text and text.startswith(rest)]
+            table[q, ends] = n
+    return table
+
+
+class StopStrings:
+    """Stop strings matched on token ids, on the device: per string an automaton over the vocabulary (its state
+    is the longest prefix of the string that a row's text ends with), advanced by one gather a decode step.
+
+    A string is caught however it was tokenized: SmolLM2 writes `</search>` as 3 tokens, or with `>` merged into
+    the next character (`>.`, `><`); the string may end inside the token that completes it, which is kept, as
+    a decoded tail would find it. Token texts are each id decoded alone (`skip_special_tokens=False`)."""
+
+    def __init__(self, tokenizer, strings: Sequence[str], vocab_size: int, device: torch.device | str):
+        self.strings = [s for s in strings if s]
+        known = len(tokenizer)
+        texts = tokenizer.batch_decode([[i] for i in range(min(known, vocab_size))], skip_special_tokens=False)
+        texts += [""] * (vocab_size - len(texts))  # ids past the tokenizer's (a padded embedding) read as nothing
+        tables = [_transitions(s, texts) for s in self.strings]
+        width = max((t.shape[0] for t in tables), default=1)
+        stacked = torch.zeros((len(tables), width, vocab_size), dtype=torch.int32)
+        for k, t in enumerate(tables):
+            stacked[k, : t.shape[0]] = t
+        self.table = stacked.to(device)
+        self.done = torch.tensor([len(s) for s in self.strings], dtype=torch.int32, device=device)
+        self._which = torch.arange(len(self.strings), device=device)[None, :]
+
+    def __bool__(self) -> bool:
+        return bool(self.strings)
+
+    def start(self, rows: int) -> torch.Tensor:
+        """The states of `rows` fresh rows: (rows, strings)."""
+        return torch.zeros((rows, len(self.strings)), dtype=torch.long, device=self.table.device)
+
+    def step(self, state: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """state: (B, S), ids: (B,) the tokens just sampled -> (the new state, (B,) True where a string ended)."""
+        new = self.table[self._which, state, ids[:, None]]
+        return new.long(), (new == self.done).any(-1)
+
+
 def sample_tokens(
     logits: torch.Tensor,
     temperature: float,

@@ -28,6 +28,7 @@ from agent_rl.rollout.engines.base import (
     FullParams,
     Generation,
     ModelShape,
+    StopStrings,
     sample_tokens,
     stop_token_ids,
 )
@@ -78,9 +79,10 @@ class HFEngine:
         self.device = torch.device(device)
         self.batch_size = batch_size
         self.stop_ids = stop_token_ids(tokenizer, stop_tags)  # the tools' closing tags and </answer>
-        # Multi-token tags (real hub tokenizers) are caught as stop strings on the decoded tail.
+        # Multi-token tags (real hub tokenizers) are stop strings, matched on the sampled ids on the device.
         single = {tokenizer.decode([i]) for i in self.stop_ids}
-        self.stop_strings = [t for t in stop_tags if t not in single]
+        vocab = max(len(tokenizer), int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0))
+        self.stop_strings = StopStrings(tokenizer, [t for t in stop_tags if t not in single], vocab, self.device)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.stats = {"generated_tokens": 0, "generate_s": 0.0}
@@ -156,20 +158,16 @@ class HFEngine:
         return out
 
     def _generate_batch(self, prompts, max_new, temperature, top_p, seeds=None) -> list[Generation]:
+        """One batch, decoded step by step on the device: what rows sampled, their lengths and how they ended stay
+        in device tensors until the batch is done; the host learns one thing a step, which rows are still live."""
         bsz = len(prompts)
-        tokens: list[list[int]] = [[] for _ in range(bsz)]
-        logps: list[list[float]] = [[] for _ in range(bsz)]
-        finish = ["length"] * bsz
-        rows = torch.tensor(
-            [i for i in range(bsz) if max_new[i] > 0], dtype=torch.long
-        )  # original index of each live row
-        if len(rows) == 0:
+        live = [i for i in range(bsz) if max_new[i] > 0]
+        if not live:
             return [Generation([], [], "length") for _ in range(bsz)]
+        dev = self.device
         # A GRPO group repeats its prompt: prefill each distinct prompt once, then copy its cache rows.
-        unique, copy_of = distinct(prompts[i] for i in rows.tolist())
-        input_ids, attention, positions = left_pad(unique, self.pad_id, self.device)
-        limits = torch.tensor(max_new, dtype=torch.long)
-        stop_ids = torch.tensor(self.stop_ids, dtype=torch.long)
+        unique, copy_of = distinct(prompts[i] for i in live)
+        input_ids, attention, positions = left_pad(unique, self.pad_id, dev)
         # The prefill needs the next-token logits of the last position only (`logits_to_keep`): the LM head over
         # every prompt position would be a (rows x prompt length x vocabulary) product thrown away.
         out = self.model(
@@ -177,47 +175,60 @@ class HFEngine:
         )
         past = out.past_key_values
         logits = out.logits[:, -1, :]
-        if len(unique) < len(rows):
-            expand = torch.tensor(copy_of, dtype=torch.long, device=self.device)
+        if len(unique) < len(live):
+            expand = torch.tensor(copy_of, dtype=torch.long, device=dev)
             past.batch_select_indices(expand)
             logits, attention, positions = logits[expand], attention[expand], positions[expand]
         last_pos = positions[:, -1]
-        active = torch.ones(len(rows), dtype=torch.bool)
-        row_gens = (
-            None if seeds is None else [torch.Generator(device="cpu").manual_seed(int(seeds[i])) for i in rows.tolist()]
-        )
-        for _ in range(int(limits.max().item())):
+        width = max(max_new)
+        # Per original row: the sampled ids and log-probs (one spare column: a finished row writes there, unread),
+        # how many it kept, and whether it ended on a stop.
+        ids_out = torch.full((bsz, width + 1), self.pad_id, dtype=torch.long, device=dev)
+        lp_out = torch.zeros((bsz, width + 1), dtype=torch.float32, device=dev)
+        length = torch.zeros(bsz, dtype=torch.long, device=dev)
+        stopped = torch.zeros(bsz, dtype=torch.bool, device=dev)
+        limit = torch.tensor(max_new, dtype=torch.long, device=dev)
+        stop_ids = torch.tensor(self.stop_ids, dtype=torch.long, device=dev)
+        at = torch.tensor(live, dtype=torch.long, device=dev)  # the original row of each row of the batch
+        active = torch.ones(len(live), dtype=torch.bool, device=dev)
+        state = self.stop_strings.start(len(live)) if self.stop_strings else None
+        row_gens = None if seeds is None else [torch.Generator(device="cpu").manual_seed(int(seeds[i])) for i in live]
+        for _ in range(width):
             ids, lp = sample_tokens(logits, temperature, top_p, self.generator if row_gens is None else row_gens)
-            ids, lp = ids.cpu(), lp.cpu()
-            live, ids_l, lp_l = rows.tolist(), ids.tolist(), lp.tolist()
-            for r in torch.nonzero(active).flatten().tolist():
-                tokens[live[r]].append(ids_l[r])
-                logps[live[r]].append(lp_l[r])
-            hit_stop = torch.isin(ids, stop_ids) & active
-            if self.stop_strings:
-                for r in torch.nonzero(active & ~hit_stop).flatten().tolist():
-                    tail = self.tokenizer.decode(tokens[live[r]][-8:], skip_special_tokens=False)
-                    if any(s in tail for s in self.stop_strings):
-                        hit_stop[r] = True
-            for r in torch.nonzero(hit_stop).flatten().tolist():
-                finish[live[r]] = "stop"
-            reached = torch.tensor([len(tokens[i]) for i in live]) >= limits[rows]
-            active = active & ~hit_stop & ~reached
-            if not bool(active.any()):
+            pos = length[at]
+            ids_out[at, pos], lp_out[at, pos] = ids, lp.float()
+            length[at] = pos + active.long()
+            hit = torch.isin(ids, stop_ids)
+            if state is not None:
+                state, ended = self.stop_strings.step(state, ids)
+                hit = hit | ended
+            hit = hit & active
+            stopped[at] = stopped[at] | hit
+            active = active & ~hit & (length[at] < limit[at])
+            on_host = active.cpu()  # the step's one transfer
+            n_live = int(on_host.sum())
+            if n_live == 0:
                 break
-            if int((~active).sum()) * 4 >= len(rows):
+            if (len(on_host) - n_live) * 4 >= len(on_host):
                 # A quarter of the rows are done: drop them from the batch and the KV cache, so
                 # one long row does not keep paying for the finished ones.
-                keep = torch.nonzero(active).flatten()
-                past.batch_select_indices(keep.to(self.device))
-                rows, ids, active = rows[keep], ids[keep], active[keep]
+                keep_host = torch.nonzero(on_host).flatten()
+                keep = keep_host.to(dev)
+                past.batch_select_indices(keep)
+                at, ids, active, attention, last_pos = (
+                    at[keep],
+                    ids[keep],
+                    active[keep],
+                    attention[keep],
+                    last_pos[keep],
+                )
+                if state is not None:
+                    state = state[keep]
                 if row_gens is not None:
-                    row_gens = [row_gens[i] for i in keep.tolist()]
-                keep = keep.to(self.device)
-                attention, last_pos = attention[keep], last_pos[keep]
+                    row_gens = [row_gens[i] for i in keep_host.tolist()]
             # Finished rows not yet dropped keep feeding a pad with attention 0.
-            feed = torch.where(active, ids, torch.full_like(ids, self.pad_id)).to(self.device)
-            attention = torch.cat([attention, active.long().to(self.device)[:, None]], dim=1)
+            feed = torch.where(active, ids, torch.full_like(ids, self.pad_id))
+            attention = torch.cat([attention, active.long()[:, None]], dim=1)
             last_pos = last_pos + 1
             out = self.model(
                 input_ids=feed[:, None],
@@ -227,5 +238,11 @@ class HFEngine:
                 use_cache=True,
             )
             past, logits = out.past_key_values, out.logits[:, -1, :]
-        self.stats["generated_tokens"] += sum(len(t) for t in tokens)
-        return [Generation(tokens[i], logps[i], finish[i]) for i in range(bsz)]
+        lengths, ended_stop = length.tolist(), stopped.tolist()
+        ids_host, lp_host = ids_out.cpu(), lp_out.cpu()
+        self.stats["generated_tokens"] += sum(lengths)
+        finish = ["stop" if e else "length" for e in ended_stop]
+        return [
+            Generation(ids_host[i, : lengths[i]].tolist(), lp_host[i, : lengths[i]].tolist(), finish[i])
+            for i in range(bsz)
+        ]
