@@ -218,13 +218,34 @@ def test_turns_split_the_response_and_budget_hits_are_listed(tmp_path):
 
 
 def _chromium() -> str:
+    """The Chromium executable; without one the browser test skips, except under CI (`CI=true`), where
+    a skipped browser test would pass unseen, so it fails with the same message."""
     exe = shutil.which("chromium") or shutil.which("chromium-browser")
     if exe is None:
-        pytest.skip(
+        why = (
             "headless Chromium is not installed: run `apt-get install -y chromium` (Debian; `make test` installs it "
             "when run as root)"
         )
+        if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes"):
+            pytest.fail(why, pytrace=False)
+        pytest.skip(why)
     return exe
+
+
+@pytest.mark.parametrize("ci, outcome", [("true", pytest.fail.Exception), (None, pytest.skip.Exception)])
+def test_a_missing_chromium_fails_under_ci_and_skips_elsewhere(monkeypatch, ci, outcome):
+    """With no Chromium on the PATH the browser test fails when `CI=true` (a CI run must not pass it
+    by skipping) and skips otherwise, with the same message, which says how to install it."""
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    if ci is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", ci)
+    # Both outcomes caught, so that a skip where a failure is due fails this test rather than skipping it.
+    with pytest.raises((pytest.fail.Exception, pytest.skip.Exception)) as raised:
+        _chromium()
+    assert raised.type is outcome
+    assert "headless Chromium is not installed: run `apt-get install -y chromium`" in str(raised.value)
 
 
 def _browser(exe: str, *args: str) -> subprocess.CompletedProcess:
