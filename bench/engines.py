@@ -1,8 +1,8 @@
-"""Generation throughput of the rollout engines on a real model: HF engine vs vLLM (CPU build), and the HF
-engine against transformers' own `generate()`.
+"""Generation throughput of the rollout engines on a real model: HF engine vs transformers' continuous
+batching (`paged`) vs vLLM (CPU build), and the HF engine against transformers' own `generate()`.
 
 Usage: .venv/bin/python bench/engines.py --model DIR [--rows 16 64] [--new-tokens 128] [--pairs 3]
-       [--engines hf vllm] (any of: hf vllm generate generate-static generate-compile)
+       [--engines hf vllm] (any of: hf paged vllm generate generate-static generate-compile)
 
 Each measurement runs in a fresh subprocess (its own engine start, one warm-up call, then one
 timed `generate` of ROWS chat-templated HotpotQA questions from the test fixture, temperature 1,
@@ -17,6 +17,9 @@ has transformers compile the decode step (`torch.compile`, which it does on GPUs
 warmed up on the very call it is timed on, so no recompile is counted (a best case: a rollout's shapes
 change from call to call). None of them draws per-row seeds, gives each row its own token limit,
 prefills a repeated prompt once or drops finished rows: what the HF engine's own loop adds.
+
+`paged` is `PagedEngine` as `build_engine` makes it for `rollout.engine=paged`: transformers' continuous
+batching over its own copy of the weights, one manager per `generate` call (its start and stop are timed).
 """
 
 from __future__ import annotations
@@ -144,6 +147,24 @@ def worker(args) -> None:
 
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
         engine = HFEngine(model, tok, "cpu", batch_size=max(64, rows), seed=0)
+    elif args.worker == "paged":
+        from transformers import AutoModelForCausalLM
+
+        from agent_rl.rollout.engines import build_engine
+
+        cfg = load_config(
+            None,
+            [
+                "rollout.engine=paged",
+                f"model.path={args.model}",
+                "budget.max_total_tokens=1024",
+                f"rollout.generation_batch_size={max(64, rows)}",
+                f"rollout.prompts_per_step={rows}",
+                "algo.group_size=2",
+            ],
+        )
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+        engine = build_engine(cfg, model, tok, seed=0)  # its own copy, as in training
     else:
         engine = _LibraryGenerate(
             args.model, tok, static=args.worker == "generate-static", compile=args.worker == "generate-compile"
@@ -165,7 +186,7 @@ def worker(args) -> None:
     print(json.dumps({**result, "startup_s": startup, "warmup_s": warmup}))
 
 
-ENGINES = ("hf", "vllm", "generate", "generate-static", "generate-compile")
+ENGINES = ("hf", "paged", "vllm", "generate", "generate-static", "generate-compile")
 
 
 def _run(engine: str, rows: int, args) -> dict:

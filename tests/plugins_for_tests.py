@@ -7,7 +7,41 @@ def searched_once(trajectory, golden_answers: list[str]) -> float:
     return float(sum(1 for turn in trajectory.turns if turn.action == "search") == 1)
 
 
-not_a_function = 3
+not_a_function = 3  # a reward that is not callable
+
+
+class NoCall:
+    """Not a tool: it has a name and a description but no `call`."""
+
+    name = "nocall"
+    description = "<nocall> x </nocall> answers nothing"
+
+
+class CallNotCallable:
+    """Not a tool: its `call` is a string and its name is not one."""
+
+    name = 7
+    description = "<seven> x </seven>"
+    call = "run"
+
+
+class NeedsArguments(NoCall):
+    """A tool class that cannot be built with no arguments."""
+
+    def __init__(self, endpoint: str):
+        self.endpoint = endpoint
+
+    def call(self, inputs: list[str]):
+        return []
+
+
+class AnswerTool(NoCall):
+    """A tool whose tag is `answer`, the final answer's."""
+
+    name = "answer"
+
+    def call(self, inputs: list[str]):
+        return []
 
 
 class Calculator:

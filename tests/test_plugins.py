@@ -39,16 +39,44 @@ def test_reward_fn_by_name_path_and_weighted_list():
     [
         ("no_such_module_xyz:fn", r"reward\.fn = 'no_such_module_xyz:fn': cannot import module"),
         ("plugins_for_tests:missing", r"reward\.fn = 'plugins_for_tests:missing': module .* has no attribute"),
-        ("plugins_for_tests:not_a_function", r"reward\.fn = .*not callable"),
+        (
+            "plugins_for_tests:not_a_function",
+            r"reward\.fn = '.*:not_a_function' is of type int, not callable: name a function",
+        ),
+        ("[{fn: em}, {fn: 'plugins_for_tests:not_a_function'}]", r"reward\.fn\[1\] = .* is of type int, not callable"),
+        (
+            "plugins_broken_at_import:score",
+            r"reward\.fn = 'plugins_broken_at_import:score': importing module 'plugins_broken_at_import' raised "
+            r"RuntimeError at .*plugins_broken_at_import\.py:4: the plug-in's own bug, at import; fix the module "
+            r"there, or take it out of reward\.fn$",
+        ),
         ("bleu", r"reward\.fn = 'bleu': not a built-in name"),
         ("[{fn: em, weight: high}]", r"reward\.fn\[0\]\.weight"),
         ("[{fun: em}]", r"reward\.fn\[0\] = .*\{fn: NAME_OR_PATH, weight: FLOAT\}"),
     ],
 )
 def test_a_bad_reward_fails_at_load_naming_the_key(value, message):
-    """A reward that cannot be loaded is a ConfigError at load, naming the key and what is wrong."""
+    """A reward that cannot be loaded (whatever its module raises at import) or is not callable is a
+    ConfigError at load, naming the key, what is wrong and what to do."""
     with pytest.raises(ConfigError, match=message):
         load_config(None, [f"reward.fn={value}"])
+
+
+def test_a_plugin_whose_import_raises_keeps_its_error_chained():
+    """The module's own exception is the ConfigError's cause, for both keys; `Reward` built from an
+    unvalidated config checks callability too."""
+    from agent_rl.config import RewardConfig
+
+    for override in (
+        "reward.fn=plugins_broken_at_import:score",
+        "rollout.tools=[search, 'plugins_broken_at_import:T']",
+    ):
+        with pytest.raises(ConfigError) as raised:
+            load_config(None, [override])
+        assert type(raised.value.__cause__) is RuntimeError
+        assert str(raised.value.__cause__) == "the plug-in's own bug, at import"
+    with pytest.raises(ConfigError, match=r"reward\.fn = .* is of type int, not callable"):
+        Reward(RewardConfig(fn="plugins_for_tests:not_a_function"))
 
 
 def _traj(text: str, searches: int) -> Trajectory:
@@ -219,13 +247,42 @@ def test_prompts_the_tools_note_pushes_past_the_budget_are_dropped_at_load(token
     assert len(plain.admit(PromptSet(list(items), [{}, {}], ["long", "short"])).items) == 2
 
 
-def test_a_bad_tool_fails_at_load_naming_the_key():
-    """A tool path that does not import, or an object that is not a tool, is a ConfigError naming the key."""
-    with pytest.raises(ConfigError, match=r"rollout\.tools\[1\] = 'nope_xyz:T': cannot import"):
-        load_config(None, ["rollout.tools=[search, 'nope_xyz:T']"])
-    cfg = load_config(None, ["rollout.tools=[search, 'plugins_for_tests:searched_once']"])
-    with pytest.raises(ConfigError, match=r"rollout\.tools\[1\] .* is not a tool: it lacks name, description"):
-        AgentLoop.from_config(cfg, None, None, None, BUDGET)
+@pytest.mark.parametrize(
+    "tools, message",
+    [
+        ("[search, 'nope_xyz:T']", r"rollout\.tools\[1\] = 'nope_xyz:T': cannot import .*on PYTHONPATH"),
+        (
+            "[search, 'plugins_broken_at_import:T']",
+            r"rollout\.tools\[1\] = 'plugins_broken_at_import:T': importing module 'plugins_broken_at_import' "
+            r"raised RuntimeError at .*plugins_broken_at_import\.py:4: .*take it out of rollout\.tools$",
+        ),
+        (
+            "['plugins_for_tests:searched_once']",
+            r"rollout\.tools\[0\] = .* is not a tool: it lacks name, description, call\. A tool has a str `name`",
+        ),
+        ("[search, 'plugins_for_tests:NoCall']", r"rollout\.tools\[1\] = .* is not a tool: it lacks call\."),
+        (
+            "[search, 'plugins_for_tests:CallNotCallable']",
+            r"rollout\.tools\[1\] = .* is not a tool: its name is of type int, not str; "
+            r"its call is of type str, not callable",
+        ),
+        (
+            "[search, 'plugins_for_tests:NeedsArguments']",
+            r"rollout\.tools\[1\] = .*: constructing the tool .*NeedsArguments\(\) raised TypeError at .*must build "
+            r"with no arguments",
+        ),
+        ("[search, search]", r"rollout\.tools = .*: tool names \['search', 'search'\] must be distinct"),
+        ("[search, 'plugins_for_tests:AnswerTool']", r"rollout\.tools = .* must be distinct and not 'answer'"),
+    ],
+    ids=["no-module", "import-raises", "a-function", "no-call", "wrong-types", "needs-arguments", "twice", "answer"],
+)
+def test_a_bad_tool_fails_at_load_naming_the_key(tools, message):
+    """A tool path that does not import (whatever its module raises), an object that is not a tool
+    (lacking or mistyping `name`, `description`, `call`), a class that cannot be built with no
+    arguments, or a tool set whose tags clash, is a ConfigError at `load_config`, not when the
+    rollout loop is built, naming the key, what is wrong and what to do."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [f"rollout.tools={tools}"])
 
 
 def test_the_default_tool_set_keeps_search_r1s_prompt_and_stop_tags(tokenizer):

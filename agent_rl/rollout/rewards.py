@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from agent_rl.config import BUILTIN_REWARDS, RewardConfig, load_object
+from agent_rl.config import BUILTIN_REWARDS, RewardConfig, load_reward
 from agent_rl.rollout.protocol import extract_answer, policy_text, well_formed
 from retriever_server.answers import exact_match, f1_score
 
@@ -89,7 +89,7 @@ class Reward:
         self.terms: list[tuple[RewardFn, float]] = []
         for i, (spec, weight) in enumerate(cfg.terms()):
             key = "reward.fn" if isinstance(cfg.fn, str) else f"reward.fn[{i}]"
-            self.terms.append((BUILTINS[spec] if spec in BUILTINS else load_object(spec, key), weight))
+            self.terms.append((BUILTINS[spec] if spec in BUILTINS else load_reward(spec, key), weight))
         self.format_coef = cfg.format_coef
 
     def __call__(self, t: Scored) -> float:

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
-from agent_rl.config import BUILTIN_TOOLS, ConfigError, load_object
+from agent_rl.config import BUILTIN_TOOLS, ConfigError, load_tool_object
 from agent_rl.rollout.retriever import document_summaries, format_documents
 from retriever_server.client import RetrievalError, RetrieverClient
 
@@ -105,15 +105,9 @@ class ReadTool:
 
 
 def load_tool(spec: str, key: str) -> Tool:
-    """A user's tool from its import path: a class is instantiated with no arguments."""
-    obj = load_object(spec, key)
-    tool = cast(Tool, obj() if inspect.isclass(obj) else obj)
-    missing = [a for a in ("name", "description", "call") if not hasattr(tool, a)]
-    if missing:
-        raise ConfigError(
-            f"{key} = {spec!r} is not a tool: it lacks {', '.join(missing)} (see agent_rl/rollout/tools.py)"
-        )
-    return tool
+    """A user's tool from its import path: a class is instantiated with no arguments. The checks
+    against `Tool` are config's (`load_tool_object`), so that a bad tool fails at `load_config`."""
+    return cast(Tool, load_tool_object(spec, key))
 
 
 def build_tools(specs: Sequence[str], client: RetrieverClient | None, topk: int) -> list[Tool]:

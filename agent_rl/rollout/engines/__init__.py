@@ -1,8 +1,9 @@
 """Rollout engines behind one small interface: token ids in, token ids + log-probs out.
 
-`base` holds the `Engine` protocol and what both engines share, `hf` the transformers engine,
-`vllm` the vLLM adapter (vLLM itself is imported only when that engine is built). `build_engine`
-is the one place a config becomes an engine, for the trainer and for `agent-rl rollout` / `eval`.
+`base` holds the `Engine` protocol and what the engines share, `hf` the transformers engine (our loop
+over the model's forward), `paged` transformers' continuous batching, `vllm` the vLLM adapter (vLLM
+itself is imported only when that engine is built). `build_engine` is the one place a config becomes
+an engine, for the trainer and for `agent-rl rollout` / `eval`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from agent_rl.rollout.engines.base import (
     stop_token_ids,
 )
 from agent_rl.rollout.engines.hf import HFEngine, rollout_copy
+from agent_rl.rollout.engines.paged import PagedEngine, engine_dtype, paged_sizes, plain_copy
 from agent_rl.rollout.engines.vllm import VLLMEngine, VLLMWeightSync, hf_named_weights, vllm_dtype, vllm_engine_kwargs
 from agent_rl.rollout.protocol import close_tags
 from agent_rl.rollout.tools import tool_names
@@ -31,6 +33,7 @@ __all__ = [
     "Generation",
     "HFEngine",
     "ModelShape",
+    "PagedEngine",
     "VLLMEngine",
     "VLLMWeightSync",
     "build_engine",
@@ -46,8 +49,11 @@ __all__ = [
 def engine_memory(cfg, shape: ModelShape, dtype_bytes: int) -> EngineMemory:
     """The memory figures of the engine `build_engine` would build for `cfg`, as that engine reports
     them (for `agent-rl plan`); `dtype_bytes`: bytes per weight of `model.dtype`."""
-    if cfg.rollout.resolved_engine() == "vllm":
+    engine = cfg.rollout.resolved_engine()
+    if engine == "vllm":
         return _vllm.planned_memory(cfg, shape, dtype_bytes)
+    if engine == "paged":
+        return PagedEngine.planned_memory(cfg, shape, dtype_bytes)
     return HFEngine.planned_memory(cfg, shape, dtype_bytes)
 
 
@@ -78,7 +84,8 @@ def build_engine(
 
     The HF engine generates with `policy` itself when the module sits on `rollout.device`, so no
     weight sync is needed; otherwise, or with `own_copy` (under FSDP each rank's engine needs an
-    unsharded copy), with a frozen copy moved there that `sync_weights` refreshes.
+    unsharded copy), with a frozen copy moved there that `sync_weights` refreshes. The paged engine
+    always runs a frozen copy of its own (`plain_copy`), in the trainer's compute dtype.
     """
     seed = cfg.run.seed if seed is None else seed
     stop_tags = close_tags(tool_names(cfg.rollout.tools))  # Search-R1's STOP_TAGS for search alone
@@ -91,8 +98,20 @@ def build_engine(
         path = model_path or cfg.model.warm_start or cfg.model.path
         return VLLMEngine(path, tokenizer, cfg, seed=seed, distributed=distributed, stop_tags=stop_tags)
     if policy is None:
-        raise ValueError("the HF rollout engine generates with the policy's weights: pass the loaded model")
+        raise ValueError("the HF and paged rollout engines generate with the policy's weights: pass the loaded model")
     device = cfg.rollout.device
+    if cfg.rollout.resolved_engine() == "paged":
+        seqs, blocks, batch_tokens = paged_sizes(cfg)
+        return PagedEngine(
+            plain_copy(policy, device, engine_dtype(cfg)),
+            tokenizer,
+            device=device,
+            max_sequences=seqs,
+            num_blocks=blocks,
+            max_batch_tokens=batch_tokens,
+            seed=seed,
+            stop_tags=stop_tags,
+        )
     module = policy if not own_copy and _sits_on(policy, device) else rollout_copy(policy, device)
     return HFEngine(
         module,
