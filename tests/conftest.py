@@ -29,6 +29,7 @@ LONGEST_FIRST = [
     "test_encoders.py",
     "test_gpu_path.py",
     "test_distributed.py",
+    "test_paged_engine.py",
 ]
 
 
