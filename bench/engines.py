@@ -3,6 +3,7 @@ batching (`paged`) vs vLLM (CPU build), and the HF engine against transformers' 
 
 Usage: .venv/bin/python bench/engines.py --model DIR [--rows 16 64] [--new-tokens 128] [--pairs 3]
        [--engines hf vllm] (any of: hf paged vllm generate generate-static generate-compile)
+       [--device cuda:0] [--dtype bfloat16] (hf and paged only; the others run on the CPU in float32)
 
 Each measurement runs in a fresh subprocess (its own engine start, one warm-up call, then one
 timed `generate` of ROWS chat-templated HotpotQA questions from the test fixture, temperature 1,
@@ -145,8 +146,8 @@ def worker(args) -> None:
 
         from agent_rl.rollout.engines import HFEngine
 
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-        engine = HFEngine(model, tok, "cpu", batch_size=max(64, rows), seed=0)
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device)
+        engine = HFEngine(model, tok, args.device, batch_size=max(64, rows), seed=0)
     elif args.worker == "paged":
         from transformers import AutoModelForCausalLM
 
@@ -156,6 +157,10 @@ def worker(args) -> None:
             None,
             [
                 "rollout.engine=paged",
+                f"rollout.device={args.device}",
+                f"train.device={args.device}",
+                f"model.dtype={args.dtype}",
+                f"train.bf16={args.dtype == 'bfloat16'}",
                 f"model.path={args.model}",
                 "budget.max_total_tokens=1024",
                 f"rollout.generation_batch_size={max(64, rows)}",
@@ -163,8 +168,8 @@ def worker(args) -> None:
                 "algo.group_size=2",
             ],
         )
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-        engine = build_engine(cfg, model, tok, seed=0)  # its own copy, as in training
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device)
+        engine = build_engine(cfg, model, tok, seed=0)  # its own copy in the compute dtype, as in training
     else:
         engine = _LibraryGenerate(
             args.model, tok, static=args.worker == "generate-static", compile=args.worker == "generate-compile"
@@ -201,6 +206,10 @@ def _run(engine: str, rows: int, args) -> dict:
         str(rows),
         "--new-tokens",
         str(args.new_tokens),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
     ]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if res.returncode != 0:
@@ -219,6 +228,13 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=ENGINES)
+    ap.add_argument("--device", default="cpu", help="device of the hf and paged engines (cpu, cuda:0, ...)")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="weights of the hf engine and compute dtype of paged's copy (bfloat16: model.dtype and train.bf16)",
+    )
     ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
