@@ -30,6 +30,7 @@ LONGEST_FIRST = [
     "test_gpu_path.py",
     "test_distributed.py",
     "test_paged_engine.py",
+    "test_gpu_session.py",
 ]
 
 
