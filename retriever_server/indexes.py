@@ -5,7 +5,12 @@ rows index the document store; -1 marks a missing hit (fewer than k documents). 
   GPU(s): faiss-gpu when importable, else exact search in torch, fp16 optional, sharded across
   the visible GPUs (Search-R1's flat wiki-18 index needs ~65 GB; shard it or use HNSW on CPU).
 - `hnsw`: faiss IndexHNSWFlat (M=64 default, efConstruction/efSearch recorded): the CPU default.
+- `hnsw_sq8`, `ivf_pq`, `factory`: any FAISS factory string (`retriever_server.plan`), searched with
+  `ef_search` (HNSW) and `nprobe` (IVF), the manifest's unless the server overrides them.
 - `bm25`: Lucene through pyserini (`retriever_server.bm25`).
+With `mmap=True` the index file is mapped, not read (`faiss.IO_FLAG_MMAP_IFC`: flat codes, HNSW
+storage; `IO_FLAG_MMAP`: IVF lists), so servers over one index share its pages in the page cache.
+Before opening, the server's planned RSS is compared with MemAvailable (`plan.check_fits`).
 """
 
 from __future__ import annotations
@@ -78,6 +83,8 @@ class DenseIndex:
         encoder_runtime: str = "auto",
         int8: bool = False,
         threads: int = 0,
+        nprobe: int | None = None,
+        mmap: bool = False,
     ):
         import faiss
 
@@ -97,12 +104,20 @@ class DenseIndex:
             cache_dir=Path(index_dir),
             threads=threads,
         )
-        index = faiss.read_index(str(Path(index_dir) / "index.faiss"))
+        path = str(Path(index_dir) / "index.faiss")
+        self.mmap = mmap and not device.startswith("cuda")
+        index = faiss.read_index(path, mmap_flags(index_type(path)) if self.mmap else 0)
+        build = manifest.get("build", {})
         self.ef_search: int | None = None
-        if self.kind == "hnsw":
-            self.ef_search = ef_search or manifest["build"].get("ef_search", 128)
-            # an IndexHNSWFlat (read_index returns the base type)
-            index.hnsw.efSearch = self.ef_search  # type: ignore[attr-defined]
+        self.nprobe: int | None = None
+        hnsw = hnsw_of(index)
+        if hnsw is not None:
+            self.ef_search = ef_search or build.get("ef_search", 128)
+            hnsw.efSearch = self.ef_search
+        ivf = _ivf_of(index)
+        if ivf is not None:
+            self.nprobe = min(nprobe or build.get("nprobe", 64), ivf.nlist)
+            ivf.nprobe = self.nprobe
         self.index = index
         self.ntotal = index.ntotal
         if device.startswith("cuda"):
@@ -116,6 +131,38 @@ class DenseIndex:
     def search_vectors(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         scores, rows = self.index.search(q, k)
         return scores.astype(np.float32), rows.astype(np.int64)
+
+
+def index_type(path: str) -> str:
+    """The FAISS type tag of an index file's outermost index (its first 4 bytes, e.g. 'IHNf', 'IwPQ')."""
+    with open(path, "rb") as fh:
+        return fh.read(4).decode("ascii", "replace")
+
+
+def mmap_flags(tag: str) -> int:
+    """read_index flags that map the file instead of reading it: MMAP_IFC maps flat codes (a flat
+    index, an HNSW's storage); IVF lists are mapped by MMAP (as OnDiskInvertedLists)."""
+    import faiss
+
+    return faiss.IO_FLAG_MMAP if tag.startswith("Iw") else faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY
+
+
+def hnsw_of(index):
+    import faiss
+
+    index = faiss.downcast_index(index)
+    if isinstance(index, faiss.IndexPreTransform):
+        return hnsw_of(index.index)
+    return index.hnsw if isinstance(index, faiss.IndexHNSW) else None
+
+
+def _ivf_of(index):
+    import faiss
+
+    try:
+        return faiss.extract_index_ivf(index)
+    except RuntimeError:  # not an IVF index
+        return None
 
 
 def _need_cuda(flag: str) -> None:
@@ -189,15 +236,23 @@ def open_index(
     encoder_runtime: str = "auto",
     int8: bool = False,
     threads: int = 0,
+    nprobe: int | None = None,
+    mmap: bool = False,
+    check_memory: bool = True,
 ):
-    """(manifest, store, index) for an index dir; refuses a manifest that does not match its data.
+    """(manifest, store, index) for an index dir; refuses a manifest that does not match its data,
+    and (`check_memory`) an index whose planned server RSS exceeds MemAvailable (`plan.check_fits`).
     The query encoder runs on `encoder_device` (default: cuda when the index is on cuda, else cpu);
     `encoder_runtime` (auto, onnx, torch), `int8` (dynamic int8 query encoder, ONNX Runtime only) and
-    `threads` (the encoder's intra-op threads, 0: one per core) are the Encoder's."""
+    `threads` (the encoder's intra-op threads, 0: one per core) are the Encoder's; `nprobe` (IVF)
+    and `ef_search` (HNSW) override the manifest's; `mmap` maps the index file instead of reading it."""
+    from retriever_server.plan import check_fits
     from retriever_server.store import file_sha256
 
     index_dir = Path(index_dir)
     manifest = load_manifest(index_dir)
+    if check_memory and not device.startswith("cuda"):
+        check_fits(index_dir, manifest, int8)
     store = DocStore(index_dir)
     if len(store) != manifest["count"]:
         raise ValueError(
@@ -219,7 +274,19 @@ def open_index(
     if manifest["kind"] == "bm25":
         index = BM25Index(index_dir, manifest, store)
     else:
-        index = DenseIndex(index_dir, manifest, device, fp16, ef_search, encoder_device, encoder_runtime, int8, threads)
+        index = DenseIndex(
+            index_dir,
+            manifest,
+            device,
+            fp16,
+            ef_search,
+            encoder_device,
+            encoder_runtime,
+            int8,
+            threads,
+            nprobe,
+            mmap,
+        )
         if index.ntotal != manifest["count"]:
             raise ValueError(
                 f"index {index_dir}: the FAISS index holds {index.ntotal} vectors but the manifest says "

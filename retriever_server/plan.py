@@ -1,0 +1,380 @@
+"""The memory of an index, planned before it is built: RAM and disk per component, and the RSS of a
+server that serves it.
+
+Every dense kind is a FAISS factory string (`KINDS`); its layout is read from the untrained FAISS
+object (`index_factory` costs nothing before training), so a named kind and a user's own
+`--factory` string are planned the same way:
+- HNSW: per vector its storage's code (4d bytes flat, d bytes SQ8) and the graph: 2M neighbours on
+  level 0 and, in expectation, M/(M-1) more on the upper levels (a node reaches level l with
+  probability M^-l), 4 bytes each, plus an 8-byte offset and a 4-byte level.
+- IVF: per vector its code and its 8-byte id in the inverted lists; fixed: the coarse centroids
+  and the PQ codebooks or SQ ranges.
+- Flat / SQ / PQ: per vector its code.
+The document store is the corpus in Arrow (ids and contents as UTF-8 plus two 4-byte offsets a
+row), estimated from the JSONL's size and a sample of its first lines. The encoder is the ONNX
+file the server runs (its size, or the weights' size before it is exported). A server's RSS "at
+start" is the index (read into RAM, or mapped and touched by searches: the same pages) + the
+encoder + a measured constant (Python with FAISS, ONNX Runtime, pyarrow, FastAPI, uvicorn); "max"
+adds the store, whose mapped pages the kernel reads ahead, so they approach the whole file soon
+after start. Store pages are clean page cache the kernel can drop, so the fit check
+(`check_fits`) asks MemAvailable for "at start" only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, cast
+
+# Measured (bench/index_memory.py, bench/RESULTS.md): the RSS of a retriever-server that has answered a
+# batch of 32 queries, less its index and its encoder's file (ONNX Runtime's arena, tokenizer, Python,
+# FAISS, pyarrow, FastAPI), and ONNX Runtime's RSS per byte of the model file it loads.
+SERVER_BASELINE_BYTES = 236 * 2**20
+ENCODER_RSS_PER_FILE_BYTE = 1.0
+# The share of an fp32 encoder's weights a dynamic int8 export keeps (int8 MatMul weights, fp32 rest).
+INT8_FILE_SHARE = 0.27
+
+# Named kinds: factory string (from d and n), one line on memory and recall, default search settings.
+KINDS: dict[str, str] = {
+    "flat": "exact search; RAM 4 x dim bytes a passage; the recall every other kind is measured against",
+    "hnsw": "HNSW64 graph over float vectors; RAM 4 x dim + ~530 bytes a passage; recall near exact",
+    "hnsw_sq8": "HNSW32 over 8-bit scalar-quantised vectors; RAM dim + ~275 bytes a passage (a quarter of hnsw's "
+    "vectors); recall a little under hnsw's",
+    "ivf_pq": "IVF (~4 sqrt(n) lists) + PQ, dim/8 bytes a passage; RAM dim/8 + 8 bytes a passage; the lowest "
+    "recall of these; --nprobe trades speed for recall",
+    "factory": "any FAISS index_factory string given with --factory (e.g. 'IVF4096,PQ64'), planned the same way",
+    "bm25": "Lucene BM25 through pyserini; no vectors, no encoder",
+}
+DENSE_KINDS = ("flat", "hnsw", "hnsw_sq8", "ivf_pq", "factory")
+DEFAULT_NPROBE = 64
+
+
+def ivf_lists(n: int) -> int:
+    """IVF list count for n vectors: the power of two at or below 4 sqrt(n), at least 1, and at most
+    n / 39 (FAISS's k-means wants 39 training points a centroid)."""
+    target = max(1, min(int(4 * n**0.5), n // 39))
+    return 1 << (target.bit_length() - 1)
+
+
+def pq_bytes(d: int) -> int:
+    """PQ sub-quantisers for ivf_pq: d/8 (8 dimensions each, one byte each), a divisor of d."""
+    m = max(1, d // 8)
+    while d % m:
+        m -= 1
+    return m
+
+
+def factory_string(kind: str, d: int, n: int, hnsw_m: int = 64, factory: str | None = None) -> str:
+    """The FAISS index_factory string a dense kind builds for n vectors of dimension d."""
+    if kind == "flat":
+        return "Flat"
+    if kind == "hnsw":
+        return f"HNSW{hnsw_m},Flat"
+    if kind == "hnsw_sq8":
+        return "HNSW32,SQ8"
+    if kind == "ivf_pq":
+        # at least 32 training points a codebook centroid: 8-bit codebooks from 8,192 vectors up
+        bits = min(8, max(1, (n // 32).bit_length() - 1))
+        return f"IVF{ivf_lists(n)},PQ{pq_bytes(d)}" + (f"x{bits}" if bits < 8 else "")
+    if kind == "factory":
+        if not factory:
+            raise ValueError(
+                "--kind factory needs --factory STRING (a FAISS index_factory string, e.g. 'IVF4096,PQ64')"
+            )
+        return factory
+    raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {kind!r}")
+
+
+@dataclass
+class Layout:
+    """An index's bytes: `per_vector` a vector (codes, ids, graph) and `fixed` (centroids, codebooks)."""
+
+    per_vector: float = 0.0
+    fixed: float = 0.0
+    parts: dict[str, float] = field(default_factory=dict)  # per-vector bytes by part: codes, ids, graph
+
+    def add(self, other: Layout) -> Layout:
+        parts = dict(self.parts)
+        for k, v in other.parts.items():
+            parts[k] = parts.get(k, 0.0) + v
+        return Layout(self.per_vector + other.per_vector, self.fixed + other.fixed, parts)
+
+
+def layout(index) -> Layout:
+    """The byte layout of a FAISS index (untrained is fine); ValueError for a type it does not know."""
+    import faiss
+
+    owner, index = index, faiss.downcast_index(index)  # the downcast wrapper does not own the object
+    d = index.d
+    if isinstance(index, faiss.IndexPreTransform):
+        fixed, chain = 0.0, cast(Any, index.chain)  # a SWIG vector, not the list the stubs say
+        for i in range(chain.size()):
+            vt = faiss.downcast_VectorTransform(chain.at(i))
+            fixed += 4.0 * vt.d_in * vt.d_out + 4.0 * vt.d_out
+        return Layout(fixed=fixed).add(layout(index.index))
+    if isinstance(index, faiss.IndexRefine):
+        return layout(index.base_index).add(layout(index.refine_index))
+    if isinstance(index, faiss.IndexHNSW):
+        cum = faiss.vector_to_array(index.hnsw.cum_nneighbor_per_level)  # 0, 2M, 3M, ...
+        level0, m = int(cum[1]), int(cum[2] - cum[1])
+        graph = 4.0 * (level0 + m / max(1, m - 1)) + 8 + 4
+        return Layout(graph, 0.0, {"graph": graph}).add(layout(index.storage))
+    if isinstance(index, faiss.IndexIVF):
+        nlist = index.nlist
+        quantizer = layout(index.quantizer)
+        fixed = quantizer.fixed + quantizer.per_vector * nlist + 48.0 * nlist  # + each list's vectors
+        fixed += _trained_bytes(index, d)
+        code = float(index.code_size)
+        return Layout(code + 8, fixed, {"codes": code, "ids": 8.0})
+    if isinstance(index, faiss.IndexFlatCodes):
+        code = float(index.code_size)
+        return Layout(code, _trained_bytes(index, d), {"codes": code})
+    raise ValueError(f"no memory model for {type(index).__name__} (in {type(owner).__name__})")
+
+
+def _trained_bytes(index, d: int) -> float:
+    """Codebooks (PQ: M x 256 x dsub floats) or scalar-quantiser ranges (2 x d floats)."""
+    if hasattr(index, "pq"):
+        pq = index.pq
+        return 4.0 * pq.M * pq.ksub * pq.dsub
+    if hasattr(index, "sq"):
+        return 4.0 * 2 * d
+    return 0.0
+
+
+def count_lines(path: Path, chunk: int = 1 << 24) -> int:
+    """Lines in a file (newlines, plus a last line without one), read in 16 MiB blocks."""
+    n, last = 0, b"\n"
+    with open(path, "rb") as fh:
+        while block := fh.read(chunk):
+            n += block.count(b"\n")
+            last = block[-1:]
+    return n + (last != b"\n")
+
+
+def store_bytes(corpus: Path, sample: int = 2000) -> int:
+    """docs.arrow's size for a corpus JSONL: the first `sample` lines' id + contents bytes and two
+    4-byte offsets a row, per byte of JSONL, times the file's size (exact when the sample is all)."""
+    line_bytes = arrow = 0
+    whole = True
+    with open(corpus, "rb") as fh:
+        for n, line in enumerate(fh):
+            if n >= sample:
+                whole = False
+                break
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            contents = rec["contents"] if "contents" in rec else f"{rec.get('title', '')}\n{rec.get('text', '')}"
+            line_bytes += len(line)
+            arrow += len(str(rec.get("id", n)).encode()) + len(contents.encode()) + 8
+    if not line_bytes:
+        return 0
+    overhead = 2048  # the Arrow file's schema, footer and per-batch headers
+    return (arrow if whole else int(arrow * corpus.stat().st_size / line_bytes)) + overhead
+
+
+def encoder_file_bytes(encoder: str | None, index_dir: Path | None = None, int8: bool = False) -> tuple[int, str]:
+    """(bytes of the ONNX file the server will run, where the figure comes from): the exported file
+    in the index directory when it is there, else the encoder's weights (an fp32 export is their
+    size; an int8 one about INT8_FILE_SHARE of it)."""
+    from retriever_server.encoders import default_encoder_path
+
+    name = "encoder.int8.onnx" if int8 else "encoder.onnx"
+    if index_dir is not None and (Path(index_dir) / name).is_file():
+        return (Path(index_dir) / name).stat().st_size, str(Path(index_dir) / name)
+    model_dir = Path(encoder or default_encoder_path())
+    weights = [p for p in model_dir.glob("*") if p.suffix in (".safetensors", ".bin") and p.is_file()]
+    if not weights:
+        raise ValueError(f"no weights (*.safetensors, *.bin) in {model_dir}: give the encoder as a local directory")
+    size = sum(p.stat().st_size for p in weights)
+    return int(size * INT8_FILE_SHARE) if int8 else size, str(model_dir)
+
+
+def encoder_dim(encoder: str | None) -> int:
+    """The encoder's output dimension from its config.json (hidden_size), without loading it."""
+    from retriever_server.encoders import default_encoder_path
+
+    config = Path(encoder or default_encoder_path()) / "config.json"
+    if not config.is_file():
+        raise ValueError(f"{config} is missing: give the encoder as a local directory")
+    c = json.loads(config.read_text())
+    dim = c.get("hidden_size") or c.get("d_model") or c.get("dim")
+    if not dim:
+        raise ValueError(f"{config} names no hidden_size")
+    return int(dim)
+
+
+@dataclass
+class Plan:
+    """Planned bytes of one index; `--plan --json` prints `asdict` of it."""
+
+    kind: str
+    factory: str | None
+    count: int
+    dim: int | None
+    index_bytes: int  # the index file, and its RAM once read (or mapped and touched)
+    index_parts: dict[str, int]  # codes / vectors, ids, graph, fixed (centroids, codebooks)
+    store_bytes: int  # docs.arrow
+    encoder_bytes: int  # the ONNX file the server runs
+    encoder_source: str
+    build_scratch_bytes: int  # the float32 vectors written during the build, deleted after it
+    disk_bytes: int  # the index directory: index + store + encoder
+    server_rss_start_bytes: int  # a started server: baseline + encoder + index
+    server_rss_max_bytes: int  # ... once every store page has been read
+    baseline_bytes: int = SERVER_BASELINE_BYTES
+
+    def table(self) -> str:
+        rows = [
+            (f"index ({self.factory or self.kind})", self.index_bytes),
+            *[(f"  {k}", v) for k, v in self.index_parts.items()],
+            ("document store (docs.arrow)", self.store_bytes),
+            (f"encoder ({Path(self.encoder_source).name or '-'})", self.encoder_bytes),
+            ("disk: index directory", self.disk_bytes),
+            ("disk: build scratch (float32 vectors)", self.build_scratch_bytes),
+            ("server RSS at start (+ Python/FAISS/ORT baseline)", self.server_rss_start_bytes),
+            ("server RSS, every store page read", self.server_rss_max_bytes),
+        ]
+        head = f"{self.count:,} passages" + (f" x {self.dim} dims" if self.dim else "")
+        return "\n".join([head] + [f"{name:<52} {human(v):>11}" for name, v in rows])
+
+
+def human(n: float) -> str:
+    """Bytes as MiB below a GiB, else GiB."""
+    return f"{n / 2**20:,.1f} MiB" if n < 2**30 else f"{n / 2**30:,.2f} GiB"
+
+
+def plan_index(
+    count: int,
+    dim: int | None,
+    kind: str,
+    store: int,
+    encoder_bytes: int = 0,
+    encoder_source: str = "",
+    hnsw_m: int = 64,
+    factory: str | None = None,
+) -> Plan:
+    """Plan for `count` passages of dimension `dim` (None for bm25), `store` bytes of docs.arrow."""
+    if kind == "bm25":
+        return Plan(kind, None, count, None, 0, {}, store, 0, "", 0, store, SERVER_BASELINE_BYTES,
+                    SERVER_BASELINE_BYTES + store)  # fmt: skip
+    import faiss
+
+    assert dim is not None
+    spec = factory_string(kind, dim, count, hnsw_m, factory)
+    try:
+        lay = layout(faiss.index_factory(dim, spec, faiss.METRIC_INNER_PRODUCT))
+    except RuntimeError as err:
+        raise ValueError(f"FAISS does not read the factory string {spec!r}: {err}") from err
+    parts = {k: int(v * count) for k, v in lay.parts.items()}
+    parts["fixed"] = int(lay.fixed)
+    index = int(lay.per_vector * count + lay.fixed)
+    encoder_rss = int(encoder_bytes * ENCODER_RSS_PER_FILE_BYTE)
+    start = SERVER_BASELINE_BYTES + encoder_rss + index
+    return Plan(
+        kind=kind,
+        factory=spec,
+        count=count,
+        dim=dim,
+        index_bytes=index,
+        index_parts=parts,
+        store_bytes=store,
+        encoder_bytes=encoder_bytes,
+        encoder_source=encoder_source,
+        build_scratch_bytes=4 * dim * count + 128,
+        disk_bytes=index + store + encoder_bytes,
+        server_rss_start_bytes=start,
+        server_rss_max_bytes=start + store,
+    )
+
+
+def plan_build(
+    corpus: Path,
+    kind: str,
+    encoder: str | None = None,
+    hnsw_m: int = 64,
+    factory: str | None = None,
+    int8: bool = False,
+    count: int | None = None,
+    dim: int | None = None,
+) -> Plan:
+    """The plan of `retriever-build --corpus corpus --kind kind`, from the corpus's line count and
+    size and the encoder's config, before anything is encoded. `count` and `dim` project it to
+    another corpus size (the store scaled by passages) or encoder width."""
+    lines = count_lines(corpus)
+    store = store_bytes(corpus)
+    if count is not None:
+        store = int(store * count / max(1, lines))
+    count = count or lines
+    if kind == "bm25":
+        return plan_index(count, None, kind, store)
+    enc, source = encoder_file_bytes(encoder, None, int8)
+    return plan_index(count, dim or encoder_dim(encoder), kind, store, enc, source, hnsw_m, factory)
+
+
+def plan_served(index_dir: Path, manifest: dict, int8: bool = False) -> Plan:
+    """The plan of serving a built index directory (its manifest, its store's and encoder's files)."""
+    index_dir = Path(index_dir)
+    store = (index_dir / "docs.arrow").stat().st_size
+    kind = manifest["kind"]
+    if kind == "bm25":
+        return plan_index(manifest["count"], None, kind, store)
+    build = manifest.get("build", {})
+    enc, source = encoder_file_bytes(manifest.get("encoder"), index_dir, int8)
+    return plan_index(
+        manifest["count"], manifest["dim"], kind, store, enc, source, build.get("hnsw_m", 64), build.get("factory")
+    )
+
+
+def mem_available() -> int | None:
+    """Bytes the kernel says a new process can take without swapping: /proc/meminfo's MemAvailable,
+    or env RETRIEVER_MEM_AVAILABLE (bytes) when set (tests simulate a small machine with it)."""
+    override = os.environ.get("RETRIEVER_MEM_AVAILABLE")
+    if override:
+        return int(override)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(index_dir: Path, manifest: dict, int8: bool = False) -> Plan | None:
+    """Refuse (ValueError) to open an index whose planned server RSS at start exceeds MemAvailable,
+    naming the figure and the kinds that would fit, rather than be killed by the kernel halfway
+    through reading it; the plan otherwise (None when it cannot be made). A mapped index counts
+    in full too: searches touch its pages, and a server thrashing the page cache is no better."""
+    try:
+        plan = plan_served(index_dir, manifest, int8)
+    except (ValueError, OSError, KeyError):
+        return None
+    available = mem_available()
+    if available is None:
+        return plan
+    need = plan.server_rss_start_bytes
+    if need <= available:
+        return plan
+    source = "env RETRIEVER_MEM_AVAILABLE" if os.environ.get("RETRIEVER_MEM_AVAILABLE") else "MemAvailable"
+    fits = []
+    if plan.dim:
+        for kind in ("hnsw", "hnsw_sq8", "ivf_pq"):
+            if kind == plan.kind:
+                continue
+            other = plan_index(plan.count, plan.dim, kind, plan.store_bytes, plan.encoder_bytes, plan.encoder_source)
+            if other.server_rss_start_bytes <= available:
+                fits.append(f"{kind} ({human(other.server_rss_start_bytes)})")
+    raise ValueError(
+        f"index {index_dir} ({plan.kind}, {plan.count:,} passages) needs about {human(need)} to serve "
+        f"(index {human(plan.index_bytes)} + encoder {human(plan.encoder_bytes)} + baseline "
+        f"{human(plan.baseline_bytes)}) but only {human(available)} is available "
+        f"({source}); "
+        + (
+            f"kinds that would fit: {', '.join(fits)} (rebuild with retriever-build --kind ...)"
+            if fits
+            else "no dense kind would fit: free memory or serve on a larger machine"
+        )
+    )
