@@ -101,6 +101,23 @@ class Engine(Protocol):
         read directly."""
 
 
+def copy_weights(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Copy (name, tensor) pairs into an engine's own `model`; returns how many. A name the model lacks is an
+    error: the copy would otherwise keep stale weights."""
+    own = model.state_dict()
+    n = 0
+    with torch.no_grad():
+        for name, tensor in named_tensors:
+            if name not in own:
+                raise KeyError(
+                    f"weight sync: the rollout model has no tensor named {name!r}; it must be built from the "
+                    "same model as the trained one"
+                )
+            own[name].copy_(tensor)
+            n += 1
+    return n
+
+
 def stop_token_ids(tokenizer, stop_tags: Sequence[str] = STOP_TAGS) -> list[int]:
     """Ids of the stop tags when the tokenizer has them as single tokens, plus eos."""
     ids = []

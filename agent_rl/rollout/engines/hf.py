@@ -29,6 +29,7 @@ from agent_rl.rollout.engines.base import (
     Generation,
     ModelShape,
     StopStrings,
+    copy_weights,
     sample_tokens,
     stop_token_ids,
 )
@@ -114,18 +115,7 @@ class HFEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy (name, tensor) pairs into the engine's own model; returns how many. A name the model
         lacks is an error: the copy would otherwise keep stale weights."""
-        own = self.model.state_dict()
-        n = 0
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                if name not in own:
-                    raise KeyError(
-                        f"weight sync: the rollout model has no tensor named {name!r}; it must be built from the "
-                        "same model as the trained one"
-                    )
-                own[name].copy_(tensor)
-                n += 1
-        return n
+        return copy_weights(self.model, named_tensors)
 
     @torch.no_grad()
     def generate(

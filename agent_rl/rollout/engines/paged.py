@@ -33,7 +33,14 @@ from typing import Any
 
 import torch
 
-from agent_rl.rollout.engines.base import EngineMemory, FullParams, Generation, ModelShape, stop_token_ids
+from agent_rl.rollout.engines.base import (
+    EngineMemory,
+    FullParams,
+    Generation,
+    ModelShape,
+    copy_weights,
+    stop_token_ids,
+)
 from agent_rl.rollout.engines.vllm import hf_named_weights, vllm_dtype
 from agent_rl.rollout.protocol import STOP_TAGS
 
@@ -134,17 +141,7 @@ class PagedEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy (name, tensor) pairs into the engine's copy; returns how many. A name the copy lacks is
         an error: it would otherwise keep stale weights."""
-        own = self.model.state_dict()
-        n = 0
-        with torch.no_grad():
-            for name, tensor in named_tensors:
-                if name not in own:
-                    raise KeyError(
-                        f"weight sync: the rollout model has no tensor named {name!r}; it must be built from the "
-                        "same model as the trained one"
-                    )
-                own[name].copy_(tensor)
-                n += 1
+        n = copy_weights(self.model, named_tensors)
         self.stats["weight_syncs"] += 1
         return n
 
