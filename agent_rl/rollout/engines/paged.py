@@ -38,6 +38,7 @@ from agent_rl.rollout.engines.base import (
     FullParams,
     Generation,
     ModelShape,
+    StopStrings,
     copy_weights,
     stop_token_ids,
 )
@@ -120,6 +121,8 @@ class PagedEngine:
         self.stop_ids = stop_token_ids(tokenizer, stop_tags)  # the tools' closing tags and </answer>, eos
         single = {tokenizer.decode([i]) for i in self.stop_ids}
         self.stop_strings = [t for t in stop_tags if t not in single]  # multi-token tags, caught on the stream
+        vocab = max(len(tokenizer), int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0))
+        self._stops = StopStrings(tokenizer, self.stop_strings, vocab, "cpu")  # matched on the streamed ids
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self.stats = {"generated_tokens": 0, "generate_s": 0.0, "weight_syncs": 0}
 
@@ -201,7 +204,7 @@ class PagedEngine:
         manager = self.model.init_continuous_batching(generation_config=gen_cfg, continuous_batching_config=cb_cfg)
         streaming = bool(self.stop_strings)  # each new token is seen, so a row stops at its tag
         slots: dict[str, int] = {}  # request id -> row, while the row runs
-        seen: dict[str, int] = {}  # request id -> tokens already searched for a stop string
+        seen: dict[str, tuple[int, torch.Tensor] | None] = {}  # request id -> tokens matched so far, matcher state
         for i, (prompt, n) in enumerate(zip(prompts, max_new)):
             rid = manager.add_request(list(prompt), max_new_tokens=n, streaming=streaming)
             if rid is None:
@@ -223,8 +226,11 @@ class PagedEngine:
                     continue
                 if res.error is not None:
                     raise RuntimeError(f"transformers' continuous batching failed a request: {res.error}")
-                done = self._finished(res, seen.get(res.request_id, 0) if streaming else None)
-                seen[res.request_id] = len(res.generated_tokens)
+                if streaming:
+                    searched = seen.get(res.request_id) or (0, self._stops.start(1))
+                    done, seen[res.request_id] = self._finished(res, searched)
+                else:
+                    done, _ = self._finished(res, None)
                 if done is not None:
                     out[slot] = done
                     del slots[res.request_id]
@@ -243,18 +249,23 @@ class PagedEngine:
         assert all(g is not None for g in out)
         return out  # type: ignore[return-value]
 
-    def _finished(self, res, searched: int | None) -> Generation | None:
-        """The row's Generation once it is done: at a stop id, at a stop string (searched for on the
-        stream from token `searched` on; None: not streamed), or at its allowance; None while it runs.
-        A missing log-prob is an error, never a zero."""
+    def _finished(
+        self, res, searched: tuple[int, torch.Tensor] | None
+    ) -> tuple[Generation | None, tuple[int, torch.Tensor] | None]:
+        """The row's Generation once it is done: at a stop id, at a stop string (matched on the stream's ids
+        from token `searched[0]` on, the matcher in state `searched[1]`; None: not streamed), or at its
+        allowance; None while it runs. Also where the search got to. A missing log-prob is an error, never a
+        zero."""
         ids, lps = list(res.generated_tokens), list(res.logprobs)
         if len(lps) != len(ids):
             raise RuntimeError(f"transformers returned {len(lps)} log-probs for {len(ids)} sampled tokens")
         if searched is not None:
-            for j in range(searched, len(ids)):
-                tail = self.tokenizer.decode(ids[max(0, j - 7) : j + 1], skip_special_tokens=False)
-                if ids[j] in self.stop_ids or any(s in tail for s in self.stop_strings):
-                    return Generation(ids[: j + 1], lps[: j + 1], "stop")
+            start, state = searched
+            for j in range(start, len(ids)):
+                state, ended = self._stops.step(state, torch.tensor([ids[j]]))
+                if ids[j] in self.stop_ids or bool(ended[0]):
+                    return Generation(ids[: j + 1], lps[: j + 1], "stop"), None
+            searched = (len(ids), state)
         if not res.is_finished():
-            return None
-        return Generation(ids, lps, "stop" if ids and ids[-1] in self.stop_ids else "length")
+            return None, searched
+        return Generation(ids, lps, "stop" if ids and ids[-1] in self.stop_ids else "length"), None
