@@ -6,6 +6,11 @@ returns; every pass takes its micro-batches as row slices of it (`RolloutBatch.m
 Micro-batches are packed longest-first so rows of similar length share a batch, and every
 micro-batch satisfies rows x longest row <= `max_tokens_per_microbatch` (a hard cap: config
 validation guarantees one maximal trajectory fits).
+
+Every micro-batch carries its rows on the host too (`HostRows`: ids, loss mask, lengths), which the batch already
+holds before it moves them: the forward plans its passes (trained positions, packing, shared prompts) from them, so
+it never waits for the device to learn a length or a position. Host tensors go to a CUDA device through pinned
+memory without waiting (`to_device`).
 """
 
 from __future__ import annotations
@@ -50,6 +55,24 @@ def pack_microbatches(lengths: list[int], max_tokens: int, groups: list | None =
     return batches
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on `device`. To CUDA through pinned memory and without waiting: a copy from pageable memory
+    first waits for the stream, so the host would stall on the previous micro-batch's backward."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+@dataclass
+class HostRows:
+    """A micro-batch's rows on the host: what the forward's plans read, so they never read the device."""
+
+    input_ids: torch.Tensor  # (B, T) on the host
+    loss_mask: torch.Tensor  # (B, T) on the host
+    lengths: list[int]  # tokens of each row (prompt + response)
+
+
 @dataclass
 class MicroBatch:
     """Right-padded tensors of one micro-batch; every (B, T) tensor is aligned with input_ids.
@@ -71,10 +94,18 @@ class MicroBatch:
     values: torch.Tensor | None = None  # (B, T)
     advantages: torch.Tensor | None = None  # (B, T)
     returns: torch.Tensor | None = None  # (B, T)
+    host: HostRows | None = None  # the rows on the host; `collate` and `RolloutBatch.micro` fill it
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    def on_host(self) -> HostRows:
+        """`host`; a micro-batch built without it (by hand) reads it from its tensors once."""
+        if self.host is None:
+            lengths = [int(n) for n in self.attention_mask.sum(-1).tolist()]
+            self.host = HostRows(self.input_ids.cpu(), self.loss_mask.cpu(), lengths)
+        return self.host
 
 
 def collate(trajs: list[Trajectory], index: list[int], pad_id: int, device: torch.device | str = "cpu") -> MicroBatch:
@@ -92,11 +123,12 @@ def collate(trajs: list[Trajectory], index: list[int], pad_id: int, device: torc
         engine_lp[r, t.prompt_tokens : len(seq)] = torch.tensor(t.logprobs, dtype=torch.float32)
     return MicroBatch(
         index=list(index),
-        input_ids=ids.to(device),
-        attention_mask=attn.to(device),
-        loss_mask=mask.to(device),
+        input_ids=to_device(ids, device),
+        attention_mask=to_device(attn, device),
+        loss_mask=to_device(mask, device),
         prompt_lengths=[t.prompt_tokens for t in rows],
-        rollout_logprobs=engine_lp.to(device),
+        rollout_logprobs=to_device(engine_lp, device),
+        host=HostRows(ids, mask, [t.total_tokens for t in rows]),
     )
 
 
@@ -161,20 +193,26 @@ class RolloutBatch:
         return [self.trajs[i].total_tokens for i in members]
 
     def micro(self, index: list[int], device: torch.device | str) -> MicroBatch:
-        """Rows `index`, cut to their longest row and moved to `device`."""
-        width = max(self.lengths(index))
+        """Rows `index`, cut to their longest row and moved to `device` (their host copy kept as `host`)."""
+        lengths = self.lengths(index)
+        width = max(lengths)
         rows = torch.tensor(index, dtype=torch.long)
 
-        def take(t: torch.Tensor) -> torch.Tensor:
-            return t[rows, :width].to(device)
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return t[rows, :width]
 
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return to_device(cut(t), device)
+
+        ids, mask = cut(self.rows.input_ids), cut(self.rows.loss_mask)
         scored = {name: take(t) for name in _SCORED if (t := getattr(self, name)) is not None}
         return MicroBatch(
             index=list(index),
-            input_ids=take(self.rows.input_ids),
+            input_ids=to_device(ids, device),
             attention_mask=take(self.rows.attention_mask),
-            loss_mask=take(self.rows.loss_mask),
+            loss_mask=to_device(mask, device),
             prompt_lengths=[self.rows.prompt_lengths[i] for i in index],
             rollout_logprobs=None if self.rows.rollout_logprobs is None else take(self.rows.rollout_logprobs),
+            host=HostRows(ids, mask, lengths),
             **scored,
         )

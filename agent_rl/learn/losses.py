@@ -2,7 +2,8 @@
 
 Every term is multiplied by `loss_mask`, so inserted observation tokens get exactly zero
 gradient from the policy, KL, entropy and value terms. The KL estimators follow verl's
-`core_algos.kl_penalty` (k1 and the low-variance k3, clamped to [-10, 10]).
+`core_algos.kl_penalty` (k1 and the low-variance k3, clamped to [-10, 10]). Metrics come back as
+0-dim tensors on the inputs' device: the update reads them on the host once, not once a micro-batch.
 """
 
 from __future__ import annotations
@@ -63,12 +64,13 @@ def policy_loss(
     clip_ratio_high: float,
     agg: str = "token-mean",
     is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO surrogate with separate low/high clip (DAPO's clip-higher when high > low).
 
     logprobs, old_logprobs, loss_mask: (B, T); advantages: (B, T) or (B,) (broadcast over T).
     loss = agg(w * max(-A * r, -A * clip(r, 1 - low, 1 + high))), r = exp(logprobs - old_logprobs);
-    `is_weights` w (B, T), detached, defaults to 1 (see `tis_weights`).
+    `is_weights` w (B, T), detached, defaults to 1 (see `tis_weights`). Returns the loss and its metrics
+    (clipfrac, approx_kl, ratio_mean), each a detached 0-dim tensor.
     """
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logprobs)
@@ -82,9 +84,9 @@ def policy_loss(
     loss = aggregate(loss_mat, loss_mask, agg)
     with torch.no_grad():
         stats = {
-            "clipfrac": masked_mean((surr2 > surr1).float(), loss_mask).item(),
-            "approx_kl": masked_mean(-log_ratio, loss_mask).item(),
-            "ratio_mean": masked_mean(ratio, loss_mask).item(),
+            "clipfrac": masked_mean((surr2 > surr1).float(), loss_mask),
+            "approx_kl": masked_mean(-log_ratio, loss_mask),
+            "ratio_mean": masked_mean(ratio, loss_mask),
         }
     return loss, stats
 
@@ -109,8 +111,9 @@ def value_loss(
     loss_mask: torch.Tensor,
     clip_range: float | None,
     agg: str = "token-mean",
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Clipped value loss 0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2); all (B, T)."""
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss 0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2); all (B, T). Returns the loss
+    and its metrics (value_mean, return_mean), each a detached 0-dim tensor."""
     err = (values - returns) ** 2
     if clip_range:
         clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
@@ -118,8 +121,8 @@ def value_loss(
     loss = 0.5 * aggregate(err * loss_mask, loss_mask, agg)
     with torch.no_grad():
         stats = {
-            "value_mean": masked_mean(values, loss_mask).item(),
-            "return_mean": masked_mean(returns, loss_mask).item(),
+            "value_mean": masked_mean(values, loss_mask),
+            "return_mean": masked_mean(returns, loss_mask),
         }
     return loss, stats
 
@@ -139,7 +142,9 @@ def tis_weights(
 
 def logprob_diff(
     trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, loss_mask: torch.Tensor
-) -> tuple[float, float, float]:
-    """|trainer - engine| log-prob over sampled tokens: (sum, max, count), for the agreement metrics."""
+) -> torch.Tensor:
+    """|trainer - engine| log-prob over sampled tokens, for the agreement metrics: (3,) = sum, max, count
+    (all (B, T) in; max 0 over no tokens)."""
     diff = (trainer_logprobs.detach().float() - rollout_logprobs.float()).abs() * loss_mask
-    return float(diff.sum()), float(diff.max()) if diff.numel() else 0.0, float(loss_mask.sum())
+    worst = diff.max() if diff.numel() else diff.new_zeros(())
+    return torch.stack([diff.sum(), worst, loss_mask.sum().float()])

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from agent_rl.config import PREFIX_MAX_SHARE, Config
-from agent_rl.learn.batch import MicroBatch
+from agent_rl.learn.batch import MicroBatch, to_device
 from agent_rl.learn.losses import entropy_from_logits, token_logprobs
 from agent_rl.rollout.padding import distinct, left_pad
 from agent_rl.world import World
@@ -140,7 +140,8 @@ def forward_logprobs(
     """
     if not selected:
         return _full_logprobs(model, mb, temperature, with_entropy, share_prefix)
-    target = mb.loss_mask > 0
+    host = mb.on_host()  # every position and length below is read on the host, never from the device
+    target = host.loss_mask > 0
     target[:, 0] = False  # nothing predicts the first token
     plan = _prefix_plan(mb) if share_prefix else None
     packed = pack_plan(mb) if pack else None
@@ -149,17 +150,18 @@ def forward_logprobs(
             plan = None
         else:
             packed = None
-    if packed is not None:
+    if plan is None:
         rows, cols = torch.nonzero(target, as_tuple=True)
-        with _head_at(model, packed.row[rows], packed.offset[rows] + cols - 1):
-            logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False).logits[0]
-    elif plan is None:
-        rows, cols = torch.nonzero(target, as_tuple=True)
-        with _head_at(model, rows, cols - 1):
-            logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[0]
+        at_rows, at = (packed.row[rows], packed.offset[rows] + cols - 1) if packed is not None else (rows, cols - 1)
+        rows, cols, labels, at_rows, at = _to(mb.input_ids.device, rows, cols, host.input_ids[rows, cols], at_rows, at)
+        with _head_at(model, at_rows, at):
+            if packed is not None:
+                out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, use_cache=False)
+            else:
+                out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+        logits = out.logits[0]
     else:
-        logits, rows, cols = _shared_prefix_selected(model, mb, target, *plan)
-    labels = mb.input_ids[rows, cols]
+        logits, rows, cols, labels = _shared_prefix_selected(model, mb, target, *plan)
     lp, ent = selected_logprobs(logits, labels, temperature, with_entropy, chunk_tokens)
     shape = mb.input_ids.shape
     logprobs = torch.zeros(shape, dtype=lp.dtype, device=lp.device).index_put((rows, cols), lp)
@@ -167,6 +169,15 @@ def forward_logprobs(
         None if ent is None else torch.zeros(shape, dtype=ent.dtype, device=ent.device).index_put((rows, cols), ent)
     )
     return logprobs, entropy
+
+
+def _to(device: torch.device, *host: torch.Tensor) -> list[torch.Tensor]:
+    """Host integer (or 0/1) tensors on `device`, in one copy (`to_device`) where that is not the host."""
+    if device.type == "cpu":
+        return list(host)
+    flat = to_device(torch.cat([t.reshape(-1).long() for t in host]), device)
+    parts = flat.split([t.numel() for t in host])
+    return [part.view(t.shape).to(t.dtype) for part, t in zip(parts, host)]
 
 
 def update_logprobs(cfg: Config, model: nn.Module, mb: MicroBatch, share_prefix: bool = False):
@@ -192,16 +203,18 @@ class PackPlan:
     from where they restart, so no token attends across sequences.
     """
 
-    input_ids: torch.Tensor  # (P, W)
-    position_ids: torch.Tensor  # (P, W)
-    row: torch.Tensor  # (B,) packed row of each row
-    offset: torch.Tensor  # (B,) first column of each row in its packed row
+    input_ids: torch.Tensor  # (P, W) on the micro-batch's device
+    position_ids: torch.Tensor  # (P, W) on the micro-batch's device
+    row: torch.Tensor  # (B,) packed row of each row, on the host
+    offset: torch.Tensor  # (B,) first column of each row in its packed row, on the host
 
 
 def pack_plan(mb: MicroBatch) -> PackPlan | None:
     """First-fit decreasing of the rows into rows of the micro-batch's width; None when that saves
-    no row (then padding costs nothing extra)."""
-    lengths = [int(n) for n in mb.attention_mask.sum(-1).tolist()]
+    no row (then padding costs nothing extra). Planned and laid out on the host (`MicroBatch.host`),
+    then moved in one copy."""
+    host = mb.on_host()
+    lengths = host.lengths
     width = mb.input_ids.shape[1]
     used: list[int] = []
     place = [(0, 0)] * len(lengths)
@@ -213,20 +226,18 @@ def pack_plan(mb: MicroBatch) -> PackPlan | None:
         used[b] += lengths[r]
     if len(used) == len(lengths):
         return None
-    device = mb.input_ids.device
-    ids = torch.zeros((len(used), width), dtype=mb.input_ids.dtype, device=device)
-    positions = torch.zeros((len(used), width), dtype=torch.long, device=device)
-    for r, (b, start) in enumerate(place):
-        ids[b, start : start + lengths[r]] = mb.input_ids[r, : lengths[r]]
-        positions[b, start : start + lengths[r]] = torch.arange(lengths[r], device=device)
-    for b, u in enumerate(used):  # the tail: a block of its own
-        positions[b, u:] = torch.arange(width - u, device=device)
-    return PackPlan(
-        ids,
-        positions,
-        torch.tensor([b for b, _ in place], dtype=torch.long, device=device),
-        torch.tensor([o for _, o in place], dtype=torch.long, device=device),
-    )
+    row = torch.tensor([b for b, _ in place], dtype=torch.long)
+    offset = torch.tensor([o for _, o in place], dtype=torch.long)
+    n, cells = len(lengths), len(used) * width
+    col = torch.arange(width)
+    real = col[None] < torch.tensor(lengths)[:, None]  # (B, W)
+    # each token's cell in the packed rows (flat); a padding token gets a spare cell of its own past them
+    cell = torch.where(real, (row * width + offset)[:, None] + col, cells + torch.arange(n * width).view(n, width))
+    ids = host.input_ids.new_zeros(cells + n * width).scatter_(0, cell.flatten(), host.input_ids.flatten())
+    tail = (col[None] - torch.tensor(used)[:, None]).flatten()  # past a packed row's last sequence: a block of its own
+    positions = torch.cat([tail, tail.new_zeros(n * width)]).scatter_(0, cell.flatten(), col.expand(n, width).flatten())
+    ids, positions = _to(mb.input_ids.device, ids[:cells].view(-1, width), positions[:cells].view(-1, width))
+    return PackPlan(ids, positions, row, offset)
 
 
 @contextlib.contextmanager
@@ -306,7 +317,8 @@ def _prefix_plan(mb: MicroBatch):
     (the measurement behind the threshold: bench/RESULTS.md)."""
     if not mb.prompt_lengths:
         return None
-    prompts, groups = distinct(mb.input_ids[r, :n].tolist() for r, n in enumerate(mb.prompt_lengths))
+    ids = mb.on_host().input_ids[:, : max(mb.prompt_lengths)].tolist()  # one read of the host copy, not one a row
+    prompts, groups = distinct(row[:n] for row, n in zip(ids, mb.prompt_lengths))
     if len(prompts) == len(groups) or _suffix(mb) < 1 or _prefix_cells(mb, prompts) > PREFIX_MAX_SHARE * mb.num_tokens:
         return None
     return groups, prompts
@@ -325,7 +337,7 @@ def _prefix_cells(mb: MicroBatch, prompts: list) -> int:
 
 
 def _suffix_lengths(mb: MicroBatch) -> list[int]:
-    return [int(n) - p for n, p in zip(mb.attention_mask.sum(-1).tolist(), mb.prompt_lengths)]
+    return [n - p for n, p in zip(mb.on_host().lengths, mb.prompt_lengths)]
 
 
 def _pass_cells(device: torch.device) -> int:
@@ -368,31 +380,33 @@ def _gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _PrefixPass:
-    """The prompt pass of a shared-prefix forward, and what the response passes after it need."""
+    """The prompt pass of a shared-prefix forward, and what the response passes after it need: the
+    layout of the rows on the host (`MicroBatch.host`), the prompts' cache and mask on the device."""
 
     head: Any  # the prompt pass's model output (logits, past_key_values)
-    groups: torch.Tensor  # (B,) unique prompt of each row
-    prompt_attn: torch.Tensor  # (G, P) left-padded prompts' attention mask
-    starts: torch.Tensor  # (B,) first response column of each row in the full layout
-    ends: torch.Tensor  # (B,) length of each row
-    input_ids: torch.Tensor  # (B, T) the micro-batch's rows
+    prompt_attn: torch.Tensor  # (G, P) left-padded prompts' attention mask, on the device
+    groups: torch.Tensor  # (B,) unique prompt of each row, on the host
+    starts: torch.Tensor  # (B,) first response column of each row in the full layout, on the host
+    ends: torch.Tensor  # (B,) length of each row, on the host
+    input_ids: torch.Tensor  # (B, T) the micro-batch's rows, on the host
 
-    def layout(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A response pass over `rows`, right-padded to their longest response: the full-layout
-        column of each slot (n, S), whether it holds a real token, and the ids (pads 0)."""
+    def layout(self, rows: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A response pass over `rows` (host), right-padded to `width`, their longest response: the
+        full-layout column of each slot (n, S), whether it holds a real token (0/1), the ids (pads 0) and
+        each row's prompt; all on the host."""
         last = self.input_ids.shape[1] - 1
         starts = self.starts[rows]
-        cols = starts[:, None] + torch.arange(int((self.ends[rows] - starts).max()), device=starts.device)[None]
+        cols = starts[:, None] + torch.arange(width)[None]
         valid = cols < self.ends[rows][:, None]
         ids = torch.where(valid, self.input_ids[rows].gather(1, cols.clamp(max=last)), torch.zeros_like(cols))
-        return cols, valid, ids
+        return cols, valid.long(), ids, self.groups[rows]
 
-    def tail(self, model: nn.Module, rows: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor, ids: torch.Tensor):
-        """The response pass over `rows`: each response attends to its prompt's cached keys and
-        values, gathered for these rows (`_gather_rows` keeps the graph: gradients reach the prompt pass)."""
+    def tail(self, model: nn.Module, g: torch.Tensor, cols: torch.Tensor, valid: torch.Tensor, ids: torch.Tensor):
+        """The response pass over rows of prompts `g` (a `layout`, on the device): each response attends to
+        its prompt's cached keys and values, gathered for these rows (`_gather_rows` keeps the graph:
+        gradients reach the prompt pass)."""
         from transformers import DynamicCache
 
-        g = self.groups[rows]
         cache = DynamicCache(
             [
                 (_gather_rows(layer.keys, g), _gather_rows(layer.values, g))
@@ -402,7 +416,7 @@ class _PrefixPass:
         )
         return model(
             input_ids=ids,
-            attention_mask=torch.cat([self.prompt_attn[g], valid.long()], dim=1),
+            attention_mask=torch.cat([self.prompt_attn[g], valid], dim=1),
             position_ids=cols,
             past_key_values=cache,
             use_cache=True,
@@ -410,13 +424,17 @@ class _PrefixPass:
 
 
 def _prefix_pass(model: nn.Module, mb: MicroBatch, groups: list[int], prompts: list[tuple], **kw) -> _PrefixPass:
-    """Runs the unique prompts once (left-padded, with a KV cache); the response passes gather it."""
-    device = mb.input_ids.device
-    p_ids, p_attn, p_pos = left_pad(prompts, 0, device)  # any pad id: padded positions are masked out
-    head = model(input_ids=p_ids, attention_mask=p_attn, position_ids=p_pos, use_cache=True, **kw)
-    g = torch.tensor(groups, dtype=torch.long, device=device)
-    starts = torch.tensor(mb.prompt_lengths, dtype=torch.long, device=device)
-    return _PrefixPass(head, g, p_attn, starts, mb.attention_mask.sum(-1), mb.input_ids)
+    """Runs the unique prompts once (left-padded, with a KV cache); the response passes gather it.
+    Prompts of one length go without an attention mask: transformers would read an all-ones mask back
+    from the device only to find it can skip it."""
+    host = mb.on_host()
+    p_ids, p_attn, p_pos = left_pad(prompts, 0)  # any pad id: padded positions are masked out
+    p_ids, p_attn, p_pos = _to(mb.input_ids.device, p_ids, p_attn, p_pos)
+    padded = min(len(p) for p in prompts) < max(len(p) for p in prompts)
+    attn = p_attn if padded else None
+    head = model(input_ids=p_ids, attention_mask=attn, position_ids=p_pos, use_cache=True, **kw)
+    starts, ends = torch.tensor(mb.prompt_lengths, dtype=torch.long), torch.tensor(host.lengths, dtype=torch.long)
+    return _PrefixPass(head, p_attn, torch.tensor(groups, dtype=torch.long), starts, ends, host.input_ids)
 
 
 def _shared_prefix_logits(model: nn.Module, mb: MicroBatch, groups: list[int], prompts: list[tuple]):
@@ -428,41 +446,66 @@ def _shared_prefix_logits(model: nn.Module, mb: MicroBatch, groups: list[int], p
     full layout.
     """
     x = _prefix_pass(model, mb, groups, prompts)
-    rows = torch.arange(len(mb.input_ids), device=x.starts.device)
-    cols, valid, ids = x.layout(rows)
-    logits = torch.cat(
-        [_gather_rows(x.head.logits[:, -1:], x.groups), x.tail(model, rows, cols, valid, ids).logits[:, :-1]], dim=1
-    )
-    back = torch.arange(mb.input_ids.shape[1], device=x.starts.device)[None] - x.starts[:, None]
+    width = max(_suffix_lengths(mb))
+    cols, valid, ids, g = x.layout(torch.arange(len(mb.prompt_lengths)), width)
+    back = torch.arange(mb.input_ids.shape[1])[None] - x.starts[:, None]
     valid_full = ((back >= 0) & (back < (x.ends - x.starts)[:, None])).float()
-    return logits, ids, back.clamp(0, cols.shape[1] - 1), valid_full
+    cols, valid, ids, g, back, valid_full = _to(
+        mb.input_ids.device, cols, valid, ids, g, back.clamp(0, width - 1), valid_full
+    )
+    logits = torch.cat(
+        [_gather_rows(x.head.logits[:, -1:], g), x.tail(model, g, cols, valid, ids).logits[:, :-1]], dim=1
+    )
+    return logits, ids, back, valid_full
 
 
 def _shared_prefix_selected(
     model: nn.Module, mb: MicroBatch, target: torch.Tensor, groups: list[int], prompts: list[tuple]
 ):
-    """`_shared_prefix_logits` with the head only at trained positions: logits (N, V) and the
-    (rows, cols) of the full layout each one scores. The prompt pass keeps one position (its last,
-    which predicts the first response token); the responses run in passes of rows of similar
-    length (`tail_buckets`), the head at the positions before trained tokens."""
+    """`_shared_prefix_logits` with the head only at trained positions: logits (N, V), and the
+    (rows, cols) of the full layout each one scores with their labels, on the device. The prompt pass
+    keeps one position (its last, which predicts the first response token); the responses run in
+    passes of rows of similar length (`tail_buckets`), the head at the positions before trained tokens.
+    `target` (B, T) marks the trained positions on the host; every pass is planned from it there and
+    its indices moved in one copy."""
     x = _prefix_pass(model, mb, groups, prompts, logits_to_keep=1)
-    last = mb.input_ids.shape[1] - 1
-    first = torch.nonzero(target.gather(1, x.starts[:, None].clamp(max=last))[:, 0] & (x.ends > x.starts)).flatten()
-    logits, rows_all, cols_all = [_gather_rows(x.head.logits[:, -1], x.groups[first])], [first], [x.starts[first]]
-    lengths = (x.ends - x.starts).tolist()
-    for bucket in tail_buckets(lengths, _pass_cells(x.starts.device)):
-        if lengths[bucket[0]] < 2:  # the longest of the pass: nothing after the first response token
-            continue
-        rows = torch.tensor(bucket, dtype=torch.long, device=x.starts.device)
-        cols, valid, ids = x.layout(rows)
-        r_local, slot = torch.nonzero((target[rows].gather(1, cols.clamp(max=last)) & valid)[:, 1:], as_tuple=True)
-        if len(r_local) == 0:
-            continue
-        with _head_at(model, r_local, slot):  # slot j of a response pass predicts response token j + 1
-            logits.append(x.tail(model, rows, cols, valid, ids).logits[0])
-        rows_all.append(rows[r_local])
-        cols_all.append(x.starts[rows][r_local] + slot + 1)
-    return torch.cat(logits, dim=0), torch.cat(rows_all), torch.cat(cols_all)
+    suffix = _suffix_lengths(mb)
+    passes = [b for b in tail_buckets(suffix, _pass_cells(mb.input_ids.device)) if suffix[b[0]] >= 2]
+    # The part of the forward that scores each trained position: 0, the prompt pass (its last position predicts
+    # a row's first response token); k, the k-th response pass (the later tokens); past them, none (a prompt
+    # token). Positions are ordered as the passes score them: by part, then row in the pass's order, then column.
+    rows, cols = torch.nonzero(target, as_tuple=True)
+    starts, ends = x.starts[rows], x.ends[rows]
+    n, none = len(suffix), len(passes) + 1
+    pass_of = torch.full((n,), none, dtype=torch.long)
+    place = torch.zeros(n, dtype=torch.long)  # of each row in its pass
+    for k, bucket in enumerate(passes):
+        pass_of[bucket] = k + 1
+        place[bucket] = torch.arange(len(bucket))
+    first = (cols == starts) & (ends > starts)
+    part = torch.where(first, 0, torch.where((cols > starts) & (cols < ends), pass_of[rows], none))
+    order = torch.argsort(torch.where(first, rows, n + ((part * n + place[rows]) * target.shape[1] + cols)))
+    rows, cols, starts, part = rows[order], cols[order], starts[order], part[order]
+    counts = torch.zeros(none + 1, dtype=torch.long).index_add_(0, part, torch.ones_like(part)).tolist()
+    scored = sum(counts[:none])
+    host = [rows[:scored], cols[:scored], x.input_ids[rows[:scored], cols[:scored]], x.groups[rows[: counts[0]]]]
+    ran, lo = 0, counts[0]
+    for k, bucket in enumerate(passes):
+        hi = lo + counts[k + 1]
+        if hi > lo:  # a pass with no trained token after its first is not run
+            layout = x.layout(torch.tensor(bucket, dtype=torch.long), max(suffix[r] for r in bucket))
+            # slot j of a response pass predicts response token j + 1
+            host += [*layout, place[rows[lo:hi]], cols[lo:hi] - starts[lo:hi] - 1]
+            ran += 1
+        lo = hi
+    moved = _to(mb.input_ids.device, *host)
+    rows_d, cols_d, labels, first_groups = moved[:4]
+    logits = [_gather_rows(x.head.logits[:, -1], first_groups)]
+    for j in range(ran):
+        cols_p, valid, ids, g, r_local, slot = moved[4 + 6 * j : 10 + 6 * j]
+        with _head_at(model, r_local, slot):
+            logits.append(x.tail(model, g, cols_p, valid, ids).logits[0])
+    return torch.cat(logits, dim=0), rows_d, cols_d, labels
 
 
 def assert_no_data_parallel(*modules: nn.Module | None) -> None:

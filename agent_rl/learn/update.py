@@ -10,6 +10,11 @@ have loss weight 0 and report no metrics. The loss is normalised by the mini-bat
 trained tokens (token-mean) or of rows with a trained token (seq-mean-token-mean, as `losses.aggregate`
 counts them), times the world size because FSDP averages gradients over ranks, so N ranks and k
 micro-batches take the step one process would take in one pass.
+
+A micro-batch's forward and backward never wait for the device: its loss weight comes from the host copy of the
+batch, its forward plans from the rows' host copy (`MicroBatch.host`), and its metrics (and the log-probs reported
+for saved rows) stay on the device as tensors until the update ends, then reach the host in one copy
+(`_Readout`). So the host queues micro-batch after micro-batch while the device computes.
 """
 
 from __future__ import annotations
@@ -71,6 +76,7 @@ def prepare_batch(
     wanted = {"old": need_old or k1_reward, "ref": use_ref, "values": critic is not None}
     out = {k: torch.zeros((n, width), dtype=torch.float32) for k, on in wanted.items() if on}
     share = share_prefix(cfg, world)
+    scored: list[tuple[list[int], str, torch.Tensor]] = []
     with torch.no_grad(), trainer_autocast(cfg, world):
         for index, real in even_microbatches(_pack(cfg, batch, list(range(n)), share), world):
             mb = batch.micro(index, cfg.train.device)
@@ -88,8 +94,9 @@ def prepare_batch(
                 got["values"] = critic(mb.input_ids, mb.attention_mask)
             if real:
                 keep = mb.attention_mask.float()  # right-padded rows: zeros past each row's end
-                for k, v in got.items():
-                    out[k][index, : v.shape[1]] = (v.float() * keep).cpu()
+                scored += [(index, k, v.float() * keep) for k, v in got.items()]
+    for index, k, v in scored:  # to the host after every pass is queued: the first copy waits, the rest do not
+        out[k][index, : v.shape[1]] = v.cpu()
     mask = batch.loss_mask
     scores = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
     if cfg.algo.name == "grpo":
@@ -131,8 +138,6 @@ def update(
     n = len(batch)
     mini = (cfg.algo.mini_batch_size // world.world_size if cfg.algo.mini_batch_size else 0) or n
     share = share_prefix(cfg, world)
-    stats: dict[str, list[float]] = {}
-    agree = [0.0, 0.0, 0.0]  # |trainer - engine| log-prob over sampled tokens: sum, max, count (first epoch)
     policy.train()
     # A row whose advantage is 0 on every token adds exactly 0 to the policy gradient (every
     # term of the clipped loss is advantage x ratio) unless a KL, entropy or value loss reads it.
@@ -143,6 +148,7 @@ def update(
         and not (cfg.algo.kl_coef > 0 and cfg.algo.kl_type == "low_var_kl")
     )
     skipped = 0
+    readout = _Readout()  # metrics; |trainer - engine| log-prob over sampled tokens (first epoch); reported rows
     for epoch in range(cfg.algo.ppo_epochs):
         order = list(range(n))
         rng.shuffle(order)
@@ -150,51 +156,50 @@ def update(
             members = order[lo : lo + mini]
             # The normalisers of the whole mini-batch, as `losses.aggregate` counts them over one micro-batch:
             # masked tokens (token-mean), or rows with at least one masked token (seq-mean-token-mean; an
-            # excluded row, mask all 0, is in neither), so k micro-batches add up to the one-pass loss.
-            mask_tokens = world.all_reduce_sum(float(batch.loss_mask[members].sum())) / world.world_size
-            rows = world.all_reduce_sum(float(_rows_with_tokens(batch.loss_mask[members]))) / world.world_size
+            # excluded row, mask all 0, is in neither), so k micro-batches add up to the one-pass loss. Read
+            # from the host copy once a mini-batch, the micro-batches' weights too (exact: whole numbers).
+            tokens = dict(zip(members, batch.loss_mask[members].sum(-1).tolist()))
+            mask_tokens = world.all_reduce_sum(sum(tokens.values())) / world.world_size
+            rows = world.all_reduce_sum(float(sum(v > 0 for v in tokens.values()))) / world.world_size
             optimizer.zero_grad(set_to_none=True)
             if critic_opt is not None:
                 critic_opt.zero_grad(set_to_none=True)
             if skip_zero:  # kept in the normaliser above, left out of the forward and backward
                 # One row still runs when none would: a zero gradient, not a missing one, so AdamW
                 # moves (momentum, weight decay) exactly as the plain path, and FSDP ranks stay in step.
-                run = [i for i in members if advantages[i].any()] or members[:1]
+                trained = advantages[members].ne(0).any(-1).tolist()
+                run = [i for i, t in zip(members, trained) if t] or members[:1]
                 skipped += len(members) - len(run)
                 members = run
             for index, real in even_microbatches(_pack(cfg, batch, members, share), world):
                 mb = batch.micro(index, cfg.train.device)
                 if cfg.algo.loss_agg == "token-mean":
-                    weight = float(mb.loss_mask.sum()) / max(1.0, mask_tokens)
+                    weight = sum(tokens[i] for i in index) / max(1.0, mask_tokens)
                 else:
-                    weight = _rows_with_tokens(mb.loss_mask) / max(1.0, rows)
+                    weight = sum(tokens[i] > 0 for i in index) / max(1.0, rows)
                 # an FSDP padding pass: the same collectives, a zero gradient, no metrics
-                mb_stats = _microbatch_step(
-                    cfg,
-                    policy,
-                    critic,
-                    batch,
-                    mb,
-                    weight if real else 0.0,
-                    share,
-                    world,
-                    first_epoch=epoch == 0 and real,
-                    agree=agree,
-                    trainer_logprobs=trainer_logprobs,
-                )
+                mb_stats, old = _microbatch_step(cfg, policy, critic, mb, weight if real else 0.0, share, world)
                 if real:
-                    for k, v in mb_stats.items():
-                        stats.setdefault(k, []).append(v)
+                    readout.stats += mb_stats.items()
+                if epoch == 0 and real:  # old = the weights the engine sampled with
+                    assert mb.rollout_logprobs is not None, "micro-batches of a scored RolloutBatch carry them"
+                    readout.agree.append(losses.logprob_diff(old, mb.rollout_logprobs, mb.loss_mask))
+                    for r, i in enumerate(mb.index):
+                        if trainer_logprobs is not None and i in trainer_logprobs:
+                            t = batch.trajs[i]
+                            readout.rows.append((i, old[r, t.prompt_tokens : t.total_tokens]))
             if cfg.train.max_grad_norm > 0:
                 params = [p for p in policy.parameters() if p.requires_grad]
-                stats.setdefault("actor/grad_norm", []).append(
-                    torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm).item()
-                )
+                norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
+                readout.stats.append(("actor/grad_norm", _replicated(norm)))
                 if critic is not None:
                     torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.train.max_grad_norm)
             optimizer.step()
             if critic_opt is not None:
                 critic_opt.step()
+    stats, agree, reported = readout.read()
+    if trainer_logprobs is not None:
+        trainer_logprobs.update(reported)
     out = {k: sum(v) / len(v) for k, v in stats.items()}
     out["train/skipped_zero_advantage_rows"] = float(skipped)
     out["rollout/logprob_diff_mean"] = world.all_reduce_sum(agree[0]) / max(1.0, world.all_reduce_sum(agree[2]))
@@ -204,39 +209,64 @@ def update(
     return out
 
 
-def _rows_with_tokens(loss_mask: torch.Tensor) -> int:
-    """loss_mask: (B, T) -> rows with at least one masked token: the rows `losses.aggregate` averages
-    over in seq-mean-token-mean."""
-    return int((loss_mask.sum(-1) > 0).sum())
+class _Readout:
+    """What the update reports, kept on the device while it runs and read on the host once at its end:
+    a read per micro-batch would make the host wait for the device every time, and the device then wait
+    for the host to queue the next micro-batch."""
+
+    def __init__(self) -> None:
+        self.stats: list[tuple[str, torch.Tensor | float]] = []  # (metric, 0-dim tensor or host value), in order
+        self.agree: list[torch.Tensor] = []  # `losses.logprob_diff` (3,) of each first-epoch micro-batch
+        self.rows: list[tuple[int, torch.Tensor]] = []  # rows of the batch reported, their old log-probs
+
+    def read(self) -> tuple[dict[str, list[float]], list[float], dict[int, list[float]]]:
+        """(every metric's values in order; |trainer - engine| log-prob sum, max, count; the reported rows'
+        log-probs), from one copy to the host."""
+        tensors = [v for _, v in self.stats if isinstance(v, torch.Tensor)] + self.agree + [lp for _, lp in self.rows]
+        values = torch.cat([t.detach().float().reshape(-1) for t in tensors]).cpu().tolist() if tensors else []
+        at = 0
+
+        def take(k: int) -> list[float]:
+            nonlocal at
+            at += k
+            return values[at - k : at]
+
+        stats: dict[str, list[float]] = {}
+        for key, v in self.stats:
+            stats.setdefault(key, []).append(take(1)[0] if isinstance(v, torch.Tensor) else v)
+        agree = [0.0, 0.0, 0.0]  # sum, max, count, added in the order the micro-batches ran
+        for _ in self.agree:
+            total, worst, count = take(3)
+            agree = [agree[0] + total, max(agree[1], worst), agree[2] + count]
+        return stats, agree, {i: take(lp.numel()) for i, lp in self.rows}
+
+
+def _replicated(t: torch.Tensor) -> torch.Tensor:
+    """A sharded result (FSDP's gradient norm is a DTensor) as the plain tensor every rank holds: what `.item()`
+    would have read, without reading it."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _microbatch_step(
     cfg: Config,
     policy: nn.Module,
     critic: nn.Module | None,
-    batch: RolloutBatch,
     mb: MicroBatch,
     weight: float,
     share: bool,
     world: World,
-    first_epoch: bool,
-    agree: list[float],
-    trainer_logprobs: dict[int, list[float] | None] | None,
-) -> dict[str, float]:
-    """Forward and backward of one micro-batch, its loss scaled by `weight`; returns its metrics."""
-    stats: dict[str, float] = {}
+) -> tuple[dict[str, torch.Tensor | float], torch.Tensor]:
+    """Forward and backward of one micro-batch, its loss scaled by `weight`. Returns its metrics (0-dim tensors
+    on the device, read once at the update's end) and the old log-probs it used (B, T), detached. Nothing in it
+    reads a value from the device."""
+    stats: dict[str, torch.Tensor | float] = {}
     advantages, engine_lp = mb.advantages, mb.rollout_logprobs
     assert advantages is not None and engine_lp is not None, "micro-batches of a scored RolloutBatch carry both"
     with trainer_autocast(cfg, world):
         logprobs, entropy = update_logprobs(cfg, policy, mb, share)
     old = logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs  # None: on-policy, the update's own forward
-    if first_epoch:  # old = the weights the engine sampled with
-        total, worst, count = losses.logprob_diff(old, engine_lp, mb.loss_mask)
-        agree[0], agree[1], agree[2] = agree[0] + total, max(agree[1], worst), agree[2] + count
-        for r, i in enumerate(mb.index):
-            if trainer_logprobs is not None and i in trainer_logprobs:
-                t = batch.trajs[i]
-                trainer_logprobs[i] = old[r, t.prompt_tokens : t.total_tokens].float().cpu().tolist()
     tis = losses.tis_weights(old, engine_lp, mb.loss_mask, cfg.algo.tis_cap) if cfg.algo.tis_cap > 0 else None
     pg_loss, pg_stats = losses.policy_loss(
         logprobs,
@@ -249,7 +279,7 @@ def _microbatch_step(
         is_weights=tis,
     )
     if tis is not None:
-        stats["actor/tis_weight_mean"] = float((tis * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1))
+        stats["actor/tis_weight_mean"] = (tis * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1)
     loss = pg_loss
     if cfg.algo.kl_coef > 0 and cfg.algo.kl_type == "low_var_kl":
         assert mb.ref_logprobs is not None, "prepare_batch computes reference log-probs whenever algo.kl_coef > 0"
@@ -257,17 +287,17 @@ def _microbatch_step(
             losses.kl_penalty(logprobs, mb.ref_logprobs, "low_var_kl"), mb.loss_mask, cfg.algo.loss_agg
         )
         loss = loss + cfg.algo.kl_coef * kl
-        stats["actor/kl"] = kl.item()
+        stats["actor/kl"] = kl.detach()
     if entropy is not None:
         if cfg.algo.entropy_coef > 0:
             ent = losses.aggregate(entropy, mb.loss_mask, cfg.algo.loss_agg)
             loss = loss - cfg.algo.entropy_coef * ent
         else:  # a metric only (algo.log_entropy)
             ent = losses.aggregate(entropy.detach(), mb.loss_mask, cfg.algo.loss_agg)
-        stats["actor/entropy"] = ent.item()
+        stats["actor/entropy"] = ent.detach()
     (loss * weight).backward()
-    stats["loss/policy"] = pg_loss.item()
-    stats.update({f"actor/{k}": float(v) for k, v in pg_stats.items()})
+    stats["loss/policy"] = pg_loss.detach()
+    stats.update({f"actor/{k}": v for k, v in pg_stats.items()})
     if critic is not None:
         assert mb.values is not None and mb.returns is not None, (
             "prepare_batch computes values and returns with a critic"
@@ -278,7 +308,7 @@ def _microbatch_step(
             values, mb.values, mb.returns, mb.loss_mask, cfg.algo.value_clip or None, cfg.algo.loss_agg
         )
         (v_loss * weight).backward()
-        stats["loss/value"] = v_loss.item()
-        stats.update({f"critic/{k}": float(v) for k, v in v_stats.items()})
+        stats["loss/value"] = v_loss.detach()
+        stats.update({f"critic/{k}": v for k, v in v_stats.items()})
     stats["train/microbatch_tokens"] = float(mb.num_tokens)
-    return stats
+    return stats, old
