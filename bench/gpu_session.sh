@@ -46,7 +46,8 @@
 #
 # Environment: OUT (runs/gpu_session; runs/gpu_session_smoke with GPU_SESSION_SMOKE=1), MODEL (.cache/smollm2-135m),
 # PY (.venv/bin/python, else python3), SESSION_S, RESERVE_S, MIN_STEP_S, BUDGET_SETUP, BUDGET_ENGINES, BUDGET_UPDATE,
-# BUDGET_PLANNER, NQ_ENGINE (instead of the engines step's choice), NQ_CAP, GPU_PAYLOAD_SITE (/tmp/agent_rl_site),
+# BUDGET_PLANNER, BUDGET_NQ (the rest), BASELINE_TREE (update: an A/B/A against an older tree's
+# agent_rl, bench and configs, at caps 2,560 and 32,768), NQ_ENGINE (instead of the engines step's choice), NQ_CAP, GPU_PAYLOAD_SITE (/tmp/agent_rl_site),
 # GPU_SESSION_SMOKE, GPU_SESSION_UNPACK (1: unpack a carried payload on a machine without CUDA too).
 # Writes OUT/session.log (all of it), OUT/steps.tsv, OUT/engines.json, OUT/update_*.json, OUT/planner.json,
 # OUT/nq/ (the recipe's results.json, results.md, logs), OUT/session.json (the steps of this run, in one file).
@@ -186,6 +187,18 @@ update() {
   if [ "$SMOKE" = 1 ]; then share=$((STEP_END - $(now))); fi
   within_at_most "$share" "$PY" bench/update_throughput.py "${args[@]}" \
     --json "$OUT/update_lora.json" "${over[@]}" || rc=$?
+  if [ -n "${BASELINE_TREE:-}" ] && [ -f "$BASELINE_TREE/bench/update_throughput.py" ]; then
+    # the same LoRA micro-batch on an older tree (a `git archive` of agent_rl, bench and configs), then on this one
+    # again: an A/B/A on one device, for a change to the update's code
+    local abcaps=(2560 32768) py=$PY
+    if [ "$SMOKE" = 1 ]; then abcaps=("${caps[@]}"); fi
+    local ab=(--model "$(realpath -s "$MODEL")" --device "$DEVICE" --repeats "$repeats" --caps "${abcaps[@]}")
+    [[ $py != */* ]] || py=$(realpath -s "$py")
+    within_at_most "$share" env -C "$BASELINE_TREE" "$py" bench/update_throughput.py "${ab[@]}" \
+      --json "$(realpath -s "$OUT")/update_lora_baseline.json" "${over[@]}" || rc=$?
+    within_at_most "$share" "$PY" bench/update_throughput.py "${ab[@]}" \
+      --json "$OUT/update_lora_again.json" "${over[@]}" || rc=$?
+  fi
   within "$PY" bench/update_throughput.py "${args[@]}" --shape "$shape" --full-weights \
     --json "$OUT/update_${shape}_full_checkpointed.json" "${over[@]}" model.gradient_checkpointing=true || rc=$?
   return "$rc"
@@ -273,7 +286,7 @@ session() {
       engines) step engines "${BUDGET_ENGINES:-120}" engines ;;
       update) step update "${BUDGET_UPDATE:-75}" update ;;
       planner) step planner "${BUDGET_PLANNER:-90}" planner ;;
-      nq) step nq "$SESSION_S" nq ;;
+      nq) step nq "${BUDGET_NQ:-$SESSION_S}" nq ;;
     esac
   done
   echo "== wall $(($(now) - START)) s of $SESSION_S"
