@@ -162,8 +162,9 @@ def run_engines(args: argparse.Namespace) -> int:
         from plan_vs_measured_gpu import shape_dir
 
         models.append((args.shape, shape_dir(args.shape, Path(args.model))))
-    for label, folder in models:
-        for engine in args.engines:
+    # engine by engine, each on every model: the first engines named are measured on both before a slow one runs
+    for engine in args.engines:
+        for label, folder in models:
             left = deadline - time.monotonic()
             if left < args.min_run_s:
                 results["notes"].append(f"{label} {engine}: not run, {left:.0f} s left")
@@ -181,6 +182,7 @@ def run_engines(args: argparse.Namespace) -> int:
                 results["notes"].append(f"{label} {engine}: {why}")
                 print(f"engines: {label} {engine}: {why}", flush=True)
             out.write_text(json.dumps(results, indent=1))
+    for label, folder in models:
         if results["bandwidth"] and any(r["model"] == label for r in results["runs"]):
             weights, kv = model_bytes(folder, dtype)
             results.setdefault("bounds", {})[label] = {

@@ -26,7 +26,8 @@
 # Steps, each given at most its budget (seconds) and at most what is left of SESSION_S (default 540) less
 # RESERVE_S (15, for the summary); a step with under MIN_STEP_S (20) left is skipped with a line:
 #   setup    90  CUDA or not, the device's name; the payload, when carried, unpacked (on a CUDA machine only)
-#   engines 120  bench/gpu_session.py engines: bench/engines.py's hf and paged engines at 128 and 512 rows, 256 new
+#   engines 120  bench/gpu_session.py engines: bench/engines.py's hf (graph decode), hf-dynamic and paged engines, in
+#                that order, each on both models before the next, at 128 and 512 rows, 256 new
 #                tokens, on SmolLM2-135M and on the smollm2-1.7b shape (random weights), beside the memory-bandwidth
 #                bound (weights and KV read once a decode step at the datasheet's 3.35 TB/s (H100 SXM) or 4.8 TB/s
 #                (H200)). Needs `--device` in bench/engines.py on CUDA; skipped with a line where it has none.
@@ -69,6 +70,8 @@ if [ -z "${PY:-}" ]; then
 fi
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
 export GPU_PAYLOAD_SITE=$SITE
+# agent_rl importable by every script and the processes they start, where it is not installed (a lent machine)
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 STEPS=("$@")
 [ ${#STEPS[@]} -gt 0 ] || STEPS=(engines update planner nq)
@@ -161,7 +164,7 @@ setup() {
 
 engines() {
   have_model || { skip "no model in $MODEL (the payload converts SmolLM2 there; or set MODEL=DIR)"; return 0; }
-  local shape=smollm2-1.7b new=256 rows=(128 512) names=(hf paged)
+  local shape=smollm2-1.7b new=256 rows=(128 512) names=(hf hf-dynamic paged)
   if [ "$SMOKE" = 1 ]; then
     rows=(2) new=8
     if [ "$CUDA" = 1 ]; then shape=smoke; else shape='' names=(hf); fi
@@ -230,7 +233,10 @@ nq() {
   engine=${NQ_ENGINE:-$("$PY" bench/gpu_session.py fastest-engine "$OUT/engines.json" --default hf)}
   local args=(--data "$data" --out "$OUT/nq")
   rm -f "$OUT/nq/results.json" "$OUT/nq/results.md"
-  local over=(train.device=cuda:0 rollout.device=cuda:0 "rollout.engine=$engine" train.bf16=true model.dtype=bfloat16
+  local decode=auto
+  if [[ $engine == hf-* ]]; then decode=${engine#hf-} engine=hf; fi # bench/engines.py's names for hf's decode paths
+  local over=(train.device=cuda:0 rollout.device=cuda:0 "rollout.engine=$engine" "rollout.hf_decode=$decode"
+    train.bf16=true model.dtype=bfloat16
     run.preflight=false rollout.prompts_per_step=16 run.max_steps=20 guard.replay_every=5
     "train.max_tokens_per_microbatch=$NQ_CAP")
   if [ "$SMOKE" = 1 ]; then
@@ -261,13 +267,16 @@ nq() {
   fi
   NOTE="engine $engine"
   within "$PY" bench/real_model_learns.py "${args[@]}" "${over[@]}" || rc=$?
-  if ((rc != 0 && rc != 124 && rc != 137)) && [ "$engine" != hf ] && [ -z "${NQ_ENGINE:-}" ]; then
-    # the chosen engine failed (not cut): the rest of the time on hf, which has run on GPUs; data, index and the
-    # warm start are reused
-    NOTE="engine $engine failed (exit $rc; its logs in $OUT/nq/logs_$engine), then hf"
-    rm -rf "$OUT/nq/logs_$engine" && cp -r "$OUT/nq/logs" "$OUT/nq/logs_$engine"
+  local tag=$engine-$decode
+  if ((rc != 0 && rc != 124 && rc != 137)) && [ "$tag" != hf-dynamic ] && [ -z "${NQ_ENGINE:-}" ]; then
+    # the chosen engine failed (not cut): the rest of the time on hf's dynamic decode, which has run on GPUs; data,
+    # index and the warm start are reused
+    NOTE="engine $tag failed (exit $rc; its logs in $OUT/nq/logs_$tag), then hf-dynamic"
+    rm -rf "$OUT/nq/logs_$tag" && cp -r "$OUT/nq/logs" "$OUT/nq/logs_$tag"
     rc=0
-    within "$PY" bench/real_model_learns.py "${args[@]}" "${over[@]/rollout.engine=$engine/rollout.engine=hf}" || rc=$?
+    local again=("${over[@]/rollout.engine=$engine/rollout.engine=hf}")
+    within "$PY" bench/real_model_learns.py "${args[@]}" "${again[@]/rollout.hf_decode=$decode/rollout.hf_decode=dynamic}" ||
+      rc=$?
   fi
   stop_server
   return "$rc"

@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENV = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": "PASSIVE"}
 for _key, _value in ENV.items():
     os.environ.setdefault(_key, _value)
+sys.path.insert(0, str(ROOT))  # agent_rl where it is not installed (a lent GPU machine)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from demo_seeds import paired_interval  # noqa: E402
 
