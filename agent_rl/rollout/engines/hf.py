@@ -113,7 +113,8 @@ class StaticDecode:
                 torch.cuda.current_stream(device).wait_stream(side)
                 return logits
             self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):  # records the step; the replay below runs it
+            # thread_local: another thread's CUDA work (the trainer's, an async loop's) does not void the capture
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # recorded; the replay runs it
                 self.logits = self._forward()
         self.graph.replay()
         return self.logits
