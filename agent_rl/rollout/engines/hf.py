@@ -117,6 +117,7 @@ class StaticDecode:
             with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):  # recorded; the replay runs it
                 self.logits = self._forward()
         self.graph.replay()
+        assert self.logits is not None  # set by the capture above
         return self.logits
 
 
