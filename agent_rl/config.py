@@ -81,6 +81,27 @@ class RunConfig:
     )
     log_every: int = _f(1, "Print a progress line every N steps.")
     tensorboard: bool = _f(True, "Also write TensorBoard events under OUTPUT_DIR/tb.")
+    wandb: bool = _f(
+        False,
+        "Also log to Weights & Biases (needs the wandb extra: pip install 'agent-rl[wandb]'): the same metric names "
+        "and steps as TensorBoard (plotted against the `step` metric), the resolved config as the W&B run's config, "
+        "tables of a few trajectories at each evaluation and each run.save_trajectories_every step. The run id is "
+        "kept in OUTPUT_DIR/wandb_run_id, so --resume continues the same W&B run.",
+    )
+    wandb_project: str = _f("agent-rl", "W&B project of the run; the run is named after run.output_dir's folder.")
+    wandb_entity: str = _f("", "W&B entity (user or team) of the run; empty = the account's default.")
+    wandb_mode: str = _f(
+        "",
+        "W&B mode: online | offline | disabled; empty = $WANDB_MODE when set, else offline (the run's files under "
+        "OUTPUT_DIR/wandb, or $WANDB_DIR/wandb; upload them later with `wandb sync DIR`). Online needs `wandb login` "
+        "(or WANDB_API_KEY) and a reachable service.",
+    )
+    wandb_on_missing: str = _f(
+        "error",
+        "With run.wandb, what a missing wandb package or a W&B start that fails (no credentials, service unreachable) "
+        "does: error (stop at start-up with the install or the setting to fix) | warn (a warning, then the run logs "
+        "without W&B). Either way a W&B call that fails mid-run only warns once and switches W&B off.",
+    )
     preflight: bool = _f(
         True,
         "Before step 1 run one forward+backward at the largest admissible micro-batch, no prompt shared (the most "
@@ -159,7 +180,23 @@ class RetrieverConfig:
         ".cache/toy_index", "Index directory served when `url` is unset (built on first use from `corpus`)."
     )
     corpus: str = _f(".cache/toy_world/corpus.jsonl", "Corpus JSONL used to build `index_dir` when it is missing.")
-    kind: str = _f("flat", "Index kind built on first use: flat | hnsw | bm25.")
+    # The kinds `retriever-build --kind` offers, from the builder itself (its help says what each
+    # costs in RAM and recall); a class attribute, not a config key.
+    from retriever_server.plan import KINDS
+
+    kind: str = _f(
+        "flat",
+        "Index kind `index_dir` is built as on first use (retriever-build --kind): "
+        + " | ".join(KINDS)
+        + ". `retriever-build --help` says what each costs in RAM and what it keeps of exact search's recall; "
+        "`agent-rl plan` counts the local server's RAM for it. factory builds `retriever.factory`. An index "
+        "already in `index_dir` is served as it was built (delete it to rebuild as this kind).",
+    )
+    factory: str | None = _f(
+        None,
+        "With retriever.kind=factory: the FAISS index_factory string the index is built from (retriever-build "
+        "--factory), inner product, e.g. 'IVF4096,PQ64' or 'OPQ64,IVF4096,PQ64'. Only with that kind.",
+    )
     topk: int = _f(3, "Documents per search inserted into the observation.")
     timeout_s: float = _f(10.0, "Per-request timeout of the HTTP client.")
     max_retries: int = _f(3, "Retries (with exponential backoff) before a search counts as failed.")
@@ -201,6 +238,19 @@ class RetrieverConfig:
         "A query the replayed record lacks: error (stop, naming the query) | live (ask the retriever at "
         "`url`, or one started for `index_dir`, and add the answer to the record).",
     )
+
+    def __post_init__(self) -> None:
+        if self.kind == "factory" and not self.factory:
+            raise ConfigError(
+                "retriever.kind=factory needs retriever.factory, the FAISS index_factory string to build (e.g. "
+                "retriever.factory='IVF4096,PQ64'), or choose a named kind: "
+                + ", ".join(k for k in self.KINDS if k != "factory")
+            )
+        if self.factory and self.kind != "factory":
+            raise ConfigError(
+                f"retriever.factory={self.factory!r} is only read with retriever.kind=factory (kind is "
+                f"{self.kind!r}): set retriever.kind=factory to build it, or clear retriever.factory"
+            )
 
 
 @dataclass
@@ -337,17 +387,48 @@ class BudgetConfig:
 
 @dataclass
 class AlgoConfig:
-    name: str = _f("grpo", "grpo (group-normalised advantages, no critic) | ppo (critic + GAE).")
+    name: str = _f(
+        "grpo",
+        "grpo (no critic; the advantage is algo.advantage's, group-normalised by default) | ppo (critic + GAE).",
+    )
+    advantage: str = _f(
+        "auto",
+        "Advantage estimator. auto: what algo.name implies (grpo -> grpo, ppo -> gae). grpo: (r - group mean) / "
+        "group std, one value per trajectory (algo.norm_adv_by_std=false = Dr. GRPO). rloo: REINFORCE Leave-One-Out "
+        "(Kool et al. 2019; Ahmadian et al. 2024): r minus the mean of the other samples of its prompt "
+        "(algo.group_size >= 2). reinforce_pp: REINFORCE++ (Hu 2025): per-token return of the reward with the k1 "
+        "KL to the reference folded in (algo.kl_type=k1, algo.kl_coef), discounted by algo.gamma, normalised over "
+        "the whole batch's trained tokens. reinforce_pp_baseline: REINFORCE++ with the group mean reward "
+        "subtracted before that normalisation. gae: the critic's GAE (algo.name=ppo only). Every estimator but gae "
+        "runs without a critic, under algo.name=grpo; algo.name=ppo takes gae alone (its critic would go unused).",
+    )
     group_size: int = _f(8, "Samples per prompt (GRPO's n). PPO uses it too when > 1.")
     norm_adv_by_std: bool = _f(True, "GRPO: divide by the group std (False = Dr. GRPO).")
-    gamma: float = _f(1.0, "PPO: discount.")
+    gamma: float = _f(1.0, "PPO (GAE) and REINFORCE++: discount.")
     lam: float = _f(1.0, "PPO: GAE lambda.")
-    clip_ratio_low: float = _f(0.2, "Lower clip of the probability ratio (1 - low).")
-    clip_ratio_high: float = _f(0.2, "Upper clip of the probability ratio (1 + high).")
+    clip_ratio_low: float = _f(
+        0.2, "Lower clip of the probability ratio (1 - low); gspo clips the sequence ratio; cispo does not use it."
+    )
+    clip_ratio_high: float = _f(
+        0.2, "Upper clip of the probability ratio (1 + high); gspo: the sequence ratio's; cispo: the weight's cap."
+    )
+    policy_loss: str = _f(
+        "ppo_clip",
+        "Policy loss. ppo_clip: PPO's clipped surrogate per token (DAPO's clip-higher when clip_ratio_high > "
+        "clip_ratio_low). gspo: GSPO (Zheng et al. 2025), in its GSPO-token form: one importance ratio per "
+        "trajectory, exp of the mean over its trained tokens of (logp - old logp), clipped to [1 - clip_ratio_low, "
+        "1 + clip_ratio_high] and applied to each of its tokens; the length-normalised ratio sits much closer to 1 "
+        "than a token's, so set far smaller clip ranges than PPO's 0.2 (the paper uses clip_ratio_low=3e-4, "
+        "clip_ratio_high=4e-4), and the paper averages per trajectory (algo.loss_agg=seq-mean-token-mean). cispo: "
+        "CISPO (MiniMax-M1, 2025): -min(ratio, 1 + clip_ratio_high), detached, x advantage x logp per token, so "
+        "every token keeps its gradient (none is clipped out; MiniMax sets no lower bound).",
+    )
     loss_agg: str = _f("token-mean", "Loss aggregation: token-mean | seq-mean-token-mean.")
     kl_coef: float = _f(0.0, "Coefficient of the KL to the frozen reference (0 = no reference model is kept).")
     kl_type: str = _f(
-        "low_var_kl", "low_var_kl (k3, as a loss term) | k1 (subtracted from the token rewards, PPO style)."
+        "low_var_kl",
+        "low_var_kl (k3, as a loss term) | k1 (subtracted from the token rewards, PPO style; read by algo.advantage "
+        "gae, reinforce_pp and reinforce_pp_baseline).",
     )
     entropy_coef: float = _f(0.0, "Entropy bonus coefficient.")
     log_entropy: bool = _f(
@@ -376,6 +457,12 @@ class AlgoConfig:
     )
     value_clip: float = _f(0.2, "PPO: clip range of the value loss (0 = unclipped).")
     critic_lr: float = _f(1e-4, "PPO: learning rate of the critic.")
+
+    def resolved_advantage(self) -> str:
+        """The estimator `advantage` names; auto: grpo under algo.name=grpo, gae under ppo."""
+        if self.advantage == "auto":
+            return "gae" if self.name == "ppo" else "grpo"
+        return self.advantage
 
 
 @dataclass
@@ -741,17 +828,20 @@ class Config:
             )
         choices = {
             ("algo", "name"): ("grpo", "ppo"),
+            ("algo", "advantage"): ("auto", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"),
+            ("algo", "policy_loss"): ("ppo_clip", "gspo", "cispo"),
             ("algo", "loss_agg"): ("token-mean", "seq-mean-token-mean"),
             ("algo", "kl_type"): ("low_var_kl", "k1"),
             ("rollout", "engine"): ("hf", "paged", "vllm", "auto"),
             ("rollout", "mode"): ("sync", "async"),
             ("rollout", "hf_decode"): ("auto", "dynamic", "static", "graph"),
             ("data", "template"): ("auto", "chat", "base", "compact"),
-            ("retriever", "kind"): ("flat", "hnsw", "bm25"),
+            ("retriever", "kind"): tuple(RetrieverConfig.KINDS),
             ("retriever", "replay_miss"): ("error", "live"),
             ("guard", "action"): ("off", "warn", "stop", "rollback"),
             ("train", "lr_schedule"): ("constant", "cosine"),
             ("model", "dtype"): ("float32", "bfloat16", "float16"),
+            ("run", "wandb_on_missing"): ("error", "warn"),
         }
         for (section, key), allowed in choices.items():
             value = getattr(getattr(self, section), key)
@@ -768,19 +858,42 @@ class Config:
             raise ConfigError(
                 f"model.init_size = {self.model.init_size!r}: use tiny, small, base, medium or leave it empty"
             )
-        if self.algo.name == "grpo" and self.algo.kl_type == "k1" and self.algo.kl_coef > 0:
+        advantage = self.algo.resolved_advantage()
+        if self.algo.name == "ppo" and advantage != "gae":
             raise ConfigError(
-                "algo.kl_type=k1 puts the KL into per-token rewards, which only PPO's GAE uses; GRPO would ignore it. "
-                "Set algo.kl_type=low_var_kl (KL as a loss term, as Search-R1's GRPO runs do) or algo.name=ppo"
+                f"algo.advantage={advantage} with algo.name=ppo: PPO trains a critic for GAE, and {advantage} would "
+                f"leave it unused. Set algo.name=grpo (no critic) to train with {advantage}, or algo.advantage=auto "
+                "(GAE) to keep the critic"
             )
-        if self.algo.name == "grpo" and self.algo.group_size < 2:
+        if self.algo.name == "grpo" and advantage == "gae":
             raise ConfigError(
-                "algo.group_size must be >= 2 for GRPO (advantages are relative to the group); set algo.group_size=5 "
-                "or more"
+                "algo.advantage=gae needs a critic, which only algo.name=ppo trains; set algo.name=ppo, or pick a "
+                "critic-free algo.advantage (grpo, rloo, reinforce_pp, reinforce_pp_baseline)"
+            )
+        if advantage in ("grpo", "rloo") and self.algo.kl_type == "k1" and self.algo.kl_coef > 0:
+            raise ConfigError(
+                f"algo.kl_type=k1 puts the KL into per-token rewards, which only GAE and REINFORCE++ read; "
+                f"algo.advantage={advantage} would ignore it. Set algo.kl_type=low_var_kl (KL as a loss term, as "
+                "Search-R1's GRPO runs do), or algo.advantage=reinforce_pp (or algo.name=ppo)"
+            )
+        if advantage == "rloo" and self.algo.group_size < 2:
+            raise ConfigError(
+                f"algo.group_size={self.algo.group_size} with algo.advantage=rloo: each sample's baseline is the mean "
+                "of the other samples of its prompt, so a prompt needs 2 or more; set algo.group_size=4 or more"
+            )
+        if advantage in ("grpo", "reinforce_pp_baseline") and self.algo.group_size < 2:
+            raise ConfigError(
+                f"algo.group_size must be >= 2 for algo.advantage={advantage} (advantages are relative to the "
+                "group); set algo.group_size=5 or more, or algo.advantage=reinforce_pp (no group baseline)"
             )
         if self.guard.replay_every < 1:
             raise ConfigError(
                 f"guard.replay_every must be >= 1 (1 = score the replay set every step), got {self.guard.replay_every}"
+            )
+        if self.run.wandb_mode not in ("", "online", "offline", "disabled"):
+            raise ConfigError(
+                f"run.wandb_mode = {self.run.wandb_mode!r}: use online, offline or disabled, or leave it empty "
+                "($WANDB_MODE when set, else offline)"
             )
         if self.run.dist_timeout_s <= 0:
             raise ConfigError(f"run.dist_timeout_s must be positive, got {self.run.dist_timeout_s}")
