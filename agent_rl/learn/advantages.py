@@ -1,17 +1,28 @@
-"""Advantage estimators as pure functions: GRPO group normalisation and GAE over policy tokens.
+"""Advantage estimators as pure functions: GRPO group normalisation, RLOO, REINFORCE++ and GAE over
+policy tokens.
 
 GAE departs from single-turn PPO in one way that matters for search agents: the recursion runs
 over the policy's own tokens only (loss_mask 1), so an inserted observation between two turns
 is transparent: the "next value" of the last token of a turn is the value of the first token
 of the next turn, and observation positions get advantage 0 and return 0 (as verl's multi-turn
-GAE does).
+GAE does). REINFORCE++'s returns skip observations the same way, where verl's single-turn recursion
+restarts the return at every mask-0 position (so a first turn would not see the final reward).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 
 import torch
+
+
+def _groups(group_ids: Sequence[str]) -> list[list[int]]:
+    """Row indices of each group, groups in order of first appearance."""
+    index: dict[str, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        index.setdefault(g, []).append(i)
+    return list(index.values())
 
 
 def grpo_advantages(
@@ -24,10 +35,7 @@ def grpo_advantages(
     `norm_by_std=False` is Dr. GRPO (no division by the std).
     """
     out = torch.zeros_like(rewards, dtype=torch.float32)
-    index: dict[str, list[int]] = {}
-    for i, g in enumerate(group_ids):
-        index.setdefault(g, []).append(i)
-    for rows in index.values():
+    for rows in _groups(group_ids):
         if len(rows) < 2:
             continue
         r = rewards[rows].float()
@@ -35,6 +43,25 @@ def grpo_advantages(
         if norm_by_std:
             a = a / (r.std() + eps)
         out[rows] = a
+    return out
+
+
+def rloo_advantages(rewards: torch.Tensor, group_ids: Sequence[str]) -> torch.Tensor:
+    """rewards: (B,) -> advantages (B,): REINFORCE Leave-One-Out, r_i - mean of r_j over the OTHER rows j of i's group.
+
+    Kool et al. 2019 ("Buy 4 REINFORCE Samples, Get a Baseline for Free!"); Ahmadian et al. 2024 ("Back to
+    Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback in LLMs"). The baseline
+    leaves the sample out, so it does not depend on the sample and the estimate is unbiased; equal to
+    G / (G - 1) x (r_i - group mean) for a group of G. Not divided by a std. A group of size 1 has no other
+    sample and gets advantage 0 (config validation refuses algo.group_size 1; this is an excluded row's group).
+    """
+    out = torch.zeros_like(rewards, dtype=torch.float32)
+    for rows in _groups(group_ids):
+        g = len(rows)
+        if g < 2:
+            continue
+        r = rewards[rows].float()
+        out[rows] = r - (r.sum() - r) / (g - 1)
     return out
 
 
@@ -97,9 +124,76 @@ def gae(
     return adv, returns
 
 
-def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """Masked whitening: (x - mean) / std over mask-1 entries; (B, T) -> (B, T)."""
-    n = mask.sum().clamp(min=1.0)
-    mean = (x * mask).sum() / n
-    var = (((x - mean) ** 2) * mask).sum() / n
-    return (x - mean) * torch.rsqrt(var + eps)
+def discounted_returns(rewards: torch.Tensor, loss_mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Return to go over the policy's tokens: rewards, loss_mask (B, T) -> returns (B, T), 0 on mask-0 positions.
+
+    G_t = r_t + gamma * G_t', t' the row's next mask-1 token: observations are skipped (transparent), as in
+    `gae`, which with values 0 and lam 1 gives these same returns.
+    """
+    B, T = rewards.shape
+    rewards, mask = rewards.float(), loss_mask.float()
+    out = torch.zeros((B, T))
+    running = torch.zeros(B)
+    for t in reversed(range(T)):
+        m = mask[:, t]
+        running = torch.where(m > 0, rewards[:, t] + gamma * running, running)
+        out[:, t] = running * m
+    return out
+
+
+def reinforce_pp_advantages(
+    token_rewards: torch.Tensor,
+    loss_mask: torch.Tensor,
+    gamma: float,
+    reduce_sum: Callable[[float], float] | None = None,
+) -> torch.Tensor:
+    """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models").
+
+    token_rewards, loss_mask: (B, T) -> advantages (B, T): the return to go of the token rewards
+    (`token_level_rewards`: the score on the last policy token, the k1 KL penalty on every policy token),
+    whitened over every trained token of the batch (`whiten`; `reduce_sum` takes the statistics over all
+    ranks), 0 on mask-0 positions. No critic and no group: the batch's statistics are the baseline.
+    """
+    returns = discounted_returns(token_rewards, loss_mask, gamma)
+    return whiten(returns, loss_mask, reduce_sum=reduce_sum) * loss_mask
+
+
+def reinforce_pp_baseline_advantages(
+    scores: torch.Tensor,
+    group_ids: Sequence[str],
+    token_rewards: torch.Tensor,
+    loss_mask: torch.Tensor,
+    gamma: float,
+    reduce_sum: Callable[[float], float] | None = None,
+) -> torch.Tensor:
+    """REINFORCE++-baseline (Hu 2025): REINFORCE++ with each group's mean score subtracted before the whitening.
+
+    scores: (B,), token_rewards, loss_mask: (B, T) -> advantages (B, T): (return to go - mean score of the
+    row's group) on mask-1 positions, whitened over every trained token of the batch, 0 elsewhere. Without a
+    KL penalty and with gamma 1 the return is the score on every token, so this is verl's
+    reinforce_plus_plus_baseline: whiten(r - group mean). A group of one is its own baseline.
+    """
+    baseline = torch.zeros_like(scores, dtype=torch.float32)
+    for rows in _groups(group_ids):
+        baseline[rows] = scores[rows].float().mean()
+    returns = discounted_returns(token_rewards, loss_mask, gamma)
+    return whiten((returns - baseline[:, None]) * loss_mask, loss_mask, reduce_sum=reduce_sum) * loss_mask
+
+
+def whiten(
+    x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8, reduce_sum: Callable[[float], float] | None = None
+) -> torch.Tensor:
+    """Masked whitening: (x - mean) / std over mask-1 entries; (B, T) -> (B, T).
+
+    `reduce_sum` (a `World.all_reduce_sum`) sums each statistic over every rank, so the mean and std are the
+    whole batch's when it is split over ranks; it must be called on every rank.
+    """
+    if reduce_sum is None:
+        n = mask.sum().clamp(min=1.0)
+        mean = (x * mask).sum() / n
+        var = (((x - mean) ** 2) * mask).sum() / n
+        return (x - mean) * torch.rsqrt(var + eps)
+    count = max(1.0, reduce_sum(float(mask.sum())))
+    mean_f = reduce_sum(float((x * mask).sum())) / count
+    var_f = reduce_sum(float((((x - mean_f) ** 2) * mask).sum())) / count
+    return (x - mean_f) / math.sqrt(var_f + eps)

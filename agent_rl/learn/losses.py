@@ -1,7 +1,9 @@
 """Loss math as small pure functions (shapes in docstrings; names as in the PPO/GRPO papers).
 
-Every term is multiplied by `loss_mask`, so inserted observation tokens get exactly zero
-gradient from the policy, KL, entropy and value terms. The KL estimators follow verl's
+Three policy losses (`algo.policy_loss`): PPO's clipped surrogate (`policy_loss`), GSPO's sequence-level
+ratio (`gspo_loss`) and CISPO's clipped, detached importance weight (`cispo_loss`); each reports the same
+metrics (clipfrac, approx_kl, ratio_mean). Every term is multiplied by `loss_mask`, so inserted observation
+tokens get exactly zero gradient from the policy, KL, entropy and value terms. The KL estimators follow verl's
 `core_algos.kl_penalty` (k1 and the low-variance k3, clamped to [-10, 10]). Metrics come back as
 0-dim tensors on the inputs' device: the update reads them on the host once, not once a micro-batch.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean")
+POLICY_LOSSES = ("ppo_clip", "gspo", "cispo")
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -85,6 +88,84 @@ def policy_loss(
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((surr2 > surr1).float(), loss_mask),
+            "approx_kl": masked_mean(-log_ratio, loss_mask),
+            "ratio_mean": masked_mean(ratio, loss_mask),
+        }
+    return loss, stats
+
+
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    agg: str = "token-mean",
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), in its GSPO-token form.
+
+    logprobs, old_logprobs, loss_mask: (B, T); advantages: (B, T) or (B,). One ratio per sequence,
+    s_i = exp(mean over i's mask-1 tokens of (logprobs - old_logprobs)) (the length-normalised likelihood
+    ratio), carried to each token as s_i,t = sg(s_i) * pi(y_t) / sg(pi(y_t)): its value is s_i and its gradient
+    s_i * grad log pi(y_t). Then PPO's pessimistic clip with [1 - low, 1 + high], so a sequence whose ratio
+    leaves the range loses every token's gradient at once. The log-ratio is capped at 10 before exp, as verl
+    does. `is_weights` w (B, T), detached, multiply each token's term (see `tis_weights`). Metrics as
+    `policy_loss`: clipfrac and ratio_mean over trained tokens (each token carrying its sequence's ratio),
+    approx_kl per token.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(logprobs)
+    log_ratio = (logprobs - old_logprobs) * loss_mask
+    seq_log_ratio = masked_mean(log_ratio, loss_mask, dim=-1).detach()  # (B,); 0 for a row with no token
+    log_seq_ratio = logprobs - logprobs.detach() + seq_log_ratio[:, None]
+    ratio = torch.exp(torch.clamp(log_seq_ratio, max=10.0))
+    surr1 = -advantages * ratio
+    surr2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_mat = torch.maximum(surr1, surr2) * loss_mask
+    if is_weights is not None:
+        loss_mat = loss_mat * is_weights.detach()
+    loss = aggregate(loss_mat, loss_mask, agg)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((surr2 > surr1).float(), loss_mask),
+            "approx_kl": masked_mean(-log_ratio, loss_mask),
+            "ratio_mean": masked_mean(ratio, loss_mask),
+        }
+    return loss, stats
+
+
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    clip_ratio_high: float,
+    agg: str = "token-mean",
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO (MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention").
+
+    logprobs, old_logprobs, loss_mask: (B, T); advantages: (B, T) or (B,).
+    loss = agg(-sg(min(r, 1 + high)) * A * logprobs * w), r = exp(logprobs - old_logprobs): the importance
+    weight is clipped and detached, never the token's gradient, so every trained token keeps a gradient
+    A * weight * grad log pi (PPO's clip zeroes it for tokens past the range, often the rare ones). No lower
+    bound, as MiniMax ran it. `is_weights` w (B, T) as in `policy_loss`. Metrics: clipfrac = the share of
+    trained tokens whose weight was capped; approx_kl and ratio_mean (the unclipped r) as `policy_loss`.
+    """
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(logprobs)
+    log_ratio = (logprobs - old_logprobs) * loss_mask
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, max=1.0 + clip_ratio_high).detach()
+    loss_mat = -advantages * weight * logprobs * loss_mask
+    if is_weights is not None:
+        loss_mat = loss_mat * is_weights.detach()
+    loss = aggregate(loss_mat, loss_mask, agg)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((ratio > 1.0 + clip_ratio_high).float(), loss_mask),
             "approx_kl": masked_mean(-log_ratio, loss_mask),
             "ratio_mean": masked_mean(ratio, loss_mask),
         }

@@ -71,8 +71,9 @@ def prepare_batch(
     batch = RolloutBatch.from_trajectories(trajs, pad_id)
     n, width = batch.rows.input_ids.shape
     use_ref = cfg.algo.kl_coef > 0
+    estimator = cfg.algo.resolved_advantage()
     # k1 in the reward needs the current policy's log-probs even on the single-pass path
-    k1_reward = use_ref and cfg.algo.kl_type == "k1" and cfg.algo.name == "ppo"
+    k1_reward = use_ref and cfg.algo.kl_type == "k1" and estimator in ("gae", "reinforce_pp", "reinforce_pp_baseline")
     wanted = {"old": need_old or k1_reward, "ref": use_ref, "values": critic is not None}
     out = {k: torch.zeros((n, width), dtype=torch.float32) for k, on in wanted.items() if on}
     share = share_prefix(cfg, world)
@@ -99,17 +100,30 @@ def prepare_batch(
         out[k][index, : v.shape[1]] = v.cpu()
     mask = batch.loss_mask
     scores = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
-    if cfg.algo.name == "grpo":
-        # An excluded trajectory (failed search) is its own group of one: advantage 0, and its
-        # group's mean and std come from the others.
-        keys = [f"{t.prompt_id}#excluded{i}" if t.excluded else t.prompt_id for i, t in enumerate(trajs)]
+    # An excluded trajectory (failed search) is its own group of one: advantage 0 under grpo and rloo (its
+    # mask is all 0 under every estimator), and its group's statistics come from the others.
+    keys = [f"{t.prompt_id}#excluded{i}" if t.excluded else t.prompt_id for i, t in enumerate(trajs)]
+    if estimator == "grpo":
         batch.advantages = adv_lib.grpo_advantages(scores, keys, norm_by_std=cfg.algo.norm_adv_by_std)[:, None] * mask
+        batch.returns = torch.zeros_like(mask)
+    elif estimator == "rloo":
+        batch.advantages = adv_lib.rloo_advantages(scores, keys)[:, None] * mask
         batch.returns = torch.zeros_like(mask)
     else:
         kl = losses.kl_penalty(out["old"], out["ref"], "k1") if k1_reward else None
         token_rewards = adv_lib.token_level_rewards(scores, mask, kl, cfg.algo.kl_coef if kl is not None else 0.0)
-        a, batch.returns = adv_lib.gae(token_rewards, out["values"], mask, cfg.algo.gamma, cfg.algo.lam)
-        batch.advantages = adv_lib.whiten(a, mask) * mask
+        if estimator == "gae":
+            a, batch.returns = adv_lib.gae(token_rewards, out["values"], mask, cfg.algo.gamma, cfg.algo.lam)
+            batch.advantages = adv_lib.whiten(a, mask) * mask
+        else:  # REINFORCE++: whitened over the whole batch, every rank's rows under torchrun
+            reduce_sum = world.all_reduce_sum if world.sharded else None
+            if estimator == "reinforce_pp":
+                batch.advantages = adv_lib.reinforce_pp_advantages(token_rewards, mask, cfg.algo.gamma, reduce_sum)
+            else:
+                batch.advantages = adv_lib.reinforce_pp_baseline_advantages(
+                    scores, keys, token_rewards, mask, cfg.algo.gamma, reduce_sum
+                )
+            batch.returns = torch.zeros_like(mask)
     batch.old_logprobs = out.get("old") if need_old else None
     batch.ref_logprobs = out.get("ref")
     batch.values = out.get("values")
@@ -268,16 +282,19 @@ def _microbatch_step(
         logprobs, entropy = update_logprobs(cfg, policy, mb, share)
     old = logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs  # None: on-policy, the update's own forward
     tis = losses.tis_weights(old, engine_lp, mb.loss_mask, cfg.algo.tis_cap) if cfg.algo.tis_cap > 0 else None
-    pg_loss, pg_stats = losses.policy_loss(
-        logprobs,
-        old,
-        advantages,
-        mb.loss_mask,
-        cfg.algo.clip_ratio_low,
-        cfg.algo.clip_ratio_high,
-        cfg.algo.loss_agg,
-        is_weights=tis,
-    )
+    algo = cfg.algo
+    if algo.policy_loss == "gspo":
+        pg_loss, pg_stats = losses.gspo_loss(
+            logprobs, old, advantages, mb.loss_mask, algo.clip_ratio_low, algo.clip_ratio_high, algo.loss_agg, tis
+        )
+    elif algo.policy_loss == "cispo":
+        pg_loss, pg_stats = losses.cispo_loss(
+            logprobs, old, advantages, mb.loss_mask, algo.clip_ratio_high, algo.loss_agg, tis
+        )
+    else:
+        pg_loss, pg_stats = losses.policy_loss(
+            logprobs, old, advantages, mb.loss_mask, algo.clip_ratio_low, algo.clip_ratio_high, algo.loss_agg, tis
+        )
     if tis is not None:
         stats["actor/tis_weight_mean"] = (tis * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1)
     loss = pg_loss
