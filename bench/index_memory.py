@@ -1,16 +1,32 @@
 """The index memory plan (`retriever-build --plan`) against what a built index takes: its files on
-disk and the RSS of a `retriever-server` process that serves it, by kind and size.
+disk, the memory of its build and the RSS of a `retriever-server` process that serves it, by kind
+and size; with `--base`, each kind's recall against exact search too.
 
 Usage: .venv/bin/python bench/index_memory.py [--sizes 20000,100000] [--kinds flat,hnsw_sq8,ivf_pq]
        [--dim 384] [--work DIR] [--mmap] [--out FILE]
+       .venv/bin/python bench/index_memory.py --base FLAT_INDEX_DIR [--data DIR] --sizes 1000000
+       [--train-size 262144] [--mmap] ...
        .venv/bin/python bench/index_memory.py --recall FLAT_INDEX_DIR --data ../shared/data/wiki18_nq_triviaqa
 
-Each index is built as `retriever-build` builds it (the same `faiss_index`, store and encoder files),
-over synthetic data: random unit vectors (the layout does not depend on the values) and a corpus of
-random ~100-word passages. The plan is made from the corpus file alone, before the index exists
+Each index is built as `retriever-build` builds it (the same `faiss_index` over a float32 file of
+vectors mapped from disk, the same store and encoder files), over synthetic data and a corpus of
+random ~100-word passages. The vectors are random unit vectors (the layout does not depend on the
+values), or with `--base` recombined from a flat index's real passage vectors (`recombined`), so that
+recall means something. The plan is made from the corpus file alone, before the index exists
 (`plan_build`), and compared with the index directory's files and with the server's VmRSS once it is
-ready and has answered a batch of 32 queries (two servers with `--mmap`: the second's Pss and
-private bytes, from /proc/PID/smaps_rollup).
+ready and has answered a batch of 32 queries, with and without the store's mapped pages (two servers
+with `--mmap`: the second's Pss and private bytes, from /proc/PID/smaps_rollup). What is left once
+the store, the index file and the encoder file are taken away is the server's baseline
+(`retriever_server.plan.SERVER_BASELINE_BYTES`). Each build runs in a child process: its VmHWM (which
+counts the mapped vector file's pages) and its peak anonymous RSS (sampled every 0.2 s) are its
+build memory.
+
+With `--base`, the queries are held out of every index: vectors drawn by the same recipe with
+another seed, and (with `--data`) the NQ and TriviaQA questions of nq_1000.jsonl and
+triviaqa_1000.jsonl encoded by the base index's encoder. Each kind, at the search settings the
+server starts with (efSearch 128, nprobe 64), is scored against the flat index's exact top-10:
+recall@10 (the share of it returned) and the share with the same top-1; `--ef` and `--nprobe` score
+more settings of the same built index.
 
 With `--recall`: each compressed kind built from a flat index's own vectors (as retriever-build builds
 it, at its default search settings), and for the questions of --data's nq_1000.jsonl and
@@ -43,6 +59,9 @@ sys.path.insert(0, str(ROOT))
 WORDS = "the of and in to a was is for on as by with he at from his an were are which".split() + [
     f"w{i}" for i in range(3000)
 ]
+# The scale of the noise added to a recombined vector, relative to the spread of the real vectors.
+NOISE = 0.3
+CHUNK = 65536
 
 
 def write_corpus(path: Path, n: int, seed: int = 0) -> None:
@@ -53,27 +72,52 @@ def write_corpus(path: Path, n: int, seed: int = 0) -> None:
             f.write(json.dumps({"id": str(i), "contents": f"Title {i}\n{text}"}) + "\n")
 
 
-def build(work: Path, n: int, kind: str, dim: int, train_size: int) -> Path:
-    """An index directory as retriever-build writes it, over random unit vectors."""
-    from retriever_server.build import faiss_index
+def recombined(base: np.ndarray, n: int, seed: int) -> np.ndarray:
+    """n unit vectors from the real vectors `base` (m, d): each w R[p] + (1 - w) R[q] + NOISE (R[a] -
+    R[b]) / sqrt(2), normalised, with p, q, a, b drawn uniformly from the m rows and w from U(0, 1).
+    The difference of two real vectors is zero-mean noise with the real vectors' own covariance, so
+    the synthetic cloud keeps their anisotropy (sentence vectors fill a narrow cone, not the sphere).
+    With m much smaller than n, ~n/m vectors lean on each real one: neighbourhoods are denser than a
+    real corpus's, which makes approximate search harder, not easier."""
+    rng = np.random.default_rng(seed)
+    m = len(base)
+    p, q, a, b = (rng.integers(0, m, n) for _ in range(4))
+    w = rng.random((n, 1), dtype=np.float32)
+    x = w * base[p] + (1 - w) * base[q] + np.float32(NOISE / np.sqrt(2)) * (base[a] - base[b])
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    faiss.normalize_L2(x)
+    return x
+
+
+def write_vectors(path: Path, n: int, dim: int, base: np.ndarray | None) -> None:
+    """n float32 vectors into a .npy file in chunks (as retriever-build's scratch file): random unit
+    vectors, or `recombined` from `base` (seed 0; the held-out queries use other seeds)."""
+    tmp = path.with_suffix(".part.npy")
+    out = np.lib.format.open_memmap(str(tmp), mode="w+", dtype=np.float32, shape=(n, dim))
+    for i, lo in enumerate(range(0, n, CHUNK)):
+        rows = min(CHUNK, n - lo)
+        if base is None:
+            x = np.random.default_rng([0, i]).standard_normal((rows, dim), dtype=np.float32)
+            faiss.normalize_L2(x)
+        else:
+            x = recombined(base, rows, seed=i)
+        out[lo : lo + rows] = x
+    out.flush()
+    del out
+    os.replace(tmp, path)
+
+
+def prepare(work: Path, n: int, kind: str, dim: int, vectors: Path) -> Path:
+    """The index directory's store, encoder and manifest (as retriever-build writes them); the
+    index itself comes from `build_child`."""
     from retriever_server.encoders import Encoder
     from retriever_server.plan import factory_string
     from retriever_server.store import file_sha256, write_store
 
     corpus = work / f"corpus{n}.jsonl"
-    if not corpus.exists():
-        write_corpus(corpus, n)
-    out = work / f"{kind}{n}"
-    if (out / "manifest.json").exists():
-        return out
+    out = work / f"{kind}{n}-{vectors.stem}"
     write_store(corpus, out)
     enc = Encoder(None, "mean", "", "", cache_dir=out)  # copies the exported encoder.onnx beside the index
-    vectors = np.random.default_rng(0).standard_normal((n, dim), dtype=np.float32)
-    faiss.normalize_L2(vectors)
-    spec = factory_string(kind, dim, n)
-    index, params = faiss_index(spec, vectors, train_size=train_size)
-    faiss.write_index(index, str(out / "index.faiss"))
-    params["factory"] = spec
     manifest = {
         "kind": kind,
         "count": n,
@@ -85,22 +129,93 @@ def build(work: Path, n: int, kind: str, dim: int, train_size: int) -> Path:
         "passage_prefix": "",
         "dim": dim,
         "metric": "inner_product",
-        "build": params | ({"ef_search": 128} if "ef_construction" in params else {}),
+        "build": {"factory": factory_string(kind, dim, n)},
     }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return out
 
 
+def build_child(out: Path, vectors: Path, train_size: int) -> None:
+    """In a child process: `faiss_index` over the mapped vector file, written to out/index.faiss;
+    prints its VmHWM."""
+    from retriever_server.build import faiss_index
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    x = np.load(vectors, mmap_mode="r")
+    index, params = faiss_index(manifest["build"]["factory"], x, train_size=train_size)
+    faiss.write_index(index, str(out / "index.faiss"))
+    params["factory"] = manifest["build"]["factory"]
+    if "ef_construction" in params:
+        params["ef_search"] = 128
+    if "nlist" in params:
+        params["nprobe"] = 64
+    manifest["build"] = params
+    (out / "manifest.json.built").write_text(json.dumps(manifest, indent=1))
+    print(json.dumps({"vm_hwm": status(os.getpid())["VmHWM"]}))
+
+
+def status(pid: int) -> dict[str, int]:
+    """/proc/PID/status's memory lines (VmRSS, VmHWM, RssAnon, RssFile, ...) in bytes."""
+    got = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if value.strip().endswith("kB"):
+            got[key] = int(value.split()[0]) * 1024
+    return got
+
+
+def build(work: Path, n: int, kind: str, dim: int, train_size: int, vectors: Path) -> tuple[Path, dict]:
+    """An index directory as retriever-build writes it over `vectors`, and its build's memory
+    (VmHWM, sampled peak RssAnon) and wall time; kept in `work` and reused."""
+    out = work / f"{kind}{n}-{vectors.stem}"
+    done = out / "build.json"
+    if done.exists():
+        return out, json.loads(done.read_text())
+    prepare(work, n, kind, dim, vectors)
+    t = time.time()
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--build-child", str(out), "--vectors", str(vectors), "--train-size",
+         str(train_size)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    anon = 0
+    while proc.poll() is None:
+        try:
+            anon = max(anon, status(proc.pid).get("RssAnon", 0))
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    if proc.returncode:
+        raise RuntimeError(f"building {out} failed ({proc.returncode})")
+    info = json.loads(proc.stdout.read().strip().splitlines()[-1])
+    info |= {"peak_anon": anon, "wall_s": round(time.time() - t, 1)}
+    os.replace(out / "manifest.json.built", out / "manifest.json")
+    done.write_text(json.dumps(info))
+    return out, info
+
+
 def rollup(pid: int) -> dict[str, int]:
-    """/proc/PID/smaps_rollup's Rss, Pss and private bytes."""
+    """/proc/PID/smaps_rollup's Rss, Pss and private bytes, and (from /proc/PID/smaps) the resident
+    bytes of the mapped document store (docs.arrow: clean page cache, which the plan's RSS at start
+    leaves out) and of a mapped index file."""
     got = {}
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
         key, value, *_ = line.split()
         got[key.rstrip(":")] = int(value) * 1024
+    mapped = {"docs.arrow": 0, "index.faiss": 0}
+    name = ""
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        parts = line.split()
+        if not parts[0].endswith(":"):  # a mapping's header line: address range, perms, ..., path
+            name = Path(parts[5]).name if len(parts) > 5 else ""
+        elif parts[0] == "Rss:" and name in mapped:
+            mapped[name] += int(parts[1]) * 1024
     return {
         "rss": got["Rss"],
         "pss": got["Pss"],
         "private": got.get("Private_Clean", 0) + got.get("Private_Dirty", 0),
+        "store_pages": mapped["docs.arrow"],
+        "index_pages": mapped["index.faiss"],
     }
 
 
@@ -113,7 +228,7 @@ def serve(index_dir: Path, extra: list[str], tmp: Path, name: str) -> subprocess
     )  # fmt: skip
     t = time.time()
     while not ready.exists():
-        if proc.poll() is not None or time.time() - t > 300:
+        if proc.poll() is not None or time.time() - t > 600:
             raise RuntimeError((tmp / f"{name}.log").read_text())
         time.sleep(0.2)
     # a warmed-up server: one batch of 32 queries encoded and searched (ONNX Runtime's arena grows on first use)
@@ -125,9 +240,70 @@ def serve(index_dir: Path, extra: list[str], tmp: Path, name: str) -> subprocess
             json.dumps({"queries": queries, "topk": 10}).encode(),
             {"Content-Type": "application/json"},
         ),
-        timeout=120,
+        timeout=300,
     ).read()
     return proc
+
+
+def held_out_queries(base_dir: Path, data: Path | None, count: int) -> dict[str, np.ndarray]:
+    """Query vectors in no index: `count` recombined from the base's vectors with a seed the corpus
+    does not use, and with `data` its NQ and TriviaQA questions encoded by the base's encoder."""
+    from retriever_server.indexes import flat_vectors, open_index
+
+    _, _, flat = open_index(base_dir, check_memory=False)
+    queries = {"synthetic": recombined(flat_vectors(flat.index), count, seed=10**6)}
+    if data is not None:
+        from retriever_server.evaluate import load_questions
+
+        sets = [load_questions(data / f"{name}_1000.jsonl", name) for name in ("nq", "triviaqa")]
+        queries["questions"] = flat.encoder.encode_queries([q.question for qs in sets for q in qs])
+    return queries
+
+
+def recall_vs_exact(
+    dirs: dict[str, Path], queries: dict[str, np.ndarray], efs: list[int], nprobes: list[int]
+) -> dict[str, dict]:
+    """recall@10 and same top-1 of each built kind against the flat index's exact top-10, at the
+    search settings in its manifest (the server's defaults) and at each of `efs` (HNSW efSearch) or
+    `nprobes` (IVF lists searched), one index in memory at a time."""
+    from retriever_server.indexes import hnsw_of
+
+    exact = faiss.read_index(str(dirs["flat"] / "index.faiss"))
+    truth = {name: exact.search(q, 10)[1] for name, q in queries.items()}
+    del exact
+
+    def score(index) -> dict:
+        row = {}
+        for name, q in queries.items():
+            got, t = index.search(q, 10)[1], truth[name]
+            row[name] = {
+                "recall@10": round(float(np.mean([len(set(g) & set(s)) / 10 for g, s in zip(got, t)])), 4),
+                "same_top1": round(float(np.mean(got[:, 0] == t[:, 0])), 4),
+            }
+        return row
+
+    out = {}
+    for kind, d in dirs.items():
+        build = json.loads((d / "manifest.json").read_text())["build"]
+        index = faiss.read_index(str(d / "index.faiss"))
+        settings: dict[str, dict] = {}
+        if (h := hnsw_of(index)) is not None:
+            for ef in [build.get("ef_search", 128), *efs]:
+                h.efSearch = ef
+                settings[f"efSearch {ef}"] = score(index)
+        else:
+            try:
+                ivf = faiss.extract_index_ivf(index)
+            except RuntimeError:
+                ivf = None
+            for nprobe in [build.get("nprobe", 64), *nprobes] if ivf is not None else [None]:
+                if ivf is not None:
+                    ivf.nprobe = min(nprobe, ivf.nlist)
+                settings[f"nprobe {ivf.nprobe}" if ivf is not None else "exact"] = score(index)
+        out[kind] = {"default": next(iter(settings.values())), "settings": settings}
+        print(json.dumps({"kind": kind, "recall": settings}), flush=True)
+        del index
+    return out
 
 
 def recall(flat_dir: Path, data: Path, kinds: list[str]) -> list[dict]:
@@ -187,42 +363,74 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="20000,100000")
     p.add_argument("--kinds", default="flat,hnsw_sq8,ivf_pq")
-    p.add_argument("--dim", type=int, default=384)
+    p.add_argument("--dim", type=int, default=384, help="vector dimension (with --base: the base index's)")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "agent-rl-bench-index-memory")
     p.add_argument("--mmap", action="store_true", help="also two --mmap servers: the second's added memory")
-    p.add_argument("--train-size", type=int, default=20_000, help="training sample (the layout does not depend on it)")
+    p.add_argument(
+        "--train-size",
+        type=int,
+        default=20_000,
+        help="training sample (the layout does not depend on it; recall does: retriever-build's default is 262144)",
+    )
+    p.add_argument("--base", type=Path, help="a flat index of real passages whose vectors are recombined (and recall)")
+    p.add_argument("--queries", type=int, default=2000, help="with --base: held-out recombined query vectors")
+    p.add_argument("--ef", default="", help="with --base: HNSW efSearch values scored besides the default")
+    p.add_argument("--nprobe", default="", help="with --base: IVF nprobe values scored besides the default")
+    p.add_argument("--project", default="21015324,768", help="passages,dim each kind's plan is projected to")
     p.add_argument("--out", type=Path)
     p.add_argument("--recall", type=Path, help="a flat index directory: recall of --kinds against it")
-    p.add_argument("--data", type=Path, help="with --recall: a directory with nq_1000.jsonl and triviaqa_1000.jsonl")
+    p.add_argument("--data", type=Path, help="a directory with nq_1000.jsonl and triviaqa_1000.jsonl")
+    p.add_argument("--build-child", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--vectors", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.build_child:
+        build_child(a.build_child, a.vectors, a.train_size)
+        return 0
     if a.recall:
         rows = recall(a.recall, a.data, [k for k in a.kinds.split(",") if k != "flat"])
         if a.out:
             a.out.write_text(json.dumps(rows, indent=1))
         return 0
-    from retriever_server.plan import plan_build
+    from retriever_server.encoders import default_encoder_path
+    from retriever_server.indexes import flat_vectors
+    from retriever_server.plan import encoder_file_bytes, plan_build, plan_index
 
     a.work.mkdir(parents=True, exist_ok=True)
+    base = None
+    if a.base:
+        base_index = faiss.read_index(str(a.base / "index.faiss"))
+        base = flat_vectors(base_index)
+        a.dim = base.shape[1]
+    project_n, project_d = (int(x) for x in a.project.split(","))
+    encoder = encoder_file_bytes(default_encoder_path())
     rows = []
     for n in (int(x) for x in a.sizes.split(",")):
+        corpus = a.work / f"corpus{n}.jsonl"
+        if not corpus.exists():
+            write_corpus(corpus, n)
+        vectors = a.work / (f"real{n}.npy" if base is not None else f"random{n}x{a.dim}.npy")
+        if not vectors.exists():
+            write_vectors(vectors, n, a.dim, base)
+        dirs = {}
         for kind in a.kinds.split(","):
-            corpus = a.work / f"corpus{n}.jsonl"
-            if not corpus.exists():
-                write_corpus(corpus, n)
             plan = plan_build(corpus, kind, dim=a.dim)
-            t = time.time()
-            out = build(a.work, n, kind, a.dim, a.train_size)
-            built_s = time.time() - t
+            out, built = build(a.work, n, kind, a.dim, a.train_size, vectors)
+            dirs[kind] = out
             disk = {
                 f.name: f.stat().st_size
                 for f in out.iterdir()
                 if f.name in ("index.faiss", "docs.arrow", "encoder.onnx")
             }
+            projected = plan_index(project_n, project_d, kind, 0, *encoder)
             row = {
                 "n": n,
                 "kind": kind,
                 "factory": plan.factory,
-                "build_s": round(built_s, 1),
+                "vectors": "recombined" if base is not None else "random",
+                "build_wall_s": built["wall_s"],
+                "build_vm_hwm": built["vm_hwm"],
+                "build_peak_anon": built["peak_anon"],
+                "build_vectors_file": vectors.stat().st_size,
                 "index_file": disk["index.faiss"],
                 "index_plan": plan.index_bytes,
                 "store_file": disk["docs.arrow"],
@@ -230,11 +438,21 @@ def main() -> int:
                 "disk": sum(disk.values()),
                 "disk_plan": plan.disk_bytes,
                 "rss_plan": plan.server_rss_start_bytes,
+                "rss_plan_max": plan.server_rss_max_bytes,
+                "projected": {
+                    "n": project_n,
+                    "dim": project_d,
+                    "factory": projected.factory,
+                    "index": projected.index_bytes,
+                    "rss_start_without_store": projected.server_rss_start_bytes,
+                    "build_scratch": projected.build_scratch_bytes,
+                },
             }
             with tempfile.TemporaryDirectory() as tmp:
                 proc = serve(out, [], Path(tmp), "one")
                 try:
-                    row["rss"] = rollup(proc.pid)["rss"]
+                    one = rollup(proc.pid)
+                    row["rss"], row["rss_store_pages"] = one["rss"], one["store_pages"]
                 finally:
                     proc.terminate()
                     proc.wait(30)
@@ -252,8 +470,17 @@ def main() -> int:
                 row[f"{key}_err"] = round(row[f"{key}_plan"] / row[f"{key}_file"] - 1, 4)
             row["disk_err"] = round(row["disk_plan"] / row["disk"] - 1, 4)
             row["rss_err"] = round(row["rss_plan"] / row["rss"] - 1, 4)
+            # the plan's RSS at start leaves the store's pages out (the kernel can drop them)
+            row["rss_less_store_err"] = round(row["rss_plan"] / (row["rss"] - row["rss_store_pages"]) - 1, 4)
+            row["baseline_measured"] = row["rss"] - row["rss_store_pages"] - disk["index.faiss"] - disk["encoder.onnx"]
             rows.append(row)
             print(json.dumps(row), flush=True)
+        if base is not None and "flat" in dirs:
+            efs, nprobes = ([int(x) for x in v.split(",") if x] for v in (a.ef, a.nprobe))
+            scores = recall_vs_exact(dirs, held_out_queries(a.base, a.data, a.queries), efs, nprobes)
+            for row in rows:
+                if row["n"] == n:
+                    row["recall"] = scores[row["kind"]]
     if a.out:
         a.out.write_text(json.dumps(rows, indent=1))
     return 0

@@ -17,21 +17,24 @@ start" is the index (read into RAM, or mapped and touched by searches: the same 
 encoder + a measured constant (Python with FAISS, ONNX Runtime, pyarrow, FastAPI, uvicorn); "max"
 adds the store, whose mapped pages the kernel reads ahead, so they approach the whole file soon
 after start. Store pages are clean page cache the kernel can drop, so the fit check
-(`check_fits`) asks MemAvailable for "at start" only.
+(`check_fits`) asks MemAvailable for "at start" only. `python -m retriever_server.plan --index DIR
+[--json]` prints the plan of serving a built index (the trainer's `agent-rl plan` asks it so).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
-from dataclasses import dataclass, field
+import sys
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 # Measured (bench/index_memory.py, bench/RESULTS.md): the RSS of a retriever-server that has answered a
-# batch of 32 queries, less its index and its encoder's file (ONNX Runtime's arena, tokenizer, Python,
-# FAISS, pyarrow, FastAPI), and ONNX Runtime's RSS per byte of the model file it loads.
-SERVER_BASELINE_BYTES = 236 * 2**20
+# batch of 32 queries, less its index, its encoder's file and the store's mapped pages (ONNX Runtime's
+# arena, tokenizer, Python, FAISS, pyarrow, FastAPI), and ONNX Runtime's RSS per byte of the model file.
+SERVER_BASELINE_BYTES = 186 * 2**20
 ENCODER_RSS_PER_FILE_BYTE = 1.0
 # The share of an fp32 encoder's weights a dynamic int8 export keeps (int8 MatMul weights, fp32 rest).
 INT8_FILE_SHARE = 0.27
@@ -378,3 +381,27 @@ def check_fits(index_dir: Path, manifest: dict, int8: bool = False) -> Plan | No
             else "no dense kind would fit: free memory or serve on a larger machine"
         )
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m retriever_server.plan --index DIR`: the plan of serving a built index."""
+    p = argparse.ArgumentParser(
+        prog="python -m retriever_server.plan",
+        description="The RAM and disk of serving a built index directory: index, document store, encoder and the "
+        "RSS of `retriever-server --index DIR` (what `retriever-build --plan` gives before the build).",
+    )
+    p.add_argument("--index", required=True, help="index directory written by retriever-build")
+    p.add_argument("--int8", action="store_true", help="planned for the server's --int8 query encoder")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    a = p.parse_args(argv)
+    try:
+        plan = plan_served(Path(a.index), json.loads((Path(a.index) / "manifest.json").read_text()), a.int8)
+    except (OSError, ValueError, KeyError) as err:
+        print(f"retriever_server.plan: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(asdict(plan), indent=1) if a.json else plan.table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -140,7 +140,13 @@ def test_train_is_the_loop_only():
 def test_the_trainer_imports_only_the_servers_light_modules():
     """`agent_rl` may use the server package's wire format, client and text helpers, never its
     index, encoders or app (FAISS, a second torch model, FastAPI)."""
-    light = {"retriever_server.schema", "retriever_server.client", "retriever_server.answers", "retriever_server.jsonl"}
+    light = {
+        "retriever_server.schema",
+        "retriever_server.client",
+        "retriever_server.answers",
+        "retriever_server.jsonl",
+        "retriever_server.plan",  # the kinds' names; FAISS and the encoders load inside its functions only
+    }
     bad = []
     for path in sorted(PACKAGE.rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))

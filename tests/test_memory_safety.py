@@ -676,8 +676,9 @@ def test_the_planner_takes_the_engines_figures_from_the_engines(tiny_model_dir, 
 
 
 def _planned(overrides: list[str], model_path) -> int:
-    """The planner's host peak (its import baseline measured on this machine by the planner itself)."""
-    return plan(load_config(None, overrides)).host_peak_bytes
+    """The planner's host peak (its import baseline measured on this machine by the planner itself) for the trainer's
+    process alone: the retriever is named by URL, so no local server is planned beside it (MEASURE starts none)."""
+    return plan(load_config(None, [*overrides, "retriever.url=http://127.0.0.1:9"])).host_peak_bytes
 
 
 def _measure(overrides: list[str]) -> dict:

@@ -32,6 +32,14 @@ with the trainer's fixed mmap threshold (`train.host_mmap_threshold_mib`), under
 what is held, and under a preloaded mimalloc (infra/allocator.py, which also returns freed pages)
 with mimalloc's own arenas added; plan / measured ratios are in bench/RESULTS.md.
 
+The local retriever: when a run starts its own `retriever-server` (no `retriever.url`, searches not
+all replayed), that process's RSS is a host component of both phases, as `retriever_server.plan`
+plans it (asked in a child process: `python -m retriever_server.plan --index DIR --json`, or
+`retriever-build --plan --json`): from the built index's manifest and files in `retriever.index_dir`,
+or, before first use builds it, from `retriever.corpus`'s passage count, the default encoder's width
+and `retriever.kind`. Its document store is mapped page cache the kernel can drop, so it is named but
+not counted.
+
 Two phases, planned separately; the peak is the larger. Rollout, from the engine's wake after an
 update: the engine (vLLM's whole reservation comes back at the wake, or the HF engine's KV cache)
 plus what the trainer keeps resident between updates (parameters, optimizer state, reference,
@@ -44,6 +52,7 @@ sleeps: weights dropped (the sync after the update rewrites them), KV cache free
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -53,6 +62,7 @@ from typing import Any
 from agent_rl.config import PREFIX_MAX_SHARE, Config
 from agent_rl.infra import allocator
 from agent_rl.infra.memory import import_baseline_bytes, import_cost_bytes, imported_package
+from agent_rl.infra.prepare import replays_only
 from agent_rl.rollout.buffer import TrajectoryBuffer
 from agent_rl.rollout.engines import engine_memory
 
@@ -219,6 +229,7 @@ class PlanResult:
     host_budget_bytes: int = 0
     peak_phase: str = "update"
     phases: dict = field(default_factory=dict)  # {"rollout" | "update": {gpu_bytes_per_device, host_bytes, components}}
+    retriever: dict = field(default_factory=dict)  # `retriever_memory`: what host/retriever_server stands for
 
     def to_json(self) -> dict:
         return {
@@ -228,8 +239,84 @@ class PlanResult:
             "components": self.components,
             "peak_phase": self.peak_phase,
             "phases": self.phases,
+            "retriever": self.retriever,
             "fixes": self.fixes,
         }
+
+
+def retriever_memory(cfg: Config) -> dict:
+    """The retriever-server a run starts on this machine, as `retriever_server.plan` plans it:
+    `planned` true with its RSS at start (`rss_bytes`: index + encoder + the server's baseline) and
+    what it serves; else `planned` false and `why` (a server elsewhere, replayed searches, nothing
+    to build from yet, or a plan that cannot be made)."""
+    r = cfg.retriever
+    if replays_only(cfg):
+        return {"planned": False, "why": f"retriever.replay answers every search ({r.replay}): no server starts"}
+    if r.url:
+        return {
+            "planned": False,
+            "why": f"retriever.url is set ({r.url}): a server there is not counted (retriever-build --plan gives its "
+            "RAM)",
+        }
+    index, corpus = Path(r.index_dir), Path(r.corpus)
+    try:
+        if (index / "manifest.json").is_file():
+            stat = (index / "manifest.json").stat()
+            return _served(str(index.resolve()), stat.st_mtime_ns)
+        if corpus.is_file():
+            stat = corpus.stat()
+            return _unbuilt(str(corpus.resolve()), stat.st_size, stat.st_mtime_ns, r.kind, r.factory, str(index))
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        return {"planned": False, "why": f"the local retriever's memory cannot be planned: {err}"}
+    return {
+        "planned": False,
+        "why": f"neither retriever.index_dir {index} nor retriever.corpus {corpus} exists yet (built on first use): "
+        "the local retriever is not counted",
+    }
+
+
+def _retriever_row(plan: dict, source: str, path: str) -> dict:
+    return {
+        "planned": True,
+        "source": source,
+        "index_dir": path,
+        "kind": plan["kind"],
+        "factory": plan["factory"],
+        "count": plan["count"],
+        "dim": plan["dim"],
+        "rss_bytes": plan["server_rss_start_bytes"],
+        "index_bytes": plan["index_bytes"],
+        "encoder_bytes": plan["encoder_bytes"],
+        "baseline_bytes": plan["baseline_bytes"],
+        "store_bytes": plan["store_bytes"],
+    }
+
+
+def _server_plan(*args: str) -> dict:
+    """The server package's own plan (`--json`) from a child process: planning reads the index's
+    layout from FAISS, which the trainer never imports (the server is another process's job)."""
+    import subprocess
+    import sys
+
+    try:
+        res = subprocess.run([sys.executable, "-m", *args, "--json"], capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        raise ValueError(f"python -m {' '.join(args)} took more than 900 s") from None
+    if res.returncode:
+        raise ValueError((res.stderr.strip().splitlines() or [f"exit code {res.returncode}"])[-1])
+    return json.loads(res.stdout)
+
+
+# Cached by path and file stamp: the fixes re-plan the config many times, and a corpus is read to plan it.
+@functools.lru_cache(maxsize=8)
+def _served(index_dir: str, _mtime_ns: int) -> dict:
+    return _retriever_row(_server_plan("retriever_server.plan", "--index", index_dir), "index", index_dir)
+
+
+@functools.lru_cache(maxsize=8)
+def _unbuilt(corpus: str, _size: int, _mtime_ns: int, kind: str, factory: str | None, index_dir: str) -> dict:
+    args = ["retriever_server.build", "--corpus", corpus, "--kind", kind, "--plan"]
+    return _retriever_row(_server_plan(*args, *(["--factory", factory] if factory else [])), "corpus", index_dir)
 
 
 def _host_ram() -> int:
@@ -331,6 +418,9 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
         host[f"import_{imported_package(statement)}"] = _import_cost(statement)
     batch_tokens = cfg.rollout.prompts_per_step * cfg.algo.group_size * cfg.budget.max_total_tokens
     host["trajectory_buffer"] = TrajectoryBuffer.planned_bytes(cfg.buffer.max_tokens, batch_tokens)
+    retriever = retriever_memory(cfg)
+    if retriever["planned"]:  # a process of its own beside the trainer, through both phases
+        host["retriever_server"] = retriever["rss_bytes"]
     if cfg.train.offload_params and on_gpu:  # FSDP2 CPU offload: shards, grads and the AdamW step in host RAM
         for key in ("params", "grads", "optimizer"):
             host[f"{key}_offload"] = train_c.pop(key) * shard // max(1, gpus)
@@ -399,6 +489,7 @@ def plan(
         }
         for name, (g, h) in phases.items()
     }
+    res.retriever = retriever_memory(cfg)
     res.fixes = _fixes(cfg, gpus, gpu_peak, host_peak, gpu_budget, host_budget, bool(gpu_c))
     return res
 
@@ -427,6 +518,23 @@ def _fixes(
                 [("algo", "group_size", max(2, cfg.algo.group_size // 2))],
             )
         )
+    retriever = retriever_memory(cfg)
+    if retriever["planned"] and host_peak > host_budget:
+        candidates.append(
+            (
+                "retriever.url=URL (a retriever on another machine)",
+                [("retriever", "url", "http://elsewhere")],
+            )
+        )
+        if retriever["source"] == "corpus":  # not built yet: the kind it is built as is still open
+            for kind in ("hnsw_sq8", "ivf_pq"):
+                if kind != cfg.retriever.kind and retriever["dim"]:
+                    candidates.append(
+                        (
+                            f"retriever.kind={kind} (a compressed index)",
+                            [("retriever", "kind", kind), ("retriever", "factory", None)],
+                        )
+                    )
     if on_gpu:
         if cfg.memory.retriever_on_gpu_gib:
             candidates.append(
@@ -491,6 +599,10 @@ def _fixes(
     return sorted(out, key=lambda f: -f["saves_bytes"])
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB" if n < GIB else f"{n / GIB:,.2f} GiB"
+
+
 def render(res: PlanResult) -> str:
     lines = []
     if res.phases:
@@ -516,6 +628,22 @@ def render(res: PlanResult) -> str:
             f"  {'total':<22} {total / GIB:>9.3f} GiB of {budget / GIB:.1f} GiB  "
             f"{'ok' if total <= budget else 'DOES NOT FIT'}"
         )
+    r = res.retriever
+    if r.get("planned"):
+        shape = f"{r['count']:,} passages" + (f" x {r['dim']}" if r["dim"] else "")
+        where = (
+            f"its manifest in {r['index_dir']}"
+            if r["source"] == "index"
+            else f"retriever.corpus (first use builds {r['index_dir']})"
+        )
+        lines.append(
+            f"retriever_server: the retriever-server this run starts on 127.0.0.1 (retriever.url unset), "
+            f"{r['factory'] or r['kind']} over {shape}, planned from {where}: index {_mib(r['index_bytes'])} + "
+            f"encoder {_mib(r['encoder_bytes'])} + baseline {_mib(r['baseline_bytes'])}; its document store "
+            f"({_mib(r['store_bytes'])}) is page cache on top, not counted"
+        )
+    elif r.get("why"):
+        lines.append(f"retriever: {r['why']}")
     lines.append(f"verdict: {'fits' if res.fits else 'does not fit'}")
     if res.fixes:
         lines.append("fixes, most effective first:")
@@ -536,7 +664,9 @@ def _cmd(args: argparse.Namespace) -> int:
 
 def add_cli(subparsers) -> None:
     p = subparsers.add_parser(
-        "plan", help="estimate peak GPU memory per device and host RAM for a config, before launch"
+        "plan",
+        help="estimate peak GPU memory per device and host RAM for a config (the trainer and the retriever-server "
+        "it starts), before launch",
     )
     p.add_argument("config")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides")

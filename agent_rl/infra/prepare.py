@@ -106,10 +106,18 @@ def ensure_model(cfg: Config) -> None:
 
 
 def ensure_index(cfg: Config) -> None:
+    """Build `retriever.index_dir` from `retriever.corpus` as `retriever.kind` (and `retriever.factory`)
+    when it holds no index; an index already there is served as it was built, whatever its kind."""
     if cfg.retriever.url:
         return
     index = Path(cfg.retriever.index_dir)
     if (index / "manifest.json").exists():
+        built = json.loads((index / "manifest.json").read_text()).get("kind")
+        if built != cfg.retriever.kind:
+            _log(
+                f"retriever.index_dir {index} holds a {built} index, retriever.kind is {cfg.retriever.kind}: serving "
+                "the index as built (delete the directory to rebuild it as retriever.kind)"
+            )
         return
     corpus = Path(cfg.retriever.corpus)
     if not corpus.exists():
@@ -131,6 +139,8 @@ def ensure_index(cfg: Config) -> None:
         "--kind",
         cfg.retriever.kind,
     ]
+    if cfg.retriever.factory:  # the config allows it with kind=factory only
+        cmd += ["--factory", cfg.retriever.factory]
     subprocess.run(cmd, check=True)
     # The manifest records the corpus path, not the index path, so the rename keeps it valid.
     os.replace(tmp, index)
