@@ -101,7 +101,7 @@ def test_plan_counts_the_retriever_server_of_a_built_index(hotpot_index_dir, cap
     assert abs(expected / rss - 1) < 0.15, (expected, rss)
 
 
-def test_plan_counts_an_index_before_first_use_builds_it(tmp_path):
+def test_plan_counts_an_index_before_first_use_builds_it(tmp_path, tiny_model_dir):
     """With no index yet, the retriever-server is planned from retriever.corpus (its 300 passages,
     the default encoder's 384 dims) as retriever.kind: `plan_build`'s RSS at start, with nothing
     built; under retriever.replay (misses an error) none starts and none is counted. On a host too small,
@@ -111,7 +111,7 @@ def test_plan_counts_an_index_before_first_use_builds_it(tmp_path):
     from retriever_server.plan import plan_build
 
     corpus, index = _corpus(tmp_path, 300), tmp_path / "index"
-    base = [f"retriever.corpus={corpus}", f"retriever.index_dir={index}"]
+    base = [f"model.path={tiny_model_dir}", f"retriever.corpus={corpus}", f"retriever.index_dir={index}"]
     res = plan(load_config(None, [*base, "retriever.kind=hnsw_sq8"]))
     expected = plan_build(corpus, "hnsw_sq8").server_rss_start_bytes
     assert res.components["host/retriever_server"] == expected
