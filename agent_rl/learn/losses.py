@@ -79,6 +79,21 @@ def policy_loss(
         advantages = advantages[:, None].expand_as(logprobs)
     log_ratio = (logprobs - old_logprobs) * loss_mask
     ratio = torch.exp(log_ratio)
+    return _clipped_surrogate(ratio, log_ratio, advantages, loss_mask, clip_ratio_low, clip_ratio_high, agg, is_weights)
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor,
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    agg: str,
+    is_weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's pessimistic clipped surrogate over per-token `ratio` (B, T), aggregated by `agg`, with the metrics
+    `policy_loss` and `gspo_loss` share (`log_ratio`: the per-token log-ratio, for approx_kl)."""
     surr1 = -advantages * ratio
     surr2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_mat = torch.maximum(surr1, surr2) * loss_mask
@@ -121,19 +136,7 @@ def gspo_loss(
     seq_log_ratio = masked_mean(log_ratio, loss_mask, dim=-1).detach()  # (B,); 0 for a row with no token
     log_seq_ratio = logprobs - logprobs.detach() + seq_log_ratio[:, None]
     ratio = torch.exp(torch.clamp(log_seq_ratio, max=10.0))
-    surr1 = -advantages * ratio
-    surr2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss_mat = torch.maximum(surr1, surr2) * loss_mask
-    if is_weights is not None:
-        loss_mat = loss_mat * is_weights.detach()
-    loss = aggregate(loss_mat, loss_mask, agg)
-    with torch.no_grad():
-        stats = {
-            "clipfrac": masked_mean((surr2 > surr1).float(), loss_mask),
-            "approx_kl": masked_mean(-log_ratio, loss_mask),
-            "ratio_mean": masked_mean(ratio, loss_mask),
-        }
-    return loss, stats
+    return _clipped_surrogate(ratio, log_ratio, advantages, loss_mask, clip_ratio_low, clip_ratio_high, agg, is_weights)
 
 
 def cispo_loss(
