@@ -96,18 +96,18 @@ def test_async_seeded_sampling_is_independent_of_completion_order(tokenizer, tin
 
 
 def test_async_overlaps_slow_searches_and_survives_a_dead_server(tokenizer, hotpot_index_dir):
-    """Behind a proxy that holds every request 200 ms, async beats sync on wall time; when the
-    server is killed mid-rollout the loop finishes every trajectory with the error observation."""
+    """Behind a proxy that holds every request 200 ms both modes give the same trajectories (the
+    speed of each is measured in bench/async_rollout.py); when the server is killed mid-rollout the
+    loop finishes every trajectory with the error observation."""
     with start_server(hotpot_index_dir) as (proc, url), delaying_proxy(url, 0.2) as slow:
-        times = {}
+        runs = {}
         for mode in ("sync", "async"):
             engine = ScriptedEngine(tokenizer, _script, delay_s=0.05)
             loop = AgentLoop(engine, tokenizer, RetrieverClient(slow, timeout_s=5), BUDGET, mode=mode)
-            start = time.perf_counter()
             trajs = loop.run(_items(tokenizer, QUESTIONS), group_size=2)
-            times[mode] = time.perf_counter() - start
             assert all(t.end_reason == "answer" for t in trajs)
-        assert times["async"] < times["sync"], times
+            runs[mode] = [_record(t) for t in trajs]
+        assert runs["async"] == runs["sync"]
 
         script = lambda ctx: "<search> Inception </search>"  # noqa: E731
         killer = ScriptedEngine(tokenizer, script, delay_s=0.05)

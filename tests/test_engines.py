@@ -83,10 +83,20 @@ def test_auto_engine_follows_the_installed_vllm_build(monkeypatch):
     assert load_config(None, ["rollout.engine=vllm"]).rollout.resolved_engine() == "vllm"
 
 
+def _forward_logprobs(model, prompt: list[int], ids: list[int]) -> torch.Tensor:
+    """The log-probs of `ids` after `prompt` from one full forward pass, no cache (temperature 1)."""
+    if not ids:
+        return torch.zeros(0)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + ids])).logits[0, len(prompt) - 1 : -1].float()
+    return logits.log_softmax(-1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+
+
 @pytest.mark.parametrize("model", ["tiny", "smollm2"])
 def test_hf_static_decode_samples_what_the_dynamic_decode_samples(request, model):
     """`rollout.hf_decode=static` (what a CUDA graph replays: a StaticCache, a 4D mask over its slots, finished rows
-    kept in the batch) draws the same tokens as the dynamic cache, with log-probs within float32 rounding, across a
+    kept in the batch) draws the same tokens as the dynamic cache (every greedy row; every sampled row but at most one,
+    whose draw may sit on a CDF boundary), each path's log-probs those of a full forward pass within 1e-4, across a
     GRPO group's repeated prompts (prefilled once, cache rows copied), rows with their own allowances (one of 0),
     per-row seeds, stop ids and SmolLM2's multi-token stop strings, greedy and sampled; LoRA adapters unmerged.
     (With one generator for the batch instead of per-row seeds the draws depend on how many rows are still in the
@@ -110,10 +120,18 @@ def test_hf_static_decode_samples_what_the_dynamic_decode_samples(request, model
         for decode in ("dynamic", "static"):
             engine = HFEngine(policy, tok, "cpu", seed=5, decode=decode)
             runs[decode] = engine.generate(prompts, allow, temperature, seeds=seeds)
-        for a, b, n in zip(runs["dynamic"], runs["static"], allow):
-            assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
-            assert len(a.token_ids) <= n
-            assert max((abs(x - y) for x, y in zip(a.logprobs, b.logprobs)), default=0.0) < 1e-4
+            for p, g, n in zip(prompts, runs[decode], allow):
+                assert len(g.token_ids) <= n
+                err = _forward_logprobs(policy, p, g.token_ids) - torch.tensor(g.logprobs)
+                assert max(map(abs, err), default=0) < 1e-4
+        same = 0
+        for a, b in zip(runs["dynamic"], runs["static"]):
+            if a.token_ids == b.token_ids:
+                same += 1
+                assert a.finish_reason == b.finish_reason
+            else:  # a draw landed on the other side of a CDF boundary float32 rounding moved (another CPU: 4933/4934)
+                assert temperature > 0, (a.token_ids, b.token_ids)
+        assert same >= len(prompts) - 1
 
 
 def test_hf_decode_choice_and_refusals(tiny_model_dir, tokenizer):
