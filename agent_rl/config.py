@@ -287,6 +287,19 @@ class RolloutConfig:
         "`module:Class` of a tool of your own (agent_rl/rollout/tools.py: a name, a description, call(inputs) -> "
         "one ToolOutput per input). Any set other than [search] is listed in the prompt, before its `Question:`.",
     )
+    protocol: str = _f(
+        "tags",
+        "How the policy calls tools: tags (Search-R1's <search> query </search>, <information> back, in the "
+        "data's prompt) | tool_calls (the model's chat template with the tools' JSON schemas; calls as "
+        '<tool_call>{"name": ..., "arguments": {...}}</tool_call>, answers as tool messages, the final answer '
+        "inside <answer></answer>; the prompt is rendered from the data's question: agent_rl/rollout/chat_tools.py).",
+    )
+    chat_template: str = _f(
+        "",
+        "rollout.protocol=tool_calls: the chat template ('' = the tokenizer's own, which must render tools | "
+        "chatml_tools = ChatML with a tools section, shipped for models whose template has none, e.g. SmolLM2 | the "
+        "path of a Jinja file).",
+    )
     generation_batch_size: int = _f(128, "Most sequences generated at once by the HF engine.")
     hf_decode: str = _f(
         "auto",
@@ -821,6 +834,11 @@ class Config:
             spec if spec in BUILTIN_TOOLS else load_tool_object(spec, f"rollout.tools[{i}]").name
             for i, spec in enumerate(self.rollout.tools)
         ]
+        if self.rollout.chat_template and self.rollout.protocol != "tool_calls":
+            raise ConfigError(
+                f"rollout.chat_template = {self.rollout.chat_template!r} is read by rollout.protocol=tool_calls only "
+                f"(rollout.protocol is {self.rollout.protocol!r})"
+            )
         if len(set(names)) != len(names) or "answer" in names:
             raise ConfigError(
                 f"rollout.tools = {self.rollout.tools!r}: tool names {names} must be distinct and not 'answer' "
@@ -835,6 +853,7 @@ class Config:
             ("rollout", "engine"): ("hf", "paged", "vllm", "auto"),
             ("rollout", "mode"): ("sync", "async"),
             ("rollout", "hf_decode"): ("auto", "dynamic", "static", "graph"),
+            ("rollout", "protocol"): ("tags", "tool_calls"),
             ("data", "template"): ("auto", "chat", "base", "compact"),
             ("retriever", "kind"): tuple(RetrieverConfig.KINDS),
             ("retriever", "replay_miss"): ("error", "live"),

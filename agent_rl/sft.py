@@ -1,12 +1,13 @@
 """`agent-rl sft`: a supervised warm start on scripted demonstration trajectories.
 
-A demonstration follows the row's `metadata.queries` (the natural query per hop, as the toy
-world writes it): `<search> q </search>` + the real observation from the retriever (loss
-mask 0, exactly as in RL) ... `<answer> a </answer>`. Each time a demonstration is drawn into a
-batch, with probability `sft.wrong_fraction` it ends with a wrong answer drawn afresh from the
-answer pool, so SFT teaches the format and the search habit without saturating EM and RL has
-headroom. The wrong answer is redrawn on every draw, never fixed per demonstration: a fixed
-wrong answer can only be learnt by memorising the entity, which pulls the policy away from
+A demonstration follows the row's `metadata.queries` (the natural query per hop, as the toy world
+writes it): `<search> q </search>` + the real observation from the retriever (loss mask 0, exactly
+as in RL) ... `<answer> a </answer>`; in `rollout.protocol: tool_calls` the same searches as tool
+calls and tool messages in the chat template, the answer ending its turn. Each time a demonstration
+is drawn into a batch, with probability `sft.wrong_fraction` it ends with a wrong answer drawn
+afresh from the answer pool, so SFT teaches the format and the search habit without saturating EM
+and RL has headroom. The wrong answer is redrawn on every draw, never fixed per demonstration: a
+fixed wrong answer can only be learnt by memorising the entity, which pulls the policy away from
 reading the passage.
 
 The demonstrator can be made weaker the way real warm starts are: with `sft.second_hop_fraction`
@@ -30,11 +31,12 @@ from agent_rl.config import Config
 from agent_rl.learn.batch import collate, pack_microbatches
 from agent_rl.learn.policy import forward_logprobs, load_policy
 from agent_rl.rollout.budget import TokenBudget
+from agent_rl.rollout.chat_tools import build_format
 from agent_rl.rollout.prompts import load_prompts, load_tokenizer
-from agent_rl.rollout.protocol import answer_action, search_action
 from agent_rl.rollout.retriever import format_documents
+from agent_rl.rollout.tools import build_tools
 from agent_rl.rollout.trajectory import Trajectory
-from agent_rl.rollout.turns import ObservationBuilder
+from agent_rl.rollout.turns import Turns
 from retriever_server.answers import contains_answer
 from retriever_server.client import RetrieverClient
 
@@ -42,8 +44,11 @@ from retriever_server.client import RetrieverClient
 def build_demonstrations(cfg: Config, tokenizer, client: RetrieverClient) -> Demonstrations:
     """The scripted prefix of every demonstration (prompt, searches, observations) and the answer pool."""
     budget = TokenBudget.from_config(cfg.budget)
-    prompts = load_prompts(cfg.data.train_files, tokenizer, budget)
-    obs = ObservationBuilder(tokenizer)
+    tools = build_tools(cfg.rollout.tools, None, cfg.retriever.topk)
+    # the prompts, calls, observations and answers of the rollouts' protocol (rollout.protocol)
+    turns = Turns(None, tokenizer, None, budget, cfg.retriever.topk, tools, build_format(cfg, tokenizer, tools))
+    fmt, obs = turns.format, turns.obs
+    prompts = turns.admit(load_prompts(cfg.data.train_files, tokenizer, budget))
     answers_pool = sorted({a for it in prompts.items for a in it.golden_answers[:1]})
     rows = [(it, meta) for it, meta in zip(prompts.items, prompts.metadata) if meta.get("queries")]
     if not rows:
@@ -59,12 +64,12 @@ def build_demonstrations(cfg: Config, tokenizer, client: RetrieverClient) -> Dem
     demos, stops = [], []
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     for it, meta in rows:
-        t = Trajectory(it.prompt_id, it.data_source, list(it.prompt_ids), list(it.golden_answers))
+        t = Trajectory(it.prompt_id, it.data_source, turns._prompt(it.prompt_ids), list(it.golden_answers))
         queries = meta["queries"][: cfg.budget.max_turns]
         hop_answers = meta.get("hop_answers") or []
         stop = None  # a two-hop row: (response length after the first observation, the first hop's answer)
         for i, q in enumerate(queries):
-            t.append(enc(search_action(q)), sampled=True)
+            t.append(enc(fmt.call_text("search", q)), sampled=True)
             ids, _ = obs.build(format_documents(cache[q]), budget.obs_allowance(t.total_tokens))
             t.append(ids, sampled=False)
             if i == 0 and len(queries) > 1 and len(hop_answers) > 1:
@@ -84,7 +89,7 @@ def build_demonstrations(cfg: Config, tokenizer, client: RetrieverClient) -> Dem
             )
         demos, stops = [demos[i] for i in found], [stops[i] for i in found]
     finals = answers_pool + [it.golden_answers[0] for it, _ in rows] + [s[1] for s in stops if s]
-    answer_ids = {a: enc(answer_action(a)) for a in finals}
+    answer_ids = {a: enc(fmt.answer_text(a)) for a in finals}
     longest = max(len(v) for v in answer_ids.values())
     keep = [i for i, t in enumerate(demos) if t.total_tokens + longest <= budget.max_total_tokens]
     return Demonstrations([demos[i] for i in keep], answers_pool, answer_ids, [stops[i] for i in keep])

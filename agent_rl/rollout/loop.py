@@ -10,6 +10,7 @@ from __future__ import annotations
 from agent_rl.config import Config
 from agent_rl.rollout.async_loop import run_async
 from agent_rl.rollout.budget import TokenBudget
+from agent_rl.rollout.chat_tools import build_format
 from agent_rl.rollout.engines import Engine
 from agent_rl.rollout.sync_loop import run_sync
 from agent_rl.rollout.tools import Tool, build_tools
@@ -34,19 +35,29 @@ class AgentLoop(Turns):
         mode: str = "sync",
         max_inflight: int = 0,
         tools: list[Tool] | None = None,
+        fmt=None,
     ):
         if mode not in ("sync", "async"):
             raise ValueError(f"rollout mode {mode!r}: use sync or async")
-        super().__init__(engine, tokenizer, client, budget, topk, tools)
+        super().__init__(engine, tokenizer, client, budget, topk, tools, fmt)
         self.mode = mode
         self.max_inflight = max_inflight  # async: most trajectories in flight (0: all of the call's)
 
     @classmethod
     def from_config(cls, cfg: Config, engine: Engine, tokenizer, client: RetrieverClient | None, budget: TokenBudget):
-        """The loop a config describes: `rollout.mode`, `rollout.max_inflight`, `rollout.tools`."""
+        """The loop a config describes: `rollout.mode`, `rollout.max_inflight`, `rollout.tools`, `rollout.protocol`."""
         tools = build_tools(cfg.rollout.tools, client, cfg.retriever.topk)
+        fmt = build_format(cfg, tokenizer, tools)
         return cls(
-            engine, tokenizer, client, budget, cfg.retriever.topk, cfg.rollout.mode, cfg.rollout.max_inflight, tools
+            engine,
+            tokenizer,
+            client,
+            budget,
+            cfg.retriever.topk,
+            cfg.rollout.mode,
+            cfg.rollout.max_inflight,
+            tools,
+            fmt,
         )
 
     def run(

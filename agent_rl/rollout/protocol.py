@@ -10,6 +10,7 @@ search with `<information>...</information>` (loss mask 0) and an action it cann
 from __future__ import annotations
 
 import functools
+import json
 import re
 from collections.abc import Sequence
 
@@ -36,6 +37,11 @@ INVALID_MESSAGE = (
     f"{SEARCH_CLOSE}. If I want to give the final answer, I should put the answer between {ANSWER_OPEN} and "
     f"{ANSWER_CLOSE}. Let me try again.\n"
 )
+# the tool-call protocol's corrective message (a user message; agent_rl/rollout/chat_tools.py)
+CHAT_INVALID_MESSAGE = (
+    f"Your last message neither called a tool nor gave the answer. Call a tool, or give the final answer between "
+    f"{ANSWER_OPEN} and {ANSWER_CLOSE}."
+)
 # ends an observation cut to its token allowance
 TRUNCATION_MARKER = " ...[truncated]"
 # an observation, as inserted between turns
@@ -43,7 +49,10 @@ OBSERVATION_HEAD, OBSERVATION_TAIL = f"\n\n{INFORMATION_OPEN}", f"{INFORMATION_C
 
 _SEARCH = re.compile(f"{SEARCH_OPEN}(.*?){SEARCH_CLOSE}", re.DOTALL)
 _ANSWER = re.compile(f"{ANSWER_OPEN}(.*?){ANSWER_CLOSE}", re.DOTALL)
-_OBSERVATION = re.compile(f"{INFORMATION_OPEN}.*?{INFORMATION_CLOSE}", re.DOTALL)
+# inserted observations of both protocols: `<information>` here, a Hermes-style `<tool_response>` in tool_calls
+_OBSERVATION = re.compile(f"{INFORMATION_OPEN}.*?{INFORMATION_CLOSE}|<tool_response>.*?</tool_response>", re.DOTALL)
+_TOOL_CALL = re.compile("<tool_call>(.*?)</tool_call>", re.DOTALL)
+_TRAILING_SPECIAL = re.compile(r"(\s*<\|[^|<>]*\|>)+\s*$")  # end-of-turn/-text tokens: <|im_end|>, <|eot_id|>
 
 
 def search_action(query: str) -> str:
@@ -79,8 +88,9 @@ def _tag_pattern(name: str) -> re.Pattern:
 
 
 def policy_text(response_text: str) -> str:
-    """The response without the environment's inserted text (observations, corrective message)."""
-    return _OBSERVATION.sub(" ", response_text).replace(INVALID_MESSAGE.strip(), " ")
+    """The response without the environment's inserted text (observations, corrective messages)."""
+    text = _OBSERVATION.sub(" ", response_text).replace(INVALID_MESSAGE.strip(), " ")
+    return text.replace(CHAT_INVALID_MESSAGE, " ")
 
 
 def extract_answer(response_text: str) -> str | None:
@@ -93,11 +103,47 @@ _OPEN_TAG = re.compile(r"<([A-Za-z_][\w-]*)>")
 
 
 def well_formed(response_text: str) -> bool:
-    """Every tag opened is closed (`<search>`, a tool's `<read>`, `<think>`), exactly one
-    `<answer>...</answer>`, and nothing after it."""
-    text = response_text.replace("<|endoftext|>", "").rstrip()
+    """Every tag opened is closed (`<search>`, a tool's `<read>`, `<think>`, `<tool_call>`), every
+    `<tool_call>` holds a JSON object with a `name` and `arguments`, exactly one `<answer>...</answer>`,
+    and nothing after it but end-of-turn tokens."""
+    text = _TRAILING_SPECIAL.sub("", response_text)
     if any(text.count(f"<{tag}>") != text.count(f"</{tag}>") for tag in set(_OPEN_TAG.findall(text))):
+        return False
+    if not all(_is_call(body) for body in _TOOL_CALL.findall(text)):
         return False
     if len(_ANSWER.findall(text)) != 1:
         return False
     return text.endswith(ANSWER_CLOSE)
+
+
+def _is_call(body: str) -> bool:
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError:
+        return False
+    return isinstance(call, dict) and isinstance(call.get("name"), str) and isinstance(call.get("arguments"), dict)
+
+
+class TagFormat:
+    """Search-R1's tag protocol (`rollout.protocol: tags`) behind the interface the turn logic uses,
+    which `chat_tools.ChatFormat` also has: stops, parsing, the texts inserted between turns."""
+
+    name = "tags"
+    tool_head, tool_tail = OBSERVATION_HEAD, OBSERVATION_TAIL
+
+    def __init__(self, tools: Sequence[str] = ("search",)):
+        self.tools = tuple(tools)
+        self.stop_tags = close_tags(self.tools)
+
+    def parse(self, text: str) -> tuple[str, str | None, str | None]:
+        action, content = parse_action(text, self.tools)
+        return action, content, None
+
+    def invalid_text(self, error: str | None, turn_text: str) -> str:
+        return INVALID_MESSAGE
+
+    def call_text(self, name: str, value: str) -> str:
+        return search_action(value) if name == "search" else f"<{name}> {value} </{name}>"
+
+    def answer_text(self, answer: str) -> str:
+        return answer_action(answer)

@@ -57,6 +57,13 @@ class SearchTool:
     name = "search"
     description = "<search> query </search> returns the top searched results"
     uses_retriever = True  # optional on a tool: its calls and failures count as retriever/queries and /errors
+    # optional on a tool: its function schema under rollout.protocol=tool_calls (chat_tools.tool_schema); without
+    # one a tool takes one string argument, named by its optional `argument` ("input"), described by `description`
+    schema = {
+        "name": "search",
+        "description": "Search the corpus; returns the top documents for the query.",
+        "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+    }
 
     def __init__(self, client: RetrieverClient | None, topk: int, with_ids: bool = False):
         self.client, self.topk = client, topk
@@ -83,6 +90,11 @@ class ReadTool:
     name = "read"
     description = "<read> document id </read> returns the full text of that document"
     uses_retriever = True
+    schema = {
+        "name": "read",
+        "description": "The full text of one document, by the id a search result shows.",
+        "parameters": {"type": "object", "properties": {"doc_id": {"type": "string"}}, "required": ["doc_id"]},
+    }
 
     def __init__(self, client: RetrieverClient | None):
         self.client = client

@@ -28,6 +28,7 @@ class Turn:
     retrieval_ms: float = 0.0  # the tool call's latency (the batch that carried it)
     retriever_error: str | None = None  # the tool failed (search: the retriever did not answer)
     docs: list[dict] | None = None  # what the search returned: id, title, score, start of the text
+    call_error: str | None = None  # tool_calls: why the turn's call could not run (not JSON, no such tool, ...)
 
 
 @dataclass

@@ -22,11 +22,10 @@ from dataclasses import dataclass
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.engines import Engine, Generation
 from agent_rl.rollout.protocol import (
-    INVALID_MESSAGE,
     OBSERVATION_HEAD,
     OBSERVATION_TAIL,
     TRUNCATION_MARKER,
-    parse_action,
+    TagFormat,
     policy_text,
     well_formed,
 )
@@ -46,12 +45,13 @@ class PromptItem:
 
 
 class ObservationBuilder:
-    """Turns retrieved documents into observation token ids that fit an allowance."""
+    """Turns retrieved documents into observation token ids that fit an allowance, framed by `head` and
+    `tail` (the tag protocol's `<information>`; in tool_calls the template's tool message)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, head: str = OBSERVATION_HEAD, tail: str = OBSERVATION_TAIL):
         self.tok = tokenizer
-        self.head = self._ids(OBSERVATION_HEAD)
-        self.tail = self._ids(OBSERVATION_TAIL)
+        self.head = self._ids(head)
+        self.tail = self._ids(tail)
         self.marker = self._ids(TRUNCATION_MARKER)
 
     def _ids(self, text: str) -> list[int]:
@@ -84,6 +84,7 @@ class Turns:
         budget: TokenBudget,
         topk: int = 3,
         tools: list[Tool] | None = None,
+        fmt=None,
     ):
         self.engine = engine
         self.tok = tokenizer
@@ -92,18 +93,24 @@ class Turns:
         self.topk = topk
         # `rollout.tools` (tools.build_tools); None: Search-R1's search alone
         self.tools: dict[str, Tool] = {t.name: t for t in (tools or [SearchTool(client, topk)])}
-        self.note = prompt_note(list(self.tools.values()))
+        # `rollout.protocol`: Search-R1's tags (protocol.TagFormat) or chat_tools.ChatFormat's tool calls
+        self.format = fmt or TagFormat(tuple(self.tools))
+        self.chat = self.format.name == "tool_calls"
+        self.note = "" if self.chat else prompt_note(list(self.tools.values()))
         self._noted: dict[tuple[int, ...], list[int]] = {}  # prompt ids -> with the tools' note
-        self.obs = ObservationBuilder(tokenizer)
-        self.invalid_ids = self.obs._ids(INVALID_MESSAGE)
+        self.obs = ObservationBuilder(tokenizer, self.format.tool_head, self.format.tool_tail)
+        self._invalid: dict[tuple, list[int]] = {}  # (error, the turn wrote its end) -> the inserted ids
         self.counters: Counter = Counter()
         self._forced: set[int] = set()  # trajectories whose next turn must answer (no room for the corrective message)
 
     def admit(self, prompts):
         """Drop from a loaded `prompts.PromptSet` the prompts that the tools' note pushes past
         budget.max_prompt_tokens (counted per source and reported, as loading drops the long ones), so
-        none of them stops a run hours in; returns the set. Search alone adds no note: nothing to drop."""
-        if not self.note:
+        none of them stops a run hours in; returns the set. Search alone adds no note: nothing to drop.
+        In tool_calls every prompt is first rendered anew from its question by the chat template."""
+        if self.chat:
+            self._render(prompts)
+        elif not self.note:
             return prompts
         keep = [i for i, it in enumerate(prompts.items) if self.budget.admits_prompt(len(self._prompt(it.prompt_ids)))]
         if len(keep) == len(prompts.items):
@@ -111,21 +118,37 @@ class Turns:
         kept = set(keep)
         gone = Counter(it.data_source for i, it in enumerate(prompts.items) if i not in kept)
         for source, n in gone.items():
+            added = (
+                "the tools' schemas"
+                if self.chat
+                else f"the list of rollout.tools ({len(self.obs._ids(self.note))} tokens)"
+            )
             print(
-                f"[data] dropped {n} {source} prompts that the list of rollout.tools ({len(self.obs._ids(self.note))} "
-                f"tokens) pushes past budget.max_prompt_tokens={self.budget.max_prompt_tokens}",
+                f"[data] dropped {n} {source} prompts that {added} pushes past budget.max_prompt_tokens="
+                f"{self.budget.max_prompt_tokens}",
                 file=sys.stderr,
             )
         if not keep:
             raise ValueError(
-                f"no prompt fits budget.max_prompt_tokens={self.budget.max_prompt_tokens} with the list of "
-                "rollout.tools added to it: raise budget.max_prompt_tokens"
+                f"no prompt fits budget.max_prompt_tokens={self.budget.max_prompt_tokens} with "
+                + ("the chat template and the tools' schemas" if self.chat else "the list of rollout.tools added to it")
+                + ": raise budget.max_prompt_tokens"
             )
         prompts.items = [prompts.items[i] for i in keep]
         prompts.metadata = [prompts.metadata[i] for i in keep]
         prompts.questions = [prompts.questions[i] for i in keep]
         prompts.dropped.update(gone)
         return prompts
+
+    def _render(self, prompts) -> None:
+        """tool_calls: each prompt is the chat template over the instruction and the row's `question`."""
+        for it, question in zip(prompts.items, prompts.questions):
+            if not question:
+                raise ValueError(
+                    "rollout.protocol = tool_calls renders each prompt from its `question` column; prompt "
+                    f"{it.prompt_id} has none (write the data with `data-prep`)"
+                )
+            it.prompt_ids = self.obs._ids(self.format.prompt_text(question))
 
     def new_trajectories(self, items: list[PromptItem], group_size: int) -> list[Trajectory]:
         """`group_size` empty trajectories per prompt (a GRPO group's rows are adjacent)."""
@@ -178,7 +201,7 @@ class Turns:
         message, or return the tool call to run (the caller calls the tool and then `observe`)."""
         t.append(g.token_ids, sampled=True, logprobs=g.logprobs)
         text = self.tok.decode(g.token_ids, skip_special_tokens=False)
-        action, content = parse_action(text, tuple(self.tools))
+        action, content, error = self.format.parse(text)
         truncated = g.finish_reason == "length"
         t.turns.append(
             Turn(
@@ -186,6 +209,7 @@ class Turns:
                 gen_tokens=len(g.token_ids),
                 truncated=truncated,
                 query=content if action in self.tools else None,
+                call_error=error,
             )
         )
         self.counters["rollout/turns"] += 1
@@ -201,8 +225,14 @@ class Turns:
             assert content is not None
             return self.tools[action], content
         else:
-            self._insert(t, self.invalid_ids)
+            self._insert(t, self._invalid_ids(error, text))
         return None
+
+    def _invalid_ids(self, error: str | None, text: str) -> list[int]:
+        key = (error, self.chat and text.rstrip().endswith(self.format.end_of_turn))
+        if key not in self._invalid:
+            self._invalid[key] = self.obs._ids(self.format.invalid_text(error, text))
+        return self._invalid[key]
 
     def finish(self, trajs: list[Trajectory]) -> None:
         for t in trajs:

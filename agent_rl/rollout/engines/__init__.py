@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from agent_rl.rollout.chat_tools import stop_tags as protocol_stop_tags
 from agent_rl.rollout.engines import vllm as _vllm
 from agent_rl.rollout.engines.base import (
     Engine,
@@ -23,7 +24,6 @@ from agent_rl.rollout.engines.base import (
 from agent_rl.rollout.engines.hf import HFEngine, rollout_copy
 from agent_rl.rollout.engines.paged import PagedEngine, engine_dtype, paged_sizes, plain_copy
 from agent_rl.rollout.engines.vllm import VLLMEngine, VLLMWeightSync, hf_named_weights, vllm_dtype, vllm_engine_kwargs
-from agent_rl.rollout.protocol import close_tags
 from agent_rl.rollout.tools import tool_names
 
 __all__ = [
@@ -88,7 +88,8 @@ def build_engine(
     always runs a frozen copy of its own (`plain_copy`), in the trainer's compute dtype.
     """
     seed = cfg.run.seed if seed is None else seed
-    stop_tags = close_tags(tool_names(cfg.rollout.tools))  # Search-R1's STOP_TAGS for search alone
+    # Search-R1's STOP_TAGS for search alone; </tool_call> and the end of turn in tool_calls
+    stop_tags = protocol_stop_tags(cfg, tokenizer, tool_names(cfg.rollout.tools))
     if cfg.rollout.resolved_engine() == "vllm":
         if distributed and cfg.rollout.tensor_parallel_size > 1:
             raise ValueError(

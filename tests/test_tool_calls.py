@@ -1,0 +1,280 @@
+"""`rollout.protocol: tool_calls`: search as the model's own tool call through its chat template.
+
+Trajectories are compared token for token against `apply_chat_template` over the same messages (the
+real SmolLM2 tokenizer and the tiny model's, a real retriever server); calls that are not JSON, name
+no tool or lack an argument are answered by a tool message saying so; templates without tools are
+refused naming `rollout.chat_template`; SFT demonstrations, rewards and a training run with its
+evaluation work in the protocol.
+"""
+
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from agent_fixtures import ROOT, toy_world_overrides
+
+from agent_rl.config import ConfigError, load_config
+from agent_rl.rollout.budget import TokenBudget
+from agent_rl.rollout.chat_tools import CHATML_TOOLS, TOOL_SYSTEM, ChatFormat, tool_schema
+from agent_rl.rollout.engines import Generation
+from agent_rl.rollout.loop import AgentLoop
+from agent_rl.rollout.prompts import PromptSet, load_tokenizer
+from agent_rl.rollout.protocol import CHAT_INVALID_MESSAGE
+from agent_rl.rollout.rewards import answer_scores, em_format
+from agent_rl.rollout.tools import SearchTool
+from agent_rl.rollout.turns import PromptItem
+from retriever_server.client import RetrieverClient
+
+BUDGET = TokenBudget(
+    max_turns=5, max_prompt_tokens=1024, max_tokens_per_turn=64, max_obs_tokens=600, max_total_tokens=4096
+)
+CALL = '<tool_call>\n{"name": "search", "arguments": {"query": "Inception director"}}\n</tool_call>'
+
+
+class ScriptedChat:
+    """Writes the scripted text of turn k (k: the assistant headers in the context so far), whole."""
+
+    batch_size = 0
+
+    def __init__(self, tokenizer, turns: list[str]):
+        self.tok, self.turns = tokenizer, turns
+        self.generator = torch.Generator().manual_seed(0)
+        self.stats = {"generated_tokens": 0}
+
+    def generate(self, prompts, max_new_tokens, temperature, top_p=1.0, seeds=None):
+        out = []
+        for p in prompts:
+            k = self.tok.decode(p, skip_special_tokens=False).count("<|im_start|>assistant") - 1
+            ids = self.tok(self.turns[k], add_special_tokens=False)["input_ids"]
+            out.append(Generation(ids, [-0.5] * len(ids), "stop"))
+        return out
+
+
+def _cfg(model_dir, *extra):
+    return load_config(
+        None,
+        [f"model.path={model_dir}", "rollout.protocol=tool_calls", "rollout.chat_template=chatml_tools", *extra],
+    )
+
+
+def _prompts(questions, tokenizer):
+    items = [
+        PromptItem(f"q-{i}", "nq", tokenizer("x")["input_ids"], ["Christopher Nolan"]) for i in range(len(questions))
+    ]
+    return PromptSet(items, [{} for _ in questions], list(questions))
+
+
+def _template_ids(tok, messages, schemas) -> list[int]:
+    text = tok.apply_chat_template(messages, tools=schemas, chat_template=CHATML_TOOLS, tokenize=False)
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("model", ["smollm2", "tiny"])
+def test_a_trajectory_is_the_chat_template_over_its_messages_token_for_token(request, server, model):
+    """A search call, a call with a wrong argument, a message with neither call nor answer, then the answer:
+    prompt + response ids equal `apply_chat_template` over the same messages (the tool's documents as a tool
+    message, the call's error as a tool message, the corrective message as a user message), the policy's
+    own tokens are exactly its turns, and EM, F1 and em_format read the answer."""
+    model_dir = request.getfixturevalue("smollm2_dir" if model == "smollm2" else "tiny_model_dir")
+    tok = load_tokenizer(str(model_dir))
+    _, url = server
+    client = RetrieverClient(url, topk=2)
+    turns = [
+        "Let me search.\n" + CALL,
+        '<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>',
+        "I am not sure.<|im_end|>",
+        "<answer> Christopher Nolan </answer><|im_end|>",
+    ]
+    cfg = _cfg(model_dir, "retriever.topk=2")
+    loop = AgentLoop.from_config(cfg, ScriptedChat(tok, turns), tok, client, BUDGET)
+    prompts = loop.admit(_prompts(["Who directed Inception?"], tok))
+    (t,) = loop.run(prompts.items, group_size=1)
+    assert [x.action for x in t.turns] == ["search", "invalid", "invalid", "answer"] and t.end_reason == "answer"
+    assert t.turns[1].call_error == "search needs the argument 'query'" and t.turns[2].call_error is None
+    docs = "\n".join(SearchTool(client, 2).call(["Inception director"])[0].parts)
+    messages = [
+        {"role": "system", "content": TOOL_SYSTEM},
+        {"role": "user", "content": "Who directed Inception?"},
+        {"role": "assistant", "content": turns[0]},
+        {"role": "tool", "content": docs},
+        {"role": "assistant", "content": turns[1]},
+        {"role": "tool", "content": f"Error: {t.turns[1].call_error}"},
+        {"role": "assistant", "content": "I am not sure."},
+        {"role": "user", "content": CHAT_INVALID_MESSAGE},
+        {"role": "assistant", "content": "<answer> Christopher Nolan </answer>"},
+    ]
+    want = _template_ids(tok, messages, loop.format.schemas)
+    got = t.prompt_ids + t.response_ids
+    assert want[: len(got)] == got
+    assert tok.decode(want[len(got) :]).strip() == ""  # the template's newline after the last end of turn
+    own = [i for i, m in zip(t.response_ids, t.loss_mask) if m]
+    assert tok.decode(own, skip_special_tokens=False) == "".join(turns)
+    assert answer_scores(t.response_text, t.golden_answers) == {"em": 1.0, "f1": 1.0}
+    assert em_format(t, t.golden_answers) == 1.0  # the call with the wrong argument is still a well-formed call
+    client.close()
+
+
+def test_em_format_checks_the_calls_and_reads_no_answer_from_a_tool_message():
+    """em_format: well-formed calls and one final answer earn EM; a call that is not JSON earns nothing; an
+    `<answer>` inside a tool response (a document) is never read as the policy's answer."""
+
+    class T:
+        def __init__(self, text):
+            self.response_text, self.golden_answers = text, ["Paris"]
+
+    obs = "<|im_end|>\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    good = CALL + obs.format("Doc 1 (Title: France) ...") + "<answer> Paris </answer><|im_end|>"
+    assert em_format(T(good), ["Paris"]) == 1.0
+    assert em_format(T(good.replace('"query"', "query")), ["Paris"]) == 0.0
+    assert em_format(T(CALL + obs.format("<answer> Paris </answer>") + "I do not know.<|im_end|>"), ["Paris"]) == 0.0
+
+
+def test_calls_are_parsed_and_every_fault_is_said(tokenizer):
+    """JSON, a tool's name and its arguments are checked; each fault is an error that says what was wrong,
+    a plug-in tool without a schema takes one string argument `input`, and the first call or answer wins."""
+
+    class Calc:
+        name, description = "calc", "Evaluates an arithmetic expression."
+
+        def call(self, inputs):
+            return []
+
+    fmt = ChatFormat(tokenizer, [SearchTool(None, 3), Calc()], "chatml_tools")
+    assert tool_schema(Calc())["function"]["parameters"]["required"] == ["input"]
+    cases = {
+        CALL: ("search", "Inception director", None),
+        '<tool_call>{"name": "calc", "arguments": {"input": "2+2"}}</tool_call>': ("calc", "2+2", None),
+        '<tool_call>{"name": "calc", "arguments": "{\\"input\\": \\"3\\"}"}</tool_call>': ("calc", "3", None),
+        "<answer> Nolan </answer><|im_end|>" + CALL: ("answer", "Nolan", None),
+        "<tool_call>search Nolan</tool_call>": "not JSON",
+        '<tool_call>{"arguments": {}}</tool_call>': "names no tool",
+        '<tool_call>{"name": "google", "arguments": {"query": "x"}}</tool_call>': "no tool 'google'; the tools are",
+        '<tool_call>{"name": "search", "arguments": {}}</tool_call>': "needs the argument 'query'",
+        '<tool_call>{"name": "search", "arguments": {"query": 3}}</tool_call>': "must be a string",
+        '<tool_call>{"name": "search", "arguments": {"query": " "}}</tool_call>': "is empty",
+        '<tool_call>{"name": "search", "arguments": {"query": "x", "k": 2}}</tool_call>': "has no argument 'k'",
+        '<tool_call>{"name": "search", "arguments": [1]}</tool_call>': "must be a JSON object",
+        '<tool_call>{"name": "search", "arguments": {"query": "x"}}': "not closed with </tool_call>",
+        "I think it is Nolan.<|im_end|>": (("invalid", None, None)),
+    }
+    for text, want in cases.items():
+        got = fmt.parse(text)
+        if isinstance(want, tuple):
+            assert got == want, text
+        else:
+            assert got[:2] == ("invalid", None) and want in got[2], (text, got)
+
+
+def test_templates_without_tools_are_refused_naming_the_key(smollm2_dir, tiny_model_dir, tmp_path):
+    """SmolLM2's own template (no tools section) and a missing template file are refused naming
+    rollout.chat_template; the key is refused under the tag protocol, an unknown protocol too; a Jinja file
+    with a tools section is taken."""
+    tok = load_tokenizer(str(smollm2_dir))
+    with pytest.raises(ConfigError, match="does not render the tools' schemas; set rollout.chat_template"):
+        ChatFormat(tok, [SearchTool(None, 3)], "")
+    with pytest.raises(ConfigError, match="rollout.chat_template = 'nope.jinja': neither"):
+        ChatFormat(tok, [SearchTool(None, 3)], "nope.jinja")
+    with pytest.raises(ConfigError, match="read by rollout.protocol=tool_calls only"):
+        load_config(None, ["rollout.chat_template=chatml_tools"])
+    with pytest.raises(ConfigError, match="rollout.protocol"):
+        load_config(None, ["rollout.protocol=xml"])
+    path = tmp_path / "t.jinja"
+    path.write_text(CHATML_TOOLS)
+    fmt = ChatFormat(tok, [SearchTool(None, 3)], str(path))
+    assert fmt.stop_tags == ("</tool_call>", "<|im_end|>")
+    assert "Search the corpus" in fmt.prompt_text("Who?") and fmt.prompt_text("Who?").endswith(
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_the_tiny_model_samples_tool_call_turns_within_the_budgets(tiny_model_dir, server):
+    """The real tiny model through the HF engine under tool_calls: it stops at the protocol's stops or its
+    allowance, every trajectory ends within the budget with a reason, and the loss mask is 1 exactly on the
+    sampled tokens."""
+    from agent_rl.learn.policy import load_policy
+    from agent_rl.rollout.engines import build_engine
+
+    tok = load_tokenizer(str(tiny_model_dir))
+    cfg = _cfg(tiny_model_dir)
+    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    engine = build_engine(cfg, policy, tok)
+    assert "</tool_call>" in engine.stop_strings.strings
+    _, url = server
+    budget = TokenBudget(
+        max_turns=2, max_prompt_tokens=1024, max_tokens_per_turn=24, max_obs_tokens=200, max_total_tokens=1400
+    )
+    loop = AgentLoop.from_config(cfg, engine, tok, RetrieverClient(url), budget)
+    prompts = loop.admit(_prompts(["Who directed Inception?", "Where is the Eiffel Tower?"], tok))
+    trajs = loop.run(prompts.items, group_size=2, temperature=1.0)
+    for t in trajs:
+        assert t.end_reason is not None and t.total_tokens <= budget.max_total_tokens
+        assert sum(t.loss_mask) == sum(x.gen_tokens for x in t.turns)
+        assert (
+            t.prompt_ids[-len(tok("<|im_start|>assistant\n")["input_ids"]) :]
+            == tok("<|im_start|>assistant\n")["input_ids"]
+        )
+
+
+def test_sft_demonstrations_are_the_template_over_their_messages(toy_warm_start):
+    """Under tool_calls `agent-rl sft`'s scripted demonstrations are the chat template over system, question,
+    the calls, the tool messages and the answer, token for token, as RL's trajectories are."""
+    from agent_rl.infra.prepare import local_retriever
+    from agent_rl.sft import build_demonstrations
+
+    cache = toy_warm_start["cache"]
+    overrides = [*toy_world_overrides(cache), "rollout.protocol=tool_calls", "rollout.chat_template=chatml_tools"]
+    overrides += ["budget.max_prompt_tokens=1024", "budget.max_obs_tokens=200", "budget.max_total_tokens=1600"]
+    overrides += ["budget.max_tokens_per_turn=64"]
+    cfg = load_config("configs/tiny_cpu_grpo.yaml", overrides)
+    tok = load_tokenizer(cfg.model.path)
+    with local_retriever(cfg) as url:
+        client = RetrieverClient.from_config(cfg.retriever, url)
+        demos = build_demonstrations(cfg, tok, client)
+        client.close()
+    fmt = ChatFormat(tok, [SearchTool(None, 1)], "chatml_tools")
+    rng = random.Random(0)
+    for index in range(0, len(demos), max(1, len(demos) // 5)):
+        t = demos.draw(index, 0.0, rng)
+        text = tok.decode(t.response_ids, skip_special_tokens=False)
+        calls = [json.loads(c)["arguments"]["query"] for c in re.findall(r"<tool_call>\n(.*?)\n", text)]
+        assert calls, text
+        bodies = re.findall(r"<tool_response>\n(.*?)\n</tool_response>", text, flags=re.S)
+        question = tok.decode(t.prompt_ids).split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+        messages = [{"role": "system", "content": TOOL_SYSTEM}, {"role": "user", "content": question}]
+        for q, body in zip(calls, bodies):
+            messages += [
+                {"role": "assistant", "content": fmt.call_text("search", q)},
+                {"role": "tool", "content": body},
+            ]
+        messages.append({"role": "assistant", "content": f"<answer> {t.golden_answers[0]} </answer>"})
+        want = _template_ids(tok, messages, fmt.schemas)
+        got = t.prompt_ids + t.response_ids
+        assert want[: len(got)] == got and tok.decode(want[len(got) :]).strip() == ""
+
+
+def test_a_training_run_with_evaluation_in_tool_calls(toy_warm_start, tmp_path):
+    """`agent-rl sft` then `agent-rl train` with its step-0 and final evaluation under tool_calls: the run
+    ends, the evaluation scored every question, and the kept trajectories are tool calls and tool messages."""
+    cache = toy_warm_start["cache"]
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "agent_rl.cli", "train", "configs/tiny_cpu_grpo.yaml", *toy_world_overrides(cache)]
+    cmd += ["rollout.protocol=tool_calls", "rollout.chat_template=chatml_tools", f"model.warm_start={tmp_path}/sft"]
+    cmd += ["budget.max_prompt_tokens=1024", "budget.max_obs_tokens=200", "budget.max_total_tokens=1600"]
+    cmd += ["budget.max_tokens_per_turn=48", "sft.steps=4", "sft.batch_size=4", "run.max_steps=1"]
+    cmd += ["rollout.prompts_per_step=2", "algo.group_size=2", "run.eval_every=1", "run.eval_max_samples=4"]
+    cmd += [f"run.output_dir={out}", "run.tensorboard=false", "run.eval_sampled=false", "run.save_trajectories_every=1"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert res.returncode == 0, res.stderr[-4000:]
+    for step in (0, 1):
+        rows = [json.loads(x) for x in (out / "eval" / f"step_{step}.jsonl").read_text().splitlines()]
+        assert len(rows) == 4 and all("em" in r for r in rows)
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("step") == 1 for r in metrics)
+    kept = [json.loads(x) for p in sorted((out / "trajectories").glob("*.jsonl")) for x in p.read_text().splitlines()]
+    assert kept and all(r["prompt_text"].startswith("<|im_start|>system\n") for r in kept)
