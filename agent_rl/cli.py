@@ -128,7 +128,7 @@ def _engine_model_dir(cfg, model_path: str, world, near: Path) -> Iterator[str]:
 
 
 def cmd_rollout(args) -> int:
-    from agent_rl.infra.prepare import local_retriever, prepare
+    from agent_rl.bootstrap.prepare import local_retriever, prepare
     from agent_rl.rollout.loop import rollout_metrics
     from agent_rl.rollout.prompts import load_prompts
     from agent_rl.rollout.rewards import Reward
@@ -167,7 +167,7 @@ def cmd_eval(args) -> int:
     intervals), searches, response tokens and end reasons, and the unweighted mean over datasets.
     Resumable, and sharded over torchrun ranks or `--shard i/n` processes (agent_rl/evaluation.py)."""
     from agent_rl import evaluation
-    from agent_rl.infra.prepare import local_retriever, prepare
+    from agent_rl.bootstrap.prepare import local_retriever, prepare
     from agent_rl.rollout.prompts import load_prompts
     from agent_rl.rollout.rewards import Reward, answer_scores
 
@@ -271,7 +271,7 @@ def cmd_eval(args) -> int:
 def _write_eval_report(folder: Path, out: Path, other_shards: bool) -> int:
     """Merge the folder's part files into OUT (JSON) and OUT with .md (Markdown); print the table."""
     from agent_rl import evaluation
-    from agent_rl.eval_report import to_markdown
+    from agent_rl.reports.eval_report import to_markdown
 
     try:
         report = evaluation.merge(folder)
@@ -306,7 +306,7 @@ def cmd_eval_report(args) -> int:
 
 
 def cmd_view(args) -> int:
-    from agent_rl.view import write_report
+    from agent_rl.reports.view import write_report
 
     try:
         index = write_report([Path(p) for p in args.inputs], Path(args.out))
@@ -339,7 +339,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from agent_rl.infra.plot import plot_run
+    from agent_rl.reports.plot import plot_run
 
     for p in plot_run(Path(args.run_dir)):
         print(p)
@@ -369,8 +369,8 @@ def _print_stage_table(stages: list[tuple[str, dict[str, float]]], temperature: 
 def cmd_demo(args) -> int:
     """The embedded default end to end: prepare, evaluate the base model, SFT warm start, GRPO,
     evaluate, plot, and print test EM at each stage."""
-    from agent_rl.infra.plot import plot_run
-    from agent_rl.infra.prepare import local_retriever, prepare
+    from agent_rl.bootstrap.prepare import local_retriever, prepare
+    from agent_rl.reports.plot import plot_run
     from agent_rl.rollout.prompts import load_prompts
     from agent_rl.train import evaluate_all, train
 
@@ -419,10 +419,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    from agent_rl.infra import model_init
+    from agent_rl.bootstrap import model_init
 
     model_init.add_cli(sub)
-    from agent_rl.infra import plan
+    from agent_rl.planning import plan
 
     plan.add_cli(sub)
 

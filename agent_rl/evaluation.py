@@ -8,7 +8,7 @@ keeps the complete chunks of every part file and scores the rest. A chunk is the
 rollout loop: the same questions in the same order whether the evaluation ran whole, resumed or
 sharded, and the engine is reseeded per chunk, so greedy decoding (and sampled pass@k, seeded)
 scores every question as one uninterrupted process would. `merge` builds the table
-(`agent_rl.eval_report`) once every chunk is in.
+(`agent_rl.reports.eval_report`) once every chunk is in.
 
 `DIR/spec.json` records what the scores depend on (checkpoint files, data, subset ids, retriever
 index fingerprint and topk, decoding, budget, chunk size); a restart that differs in any of them is
@@ -34,13 +34,13 @@ from pathlib import Path
 import torch
 
 from agent_rl.config import Config
-from agent_rl.eval_report import summarise
-from agent_rl.infra import distributed as dist_lib
+from agent_rl.reports.eval_report import summarise
 from agent_rl.rollout.loop import AgentLoop
 from agent_rl.rollout.prompts import PromptSet
 from agent_rl.rollout.protocol import extract_answer, policy_text
 from agent_rl.rollout.rewards import answer_scores
 from agent_rl.rollout.trajectory import Trajectory
+from agent_rl.runtime import distributed as dist_lib
 from agent_rl.world import LOCAL, World
 from retriever_server.client import RetrieverClient
 

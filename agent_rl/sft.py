@@ -142,8 +142,8 @@ class Demonstrations:
 
 def sft(cfg: Config) -> Path:
     """Train on scripted demonstrations; save to `model.warm_start` (or OUTPUT_DIR/sft)."""
-    from agent_rl.infra import allocator
-    from agent_rl.infra.prepare import local_retriever, prepare
+    from agent_rl.bootstrap.prepare import local_retriever, prepare
+    from agent_rl.runtime import allocator
 
     host_allocator = allocator.setup(allocator.for_config(cfg))
     print(f"[sft] host allocator: {host_allocator}", file=sys.stderr)

@@ -25,10 +25,31 @@ from typing import Any
 import numpy as np
 import torch
 
+from agent_rl.bootstrap.prepare import local_retriever, prepare
 from agent_rl.config import Config
-from agent_rl.infra import allocator
-from agent_rl.infra import distributed as dist_lib
-from agent_rl.infra.checkpoint import (
+from agent_rl.guard.collapse import CollapseGuard
+from agent_rl.guard.signals import ReplaySet, rewarded_rows, row_logprobs, update_logprob_change
+from agent_rl.learn.batch import RolloutBatch
+from agent_rl.learn.policy import (
+    _DTYPES,
+    ValueModel,
+    assert_no_data_parallel,
+    frozen_copy,
+    load_policy,
+    trainer_autocast,
+)
+from agent_rl.learn.update import adamw, prepare_batch, update
+from agent_rl.planning.preflight import run_preflight
+from agent_rl.rollout.budget import TokenBudget
+from agent_rl.rollout.buffer import TrajectoryBuffer
+from agent_rl.rollout.engines import Engine, build_engine
+from agent_rl.rollout.loop import AgentLoop, rollout_metrics
+from agent_rl.rollout.prompts import PromptSet, load_prompts, load_tokenizer
+from agent_rl.rollout.rewards import Reward, answer_scores, compute_reward
+from agent_rl.rollout.trajectory import Trajectory, write_trajectories
+from agent_rl.runtime import allocator
+from agent_rl.runtime import distributed as dist_lib
+from agent_rl.runtime.checkpoint import (
     REFERENCE,
     StopFlag,
     checkpoint_step,
@@ -40,29 +61,8 @@ from agent_rl.infra.checkpoint import (
     load_reference,
     save_checkpoint,
 )
-from agent_rl.infra.guard import CollapseGuard
-from agent_rl.infra.logger import MetricsLogger
-from agent_rl.infra.memory import peak_rss_bytes, proc_status_bytes
-from agent_rl.infra.prepare import local_retriever, prepare
-from agent_rl.learn.batch import RolloutBatch
-from agent_rl.learn.policy import (
-    _DTYPES,
-    ValueModel,
-    assert_no_data_parallel,
-    frozen_copy,
-    load_policy,
-    trainer_autocast,
-)
-from agent_rl.learn.preflight import run_preflight
-from agent_rl.learn.signals import ReplaySet, rewarded_rows, row_logprobs, update_logprob_change
-from agent_rl.learn.update import adamw, prepare_batch, update
-from agent_rl.rollout.budget import TokenBudget
-from agent_rl.rollout.buffer import TrajectoryBuffer
-from agent_rl.rollout.engines import Engine, build_engine
-from agent_rl.rollout.loop import AgentLoop, rollout_metrics
-from agent_rl.rollout.prompts import PromptSet, load_prompts, load_tokenizer
-from agent_rl.rollout.rewards import Reward, answer_scores, compute_reward
-from agent_rl.rollout.trajectory import Trajectory, write_trajectories
+from agent_rl.runtime.logger import MetricsLogger
+from agent_rl.runtime.memory import peak_rss_bytes, proc_status_bytes
 from agent_rl.sft import sft
 from agent_rl.world import World
 from retriever_server.client import RetrieverClient

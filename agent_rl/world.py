@@ -2,7 +2,7 @@
 
 A one-process run is a world of one (`LocalWorld`): its collectives are identities, so the
 rollout, scoring and update code is the same path in one process as under torchrun, where
-`agent_rl.infra.distributed.DistInfo` implements the same interface over a process group.
+`agent_rl.runtime.distributed.DistInfo` implements the same interface over a process group.
 """
 
 from __future__ import annotations

@@ -47,11 +47,11 @@ CONFIGS = {  # name -> (config, prompts, group, overrides)
 
 
 def point(args) -> dict:
+    from agent_rl.bootstrap.prepare import prepare, spawn_retriever, stop_process, wait_ready
     from agent_rl.cli import _loop
     from agent_rl.config import load_config
-    from agent_rl.infra.memory import peak_rss_bytes
-    from agent_rl.infra.prepare import prepare, spawn_retriever, stop_process, wait_ready
     from agent_rl.rollout.prompts import load_prompts
+    from agent_rl.runtime.memory import peak_rss_bytes
 
     name, prompts_n, group, overrides = CONFIGS[args.model]
     prompts_n, group = args.prompts or prompts_n, args.group or group

@@ -5,7 +5,7 @@ Usage: .venv/bin/python bench/checkpoint_memory.py [--sizes tiny,small,medium]
 For each size a fresh subprocess builds the random Qwen2 of `agent-rl init-model --size S`
 (no tokenizer needed), takes one AdamW step so the optimizer holds its two moments, then
 measures peak RSS (VmHWM, reset through /proc/self/clear_refs before each phase) while
-`agent_rl.infra.checkpoint.save_checkpoint` writes model + optimizer + RNG atomically, and while
+`agent_rl.runtime.checkpoint.save_checkpoint` writes model + optimizer + RNG atomically, and while
 `load_checkpoint` restores them. "extra" is the peak above the RSS the process held before the
 phase: what a host needs free on top of the training state to checkpoint it.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent_rl.infra.memory import proc_status_bytes  # noqa: E402
+from agent_rl.runtime.memory import proc_status_bytes  # noqa: E402
 
 
 def _status(key: str) -> int:
@@ -42,8 +42,8 @@ def run_one(size: str) -> dict:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from agent_rl.infra.checkpoint import load_checkpoint, save_checkpoint
-    from agent_rl.infra.model_init import SIZES
+    from agent_rl.bootstrap.model_init import SIZES
+    from agent_rl.runtime.checkpoint import load_checkpoint, save_checkpoint
 
     spec = dict(SIZES[size])
     config = Qwen2Config(vocab_size=spec.pop("vocab"), max_position_embeddings=2048, tie_word_embeddings=True, **spec)

@@ -46,7 +46,7 @@ def collapse_step(ems: list[tuple[int, float]]) -> tuple[float, int | None]:
 def replay_guard(rows: list[dict], overrides: list[str]) -> tuple[int | None, str]:
     """The step and the signal at which the configured guard (as `warn`) first fires on these metrics."""
     from agent_rl.config import load_config
-    from agent_rl.infra.guard import CollapseGuard
+    from agent_rl.guard.collapse import CollapseGuard
 
     cfg = load_config(str(ROOT / CONFIG), [*overrides, "guard.action=warn"])
     guard = CollapseGuard(cfg.guard)

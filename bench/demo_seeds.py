@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from agent_rl.eval_report import paired_interval
+from agent_rl.reports.eval_report import paired_interval
 
 ROOT = Path(__file__).resolve().parents[1]
 

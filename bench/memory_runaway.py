@@ -19,7 +19,7 @@ max_total_tokens), so the planner's rows match the rows trained.
 Each point runs in a fresh subprocess: a real rollout (HFEngine, no retriever, one prompt x
 group), then two training steps (prepare_batch + update, GRPO, rewards 0/1 alternating) on those
 trajectories, as the trainer's process does. Peak RSS is VmHWM over the whole process (rollout
-peak shown apart). The plan column is `agent_rl.infra.plan.plan(cfg).host_peak_bytes` for the same
+peak shown apart). The plan column is `agent_rl.planning.plan.plan(cfg).host_peak_bytes` for the same
 config. Torch runs one thread by default: on a shared 2-core machine two OpenMP threads make
 the flash-attention backward 10-20x slower.
 """
@@ -39,7 +39,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent_rl.infra.memory import peak_rss_bytes  # noqa: E402
+from agent_rl.runtime.memory import peak_rss_bytes  # noqa: E402
 
 L0 = 440
 DEMO_BUDGET = [
@@ -63,9 +63,9 @@ def point(setting: str, scale: int, args) -> dict:
     import torch
 
     from agent_rl.config import load_config
-    from agent_rl.infra.plan import plan
     from agent_rl.learn.policy import load_policy
     from agent_rl.learn.update import prepare_batch, update
+    from agent_rl.planning.plan import plan
     from agent_rl.rollout.budget import TokenBudget
     from agent_rl.rollout.engines import HFEngine
     from agent_rl.rollout.loop import AgentLoop, PromptItem
@@ -140,7 +140,7 @@ def ensure_model(model_dir: Path) -> None:
     """Build the tiny model on the hotpotqa fixture text when model_dir holds none."""
     if (model_dir / "config.json").exists():
         return
-    from agent_rl.infra.model_init import init_model
+    from agent_rl.bootstrap.model_init import init_model
 
     corpus = ROOT / "tests" / "fixtures" / "hotpotqa100" / "corpus.jsonl"
     init_model(

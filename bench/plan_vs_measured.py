@@ -41,12 +41,12 @@ def measure(config: str, overrides: list[str]) -> dict:
     import torch
 
     from agent_rl.config import load_config
-    from agent_rl.infra import allocator
-    from agent_rl.infra.memory import peak_rss_bytes
     from agent_rl.learn.policy import load_policy
     from agent_rl.rollout.engines import VLLMEngine
     from agent_rl.rollout.prompts import load_tokenizer
     from agent_rl.rollout.trajectory import Trajectory
+    from agent_rl.runtime import allocator
+    from agent_rl.runtime.memory import peak_rss_bytes
 
     cfg = load_config(config, overrides)
     allocator.setup(allocator.for_config(cfg))  # as `train` does
@@ -71,7 +71,7 @@ def measure(config: str, overrides: list[str]) -> dict:
         engine.sync_weights(policy)
         peaks["weight_sync"] = peak_rss_bytes()
     if cfg.run.preflight:
-        from agent_rl.learn.preflight import run_preflight
+        from agent_rl.planning.preflight import run_preflight
 
         _reset_peak()
         run_preflight(policy, cfg, "cpu", opt)
@@ -118,10 +118,10 @@ def main() -> None:
         return
     config = args[0] if args and "=" not in args[0] else str(ROOT / "configs" / "smollm2_hotpotqa_grpo.yaml")
     overrides = [a for a in args if "=" in a]
+    from agent_rl.bootstrap.prepare import ensure_model
     from agent_rl.config import load_config
-    from agent_rl.infra.memory import import_baseline_bytes
-    from agent_rl.infra.plan import BASELINE_HOST_BYTES, plan
-    from agent_rl.infra.prepare import ensure_model
+    from agent_rl.planning.plan import BASELINE_HOST_BYTES, plan
+    from agent_rl.runtime.memory import import_baseline_bytes
 
     cfg = load_config(config, overrides)
     ensure_model(cfg)

@@ -12,7 +12,7 @@ trainer does, stands in the AdamW state, runs the trainer's preflight pass (the 
 unshared, under the same autocast), then one real AdamW step on the pass's gradients, and reads
 torch.cuda.memory_allocated after each part and max_memory_allocated over each. The pass runs twice:
 with autocast's weight cache (torch's default, what the trainer runs) and without it, so the cache's
-share shows. Printed beside the plan's components for the same config (`agent_rl.infra.plan`), with
+share shows. Printed beside the plan's components for the same config (`agent_rl.planning.plan`), with
 the plan's update phase over the measured peak (the larger of the pass's and the AdamW step's).
 
 This file also holds the random-weight model folders the GPU benchmarks share (`model_dir`,
@@ -161,9 +161,9 @@ def _config(model_dir: Path, device: str, lora: bool, config: str = "configs/smo
 def measure_case(model_dir: Path, device: str, lora: bool, config: str = "configs/smollm2_hotpotqa_grpo.yaml") -> dict:
     import torch
 
-    from agent_rl.infra.plan import plan
     from agent_rl.learn.batch import MicroBatch
     from agent_rl.learn.policy import load_policy, update_logprobs
+    from agent_rl.planning.plan import plan
 
     cfg = _config(model_dir, device, lora, config)
     planned = plan(cfg, gpus=1)

@@ -68,7 +68,7 @@ def split_questions(
     With `train_triviaqa` the TriviaQA questions not held out train too (after the NQ ones): TriviaQA is
     then a held-out set of a trained-on dataset, no longer an out-of-domain one. Each row carries its
     dataset under "source"."""
-    from agent_rl.infra.prepare import read_qa_rows
+    from agent_rl.bootstrap.prepare import read_qa_rows
 
     nq = read_qa_rows(data / "nq_1000.jsonl")
     tqa = read_qa_rows(data / "triviaqa_1000.jsonl")
@@ -118,7 +118,7 @@ def write_data(cfg, out: Path, split: dict, key: dict) -> None:
 def answer_hits(cfg, split: dict) -> dict[str, list[bool]]:
     """Per set, per question: do its top-k passages (searched with the question, as the
     demonstrations search) hold a gold answer."""
-    from agent_rl.infra.prepare import local_retriever
+    from agent_rl.bootstrap.prepare import local_retriever
     from retriever_server.answers import contains_answer
     from retriever_server.client import RetrieverClient
 
@@ -229,7 +229,7 @@ def compare(before: list[dict], after: list[dict], found: dict[str, bool] | None
 def write_views(run_dir: Path, last: int, out: Path, per_set: int) -> dict[str, str]:
     """`agent-rl view` reports of the same few held-out questions before (step 0) and after: per data
     source, questions whose EM changed first, then the first others."""
-    from agent_rl.view import write_report
+    from agent_rl.reports.view import write_report
 
     recs = {}
     for step in (0, last):
@@ -477,8 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("overrides", nargs="*", help="config overrides for every agent-rl command (key=value)")
     args = parser.parse_args(argv)
+    from agent_rl.bootstrap.prepare import ensure_index, ensure_model
     from agent_rl.config import load_config
-    from agent_rl.infra.prepare import ensure_index, ensure_model
 
     data, out = Path(args.data).resolve(), Path(args.out).resolve()
     config = str((ROOT / args.config) if not Path(args.config).is_absolute() else args.config)

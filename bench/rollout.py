@@ -27,12 +27,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent_rl.infra.memory import peak_rss_bytes  # noqa: E402
+from agent_rl.runtime.memory import peak_rss_bytes  # noqa: E402
 
 
 def _setup(cfg_overrides: list[str]):
+    from agent_rl.bootstrap.prepare import prepare
     from agent_rl.config import load_config
-    from agent_rl.infra.prepare import prepare
 
     cfg = load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", cfg_overrides)
     prepare(cfg)
@@ -43,7 +43,7 @@ def throughput(args) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agent_rl.infra.prepare import local_retriever
+    from agent_rl.bootstrap.prepare import local_retriever
     from agent_rl.rollout.budget import TokenBudget
     from agent_rl.rollout.engines import HFEngine
     from agent_rl.rollout.loop import AgentLoop

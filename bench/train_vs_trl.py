@@ -55,7 +55,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from agent_rl.infra.memory import peak_rss_bytes  # noqa: E402
+from agent_rl.runtime.memory import peak_rss_bytes  # noqa: E402
 
 PHASES = ("generate", "score", "fwd_bwd", "optim")
 MODELS = {  # name -> (model directory, overrides)
@@ -76,8 +76,8 @@ def _reward(kind: str, text: str, golden: list[str]) -> float:
 
 
 def _cfg(args):
+    from agent_rl.bootstrap.prepare import prepare
     from agent_rl.config import load_config
-    from agent_rl.infra.prepare import prepare
 
     path, extra = MODELS[args.model]
     cfg = load_config(
@@ -133,13 +133,13 @@ def run_ours(args) -> dict:
 
     import torch
 
-    from agent_rl.infra import allocator
     from agent_rl.learn.policy import load_policy
     from agent_rl.learn.update import adamw, prepare_batch, update
     from agent_rl.rollout.budget import TokenBudget
     from agent_rl.rollout.engines import build_engine
     from agent_rl.rollout.loop import AgentLoop
     from agent_rl.rollout.prompts import load_prompts, load_tokenizer
+    from agent_rl.runtime import allocator
 
     cfg = _cfg(args)
     host_allocator = allocator.setup(allocator.for_config(cfg))  # as `train`
@@ -314,7 +314,7 @@ def _run_side(side: str, args, ckpt: str) -> dict:
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     env = None
     if side == "ours" and args.allocator == "mimalloc":  # started as `make demo` starts it
-        from agent_rl.infra import allocator
+        from agent_rl.runtime import allocator
 
         env = {**os.environ, "LD_PRELOAD": allocator.mimalloc_library() or ""}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -35,7 +35,7 @@ def step_deltas(run_dir: Path, temperature: float) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agent_rl.learn.signals import update_logprob_change
+    from agent_rl.guard.signals import update_logprob_change
     from agent_rl.rollout.prompts import load_tokenizer
     from agent_rl.rollout.trajectory import Trajectory
 

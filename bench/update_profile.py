@@ -156,7 +156,7 @@ def model_dir(path: Path) -> Path:
     package, SmolLM2-135M's architecture with random weights in a temporary directory."""
     if any(path.glob("*.safetensors")):
         return path
-    from agent_rl.infra.model_init import MissingPackageError, ensure_preset
+    from agent_rl.bootstrap.model_init import MissingPackageError, ensure_preset
 
     try:
         return ensure_preset("smollm2-135m", path)

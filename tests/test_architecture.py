@@ -2,11 +2,12 @@
 and the loop stays short.
 
 Stages, earliest first: the config and the world of ranks; rollout (budget, engines, retriever
-client, turn logic and its drivers, rewards); infra (distributed, checkpoints, logging, guard,
-memory planning and measurement, first-use preparation); learn (batch, policy forward,
-advantages, losses, update, preflight); the entry points at the top (train, sft, cli, view). A
-module may import its own stage or an earlier one, never a later one, also inside functions: the
-planner in infra asks for figures, it does not reach into learn.
+client, turn logic and its drivers, rewards); reports (viewer, eval table, plots); runtime
+(distributed, checkpoints, logging, allocator, memory readings); bootstrap (first-use builders);
+learn (batch, policy forward, advantages, losses, update); planning (the planner and the preflight
+step); guard (the collapse guard and its signals); the entry points at the top (train, sft, cli,
+evaluation). A module may import its own stage or an earlier one, never a later one, also inside
+functions.
 """
 
 from __future__ import annotations
@@ -18,7 +19,15 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "agent_rl"
 
 FOUNDATION = {"agent_rl.config", "agent_rl.world"}
-STAGES = ("agent_rl.rollout", "agent_rl.infra", "agent_rl.learn")
+STAGES = (
+    "agent_rl.rollout",
+    "agent_rl.reports",
+    "agent_rl.runtime",
+    "agent_rl.bootstrap",
+    "agent_rl.learn",
+    "agent_rl.planning",
+    "agent_rl.guard",
+)
 
 
 def _stage(module: str) -> int:
@@ -27,7 +36,7 @@ def _stage(module: str) -> int:
     for rank, prefix in enumerate(STAGES, start=1):
         if module == prefix or module.startswith(prefix + "."):
             return rank
-    return 4  # agent_rl.train, agent_rl.sft, agent_rl.cli, agent_rl.view, agent_rl.__main__
+    return len(STAGES) + 1  # agent_rl.train, agent_rl.sft, agent_rl.cli, agent_rl.evaluation, agent_rl.__main__
 
 
 def _module_name(path: Path) -> str:

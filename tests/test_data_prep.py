@@ -71,8 +71,8 @@ def _sha256(path: Path) -> str:
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory) -> Path:
-    """A byte-level BPE (agent_rl.infra.model_init.train_tokenizer, with its chat template) saved to disk."""
-    from agent_rl.infra.model_init import train_tokenizer
+    """A byte-level BPE (agent_rl.bootstrap.model_init.train_tokenizer, with its chat template) saved to disk."""
+    from agent_rl.bootstrap.model_init import train_tokenizer
 
     texts = [SEARCH_R1_BASE] + [
         r["question"] for d, splits in SPLITS.items() for s in splits.values() for r in _fixture_rows(d, s)

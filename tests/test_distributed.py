@@ -231,8 +231,8 @@ def test_dcp_checkpoint_round_trip_and_reshard(job):
     """A DCP checkpoint saved by 2 ranks restores policy, critic, both AdamW states and per-rank
     RNG/extra on 2 ranks exactly, loads into one plain process (world size 2 -> 1, resharded by
     DCP), and its `model/` export is a Hugging Face model with the same weights."""
-    from agent_rl.infra.checkpoint import latest_checkpoint
-    from agent_rl.infra.distributed import load_sharded
+    from agent_rl.runtime.checkpoint import latest_checkpoint
+    from agent_rl.runtime.distributed import load_sharded
 
     got = torch.load(job / "dcp.pt", weights_only=False)
     assert got["round_trip_max_diff"] == 0.0
@@ -262,7 +262,7 @@ def test_dcp_checkpoint_round_trip_and_reshard(job):
 
 def test_split_groups_keeps_groups_whole_and_rejects_uneven():
     """Each rank gets a contiguous equal share of prompts; an uneven split names the fix."""
-    from agent_rl.infra.distributed import split_groups
+    from agent_rl.runtime.distributed import split_groups
 
     prompts = list(range(8))
     assert split_groups(prompts, 0, 2) == [0, 1, 2, 3] and split_groups(prompts, 1, 2) == [4, 5, 6, 7]
@@ -286,7 +286,7 @@ def test_world_size_checks_name_the_fix(monkeypatch):
     """A prompt count or mini-batch that does not split over the ranks, and a multi-node run
     without retriever.url, fail before joining the process group, naming the value to set."""
     from agent_rl.config import load_config
-    from agent_rl.infra.distributed import check_world_size, init_distributed
+    from agent_rl.runtime.distributed import check_world_size, init_distributed
 
     with pytest.raises(ValueError, match=r"rollout.prompts_per_step=6"):
         check_world_size(load_config(None, ["rollout.prompts_per_step=4", "algo.group_size=2"]), 3)
@@ -306,7 +306,7 @@ def test_not_under_torchrun_is_a_world_of_one(monkeypatch):
     """Without torchrun's RANK/WORLD_SIZE, init_distributed joins nothing: a world of one, whose
     collectives return their input and whose modules are not sharded."""
     from agent_rl.config import load_config
-    from agent_rl.infra.distributed import init_distributed
+    from agent_rl.runtime.distributed import init_distributed
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -319,7 +319,7 @@ def test_not_under_torchrun_is_a_world_of_one(monkeypatch):
 
 
 def _full(model) -> dict[str, torch.Tensor]:
-    from agent_rl.infra.distributed import iter_full_params
+    from agent_rl.runtime.distributed import iter_full_params
 
     return {n: t.clone() for n, t in iter_full_params(model)}
 
@@ -352,7 +352,11 @@ def _rank_main(work: Path) -> None:
     from transformers import AutoTokenizer
 
     from agent_rl.config import load_config
-    from agent_rl.infra.distributed import (
+    from agent_rl.learn.batch import even_microbatches
+    from agent_rl.learn.policy import frozen_copy
+    from agent_rl.learn.update import prepare_batch, update
+    from agent_rl.rollout.engines import HFEngine
+    from agent_rl.runtime.distributed import (
         init_distributed,
         iter_full_params,
         load_sharded,
@@ -361,10 +365,6 @@ def _rank_main(work: Path) -> None:
         split_groups,
         sync_rollout_weights,
     )
-    from agent_rl.learn.batch import even_microbatches
-    from agent_rl.learn.policy import frozen_copy
-    from agent_rl.learn.update import prepare_batch, update
-    from agent_rl.rollout.engines import HFEngine
 
     job = torch.load(work / "job.pt", weights_only=False)
     groups = [job["trajs"][g * GROUP_SIZE : (g + 1) * GROUP_SIZE] for g in range(GROUPS)]

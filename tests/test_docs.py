@@ -14,7 +14,7 @@ DOCS = [ROOT / "README.md", ROOT / "bench" / "RESULTS.md", *sorted((ROOT / "docs
 # agent_rl, as the README writes `rollout/budget.py`); run outputs (OUTPUT_DIR/..., .cache/...,
 # data/..., runs/...) and metric names (`rollout/...`) are not repository files.
 TOP = ("agent_rl", "retriever_server", "data_prep", "configs", "bench", "tests", "docs", ".ci")
-STAGES = ("rollout", "learn", "infra")
+STAGES = ("rollout", "learn", "runtime", "bootstrap", "planning", "guard", "reports")
 PATH = re.compile(r"(?<![\w./-])((?:\.ci|[A-Za-z_][\w-]*)/[\w./*-]*)")
 LINK = re.compile(r"\]\(([^)#\s]+)\)")
 

@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 from agent_fixtures import start_server, torchrun_cmd, toy_world_overrides
 
-from agent_rl.eval_report import macro_interval, paired_interval, summarise, to_markdown
 from agent_rl.evaluation import KILL_AFTER_ENV
+from agent_rl.reports.eval_report import macro_interval, paired_interval, summarise, to_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 # One thread everywhere: torchrun's ranks run with one, and greedy scores must match bit for bit.
@@ -167,8 +167,8 @@ def _lora_checkpoint(world, root: Path) -> Path:
     import torch
 
     from agent_rl.config import load_config
-    from agent_rl.infra.checkpoint import save_checkpoint
     from agent_rl.learn.policy import load_policy
+    from agent_rl.runtime.checkpoint import save_checkpoint
 
     cfg = load_config(
         ROOT / "configs" / "tiny_cpu_grpo.yaml",

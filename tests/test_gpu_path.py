@@ -128,7 +128,7 @@ def test_cuda_process_group_has_a_cpu_backend_for_offloaded_tensors():
     maps no backend to CPU tensors. Parsed by torch's own BackendConfig (nccl itself needs a GPU)."""
     from torch.distributed.distributed_c10d import Backend, BackendConfig
 
-    from agent_rl.infra.distributed import process_group_backend
+    from agent_rl.runtime.distributed import process_group_backend
 
     device_map = lambda s: BackendConfig(Backend(s)).get_device_backend_map()  # noqa: E731
     assert "cpu" not in device_map("nccl")  # why offload failed at clipping

@@ -13,7 +13,7 @@ import pytest
 from agent_fixtures import free_port
 
 from agent_rl.config import ConfigError, load_config
-from agent_rl.infra.logger import TABLE_COLUMNS, TABLE_ROWS, WANDB_ID_FILE, MetricsLogger
+from agent_rl.runtime.logger import TABLE_COLUMNS, TABLE_ROWS, WANDB_ID_FILE, MetricsLogger
 
 wandb = pytest.importorskip("wandb", reason="the wandb extra (`make setup` installs it)")
 

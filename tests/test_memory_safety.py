@@ -15,9 +15,9 @@ import torch
 from agent_fixtures import FIXTURES
 
 from agent_rl.config import GuardConfig, load_config
-from agent_rl.infra import allocator
-from agent_rl.infra.guard import CollapseGuard
-from agent_rl.infra.plan import plan
+from agent_rl.guard.collapse import CollapseGuard
+from agent_rl.planning.plan import plan
+from agent_rl.runtime import allocator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -185,7 +185,7 @@ def test_replay_set_scores_its_responses_under_the_policy(tiny_model_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from agent_rl.learn.signals import ReplaySet
+    from agent_rl.guard.signals import ReplaySet
     from agent_rl.rollout.trajectory import Trajectory
 
     g = torch.Generator().manual_seed(0)
@@ -519,7 +519,7 @@ def test_rollback_reference_is_checkpointed_and_a_resume_after_it_is_bit_for_bit
     from safetensors.torch import load_file
 
     from agent_rl import train as train_mod
-    from agent_rl.infra.checkpoint import REFERENCE
+    from agent_rl.runtime.checkpoint import REFERENCE
 
     extra = ("guard.action=rollback", "guard.kl_floor=0.05", "run.deterministic=true")
     _, straight, error = _train(tiny_model_dir, tmp_path / "straight", monkeypatch, lambda call: call == 4, 6, *extra)
@@ -551,8 +551,8 @@ import json, random, resource, sys
 import torch
 from agent_rl.config import load_config
 from agent_rl.rollout.prompts import load_tokenizer
-from agent_rl.infra import allocator
-from agent_rl.infra.memory import peak_rss_bytes
+from agent_rl.runtime import allocator
+from agent_rl.runtime.memory import peak_rss_bytes
 from agent_rl.rollout.trajectory import Trajectory
 
 cfg = load_config(None, json.loads(sys.argv[1]))
@@ -571,7 +571,7 @@ from agent_rl.learn.update import prepare_batch, update
 policy = load_policy(cfg, cfg.model.path, "cpu")
 opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-4)
 if cfg.run.preflight:  # as `train` does before step 1: the largest micro-batch, unshared, the optimizer stood in for
-    from agent_rl.learn.preflight import run_preflight
+    from agent_rl.planning.preflight import run_preflight
     run_preflight(policy, cfg, "cpu", opt)
 V, L, P = policy.config.vocab_size, cfg.budget.max_total_tokens, cfg.budget.max_prompt_tokens
 g = torch.Generator().manual_seed(0)
@@ -603,7 +603,7 @@ print(json.dumps({"peak_rss": peak_rss_bytes(),  # VmHWM: ru_maxrss would carry 
 def test_the_import_baseline_is_measured_once_per_environment(tmp_path, monkeypatch):
     """The planner's import baseline is a fresh interpreter's peak RSS after the trainer's imports,
     measured on this machine, then read from a cache keyed by the interpreter and the versions."""
-    from agent_rl.infra.memory import import_baseline_bytes
+    from agent_rl.runtime.memory import import_baseline_bytes
 
     first = import_baseline_bytes(tmp_path)
     assert first is not None and 200 * 2**20 < first < 4 * 2**30
@@ -620,7 +620,7 @@ def test_the_import_baseline_is_measured_once_per_environment(tmp_path, monkeypa
 def test_an_import_cost_is_measured_against_the_baseline_and_cached(tmp_path, monkeypatch):
     """What an import adds to the baseline (vLLM's, peft's) is measured on this machine, cached per
     statement; a package that is not installed gives None (the planner then uses its fallback)."""
-    from agent_rl.infra.memory import import_baseline_bytes, import_cost_bytes
+    from agent_rl.runtime.memory import import_baseline_bytes, import_cost_bytes
 
     cost = import_cost_bytes("import sqlite3", tmp_path)
     assert cost is not None and 0 <= cost < 64 * 2**20
@@ -642,7 +642,7 @@ def test_the_planner_takes_the_engines_figures_from_the_engines(tiny_model_dir, 
     """`plan` asks the engine `build_engine` would build for its memory (no engine type is looked up
     in the planner), adds the measured import of what the engine and LoRA load, and places a CPU
     engine beside GPU training in host RAM."""
-    from agent_rl.infra import plan as planner
+    from agent_rl.planning import plan as planner
     from agent_rl.rollout.engines import engine_memory
 
     monkeypatch.setattr(planner, "import_cost_bytes", lambda statement: 1000 if "vllm" in statement else 10)
@@ -700,7 +700,7 @@ def _measure(overrides: list[str]) -> dict:
 @pytest.fixture(scope="module")
 def medium_model_dir(tmp_path_factory) -> Path:
     """model_init's 'medium' random Qwen2 (~82M parameters) with a tokenizer trained on the fixture text."""
-    from agent_rl.infra.model_init import init_model
+    from agent_rl.bootstrap.model_init import init_model
 
     texts = [
         json.loads(line)["contents"] for line in (FIXTURES / "hotpotqa100" / "corpus.jsonl").read_text().splitlines()
@@ -766,7 +766,7 @@ SMOLLM2_BUDGET = [
     ],
 )
 def test_plan_predicts_measured_peak_rss_within_10_percent(request, model, budget, extra):
-    """`plan`'s host peak (its import baseline measured on this machine, infra.memory.import_baseline_bytes)
+    """`plan`'s host peak (its import baseline measured on this machine, runtime.memory.import_baseline_bytes)
     for a CPU GRPO config is within +-10% of the peak RSS (VmHWM) of a fresh process that does what the trainer's
     does at the budget's maximum length: the preflight (the largest micro-batch, unshared), then two real
     training steps (prepare_batch + update) with the largest micro-batch the token cap admits (tiny: 9 x 440
@@ -821,8 +821,8 @@ def test_preflight_runs_forward_backward_at_the_largest_micro_batch(tiny_model_d
     AdamW's state, which exists only after the first step, is stood in for during the pass (two fp32
     moments per trained parameter) and the optimizer is left as it was."""
     from agent_rl.learn.policy import load_policy
-    from agent_rl.learn.preflight import run_preflight
     from agent_rl.learn.update import adamw
+    from agent_rl.planning.preflight import run_preflight
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", *DEMO_BUDGET, "train.max_tokens_per_microbatch=2000"])
     policy = load_policy(cfg, str(tiny_model_dir), "cpu")
@@ -849,7 +849,7 @@ import json, resource, sys
 import psutil
 from agent_rl.config import load_config
 from agent_rl.learn.policy import load_policy
-from agent_rl.learn.preflight import PreflightError, run_preflight
+from agent_rl.planning.preflight import PreflightError, run_preflight
 
 cfg = load_config(None, json.loads(sys.argv[1]))
 policy = load_policy(cfg, cfg.model.path, "cpu")
@@ -933,7 +933,7 @@ def test_search_r1_config_on_one_80gb_gpu_does_not_fit_and_names_the_levers():
     (the gradients were freed after the step): that does not fit one 80 GiB GPU. The named fixes
     include LoRA, FSDP2 offload and a smaller vLLM reservation, each of which fits on its own; the
     optimizer offload that CUDA refuses is not offered."""
-    from agent_rl.infra.plan import GIB
+    from agent_rl.planning.plan import GIB
 
     # the engine named: `auto` is hf on a CUDA machine without vLLM (the machines this project is lent)
     cfg = load_config(ROOT / "configs" / "nq_hotpotqa_grpo.yaml", ["rollout.engine=vllm"])
@@ -967,7 +967,7 @@ def test_planner_bf16_terms_reproduce_the_two_h100_points_they_were_fitted_on(tm
     (bf16 parameters, gathered per layer) and with LoRA (a bf16 base) it is not."""
     import yaml
 
-    from agent_rl.infra.plan import GIB
+    from agent_rl.planning.plan import GIB
 
     data = yaml.safe_load((ROOT / "configs" / "smollm2_hotpotqa_grpo.yaml").read_text())
     if not lora:
@@ -990,9 +990,9 @@ def test_update_logprob_change_reads_what_a_step_did_to_the_rewarded_rows(tiny_m
     import torch
     from transformers import AutoModelForCausalLM
 
+    from agent_rl.guard.signals import rewarded_rows, row_logprobs, update_logprob_change
     from agent_rl.learn.batch import collate
     from agent_rl.learn.policy import forward_logprobs
-    from agent_rl.learn.signals import rewarded_rows, row_logprobs, update_logprob_change
     from agent_rl.rollout.trajectory import Trajectory
 
     g = torch.Generator().manual_seed(0)

@@ -177,7 +177,7 @@ def test_paged_config_auto_and_planned_memory(monkeypatch):
     monkeypatch.setattr(metadata, "version", lambda dist: (_ for _ in ()).throw(metadata.PackageNotFoundError(dist)))
     cfg = load_config(None, ["rollout.engine=auto", "rollout.device=cuda", "rollout.mode=async"])
     assert cfg.rollout.resolved_engine() == "hf"
-    from agent_rl.infra.plan import Arch
+    from agent_rl.planning.plan import Arch
 
     arch = Arch(hidden=192, layers=3, heads=3, kv_heads=1, intermediate=512, vocab=1536, tied=True)
     cfg = _cfg("unused", "rollout.prompts_per_step=4", "algo.group_size=2")

@@ -52,8 +52,8 @@ def test_retriever_kind_takes_every_kind_the_builder_offers():
 def test_first_use_builds_the_configured_factory_index(tmp_path, capsys):
     """`ensure_index` passes retriever.kind and retriever.factory to retriever-build: 60 fixture
     passages become an 'IVF2,SQ8' index; a later run configured as flat serves it as built and says so."""
+    from agent_rl.bootstrap.prepare import ensure_index
     from agent_rl.config import load_config
-    from agent_rl.infra.prepare import ensure_index
 
     corpus, index = _corpus(tmp_path, 60), tmp_path / "index"
     overrides = [f"retriever.corpus={corpus}", f"retriever.index_dir={index}"]
@@ -107,7 +107,7 @@ def test_plan_counts_an_index_before_first_use_builds_it(tmp_path, tiny_model_di
     built; under retriever.replay (misses an error) none starts and none is counted. On a host too small,
     the fixes name a retriever elsewhere and the compressed kind."""
     from agent_rl.config import load_config
-    from agent_rl.infra.plan import plan, render
+    from agent_rl.planning.plan import plan, render
     from retriever_server.plan import plan_build
 
     corpus, index = _corpus(tmp_path, 300), tmp_path / "index"

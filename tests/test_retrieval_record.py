@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from agent_fixtures import ScriptedEngine
 
+from agent_rl.bootstrap.prepare import local_retriever
 from agent_rl.config import ConfigError, load_config
-from agent_rl.infra.prepare import local_retriever
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.loop import AgentLoop, PromptItem
 from agent_rl.rollout.rewards import compute_reward

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from agent_fixtures import free_port, start_servers
 
-from agent_rl.infra.prepare import stop_process
+from agent_rl.bootstrap.prepare import stop_process
 from retriever_server.answers import contains_answer, normalize_answer
 from retriever_server.evaluate import Passage, Question, load_questions, main, score_question
 

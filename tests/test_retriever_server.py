@@ -18,7 +18,7 @@ import pytest
 import requests
 from agent_fixtures import start_servers
 
-from agent_rl.infra.prepare import stop_process
+from agent_rl.bootstrap.prepare import stop_process
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")

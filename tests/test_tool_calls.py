@@ -223,7 +223,7 @@ def test_the_tiny_model_samples_tool_call_turns_within_the_budgets(tiny_model_di
 def test_sft_demonstrations_are_the_template_over_their_messages(toy_warm_start):
     """Under tool_calls `agent-rl sft`'s scripted demonstrations are the chat template over system, question,
     the calls, the tool messages and the answer, token for token, as RL's trajectories are."""
-    from agent_rl.infra.prepare import local_retriever
+    from agent_rl.bootstrap.prepare import local_retriever
     from agent_rl.sft import build_demonstrations
 
     cache = toy_warm_start["cache"]

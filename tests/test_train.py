@@ -13,7 +13,7 @@ import pytest
 import torch
 from agent_fixtures import torchrun_cmd, toy_world_overrides
 
-from agent_rl.infra import allocator
+from agent_rl.runtime import allocator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -351,8 +351,8 @@ def test_sft_answer_in_observation_keeps_only_demonstrations_that_read_the_answe
     """sft.answer_in_observation: of the toy world's scripted demonstrations (top-1 search, so some
     observations miss the fact), only those whose observation holds a gold answer are kept, and
     the count is said; off, every demonstration is kept."""
+    from agent_rl.bootstrap.prepare import local_retriever, prepare
     from agent_rl.config import load_config
-    from agent_rl.infra.prepare import local_retriever, prepare
     from agent_rl.rollout.prompts import load_tokenizer
     from agent_rl.sft import build_demonstrations, observed_text
     from retriever_server.answers import contains_answer

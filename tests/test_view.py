@@ -20,12 +20,12 @@ import pytest
 from agent_fixtures import FIXTURES, ScriptedEngine, start_server
 from test_async_rollout import _items
 
+from agent_rl.reports.view import read_records, script_json, write_report
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.engines import HFEngine
 from agent_rl.rollout.loop import AgentLoop
 from agent_rl.rollout.rewards import compute_reward
 from agent_rl.rollout.trajectory import write_trajectories
-from agent_rl.view import read_records, script_json, write_report
 from retriever_server.client import RetrieverClient
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,7 +202,7 @@ def test_bad_inputs_are_named(tmp_path):
 def test_turns_split_the_response_and_budget_hits_are_listed(tmp_path):
     """Each turn's generated and inserted tokens are its own `gen_tokens` and `obs_tokens`; the
     page names the cut observation, shows the masked count and computes EM/F1 when absent."""
-    from agent_rl.view import budget_hits, turn_segments
+    from agent_rl.reports.view import budget_hits, turn_segments
 
     rec = _record()
     assert [(len(g), len(o)) for _, g, o in turn_segments(rec)] == [(2, 3), (2, 0)]

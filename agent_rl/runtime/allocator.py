@@ -8,7 +8,7 @@ levers, neither of which touches a CUDA run (`for_config`):
 - `train.host_mmap_threshold_mib` (glibc's public `mallopt`, set once at start): allocations from
   that size up get their own mapping, unmapped when freed, so RSS follows what is held (what the
   memory planner assumes). The price is a page fault per fresh page of a large tensor.
-- mimalloc, a launcher setting: `LD_PRELOAD=$(python -m agent_rl.infra.allocator) agent-rl train ...`
+- mimalloc, a launcher setting: `LD_PRELOAD=$(python -m agent_rl.runtime.allocator) agent-rl train ...`
   (`make demo` sets it where the `cmeel-mimalloc` wheel is installed). It keeps freed pages for
   reuse within a phase, so the update runs without the faults; `release()` returns them between
   the rollout and the update. An allocator must be in the process before anything allocates, so

@@ -10,7 +10,7 @@ Early (the policy degenerates before test EM falls):
   update did to the log-prob per token of the rows it rewarded, which it should raise) is below
   -`update_threshold`;
 - `replay`: the mean log-prob per token, under the current policy, of responses that earned a
-  reward in earlier steps (`learn.signals.ReplaySet`, computed by the trainer) has fallen more
+  reward in earlier steps (`guard.signals.ReplaySet`, computed by the trainer) has fallen more
   than `replay_drop` nats below the best it reached (`guard/replay_drop`);
 - `grad_norm`: the median gradient norm (before clipping) of the last three steps is more than
   `grad_factor` x the window's median (`guard/grad_norm_ratio`): a sustained rise, not one spike

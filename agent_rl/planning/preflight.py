@@ -13,9 +13,9 @@ import traceback
 import torch
 
 from agent_rl.config import Config
-from agent_rl.infra.memory import peak_rss_bytes
 from agent_rl.learn.batch import MicroBatch
 from agent_rl.learn.policy import compute_autocast, update_logprobs
+from agent_rl.runtime.memory import peak_rss_bytes
 
 
 class PreflightError(RuntimeError):
@@ -77,7 +77,7 @@ def run_preflight(model, cfg: Config, device: str, optimizer=None) -> dict:
         traceback.clear_frames(err.__traceback__)
         advice = ""
         try:
-            from agent_rl.infra.plan import plan
+            from agent_rl.planning.plan import plan
 
             res = plan(cfg)
             advice = "; ".join(f["fix"] for f in res.fixes[:3])

@@ -20,7 +20,7 @@ _BASELINE_SCRIPT = (
     "import agent_rl.train, tokenizers\n"
     "from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast\n"
     "PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(tokenizers.models.BPE()))('x')\n"
-    "from agent_rl.infra.memory import peak_rss_bytes\n"
+    "from agent_rl.runtime.memory import peak_rss_bytes\n"
     "print(peak_rss_bytes())"
 )
 

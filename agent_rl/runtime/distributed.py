@@ -38,7 +38,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from agent_rl.infra.checkpoint import prune_checkpoints, rng_state, set_rng_state
+from agent_rl.runtime.checkpoint import prune_checkpoints, rng_state, set_rng_state
 from agent_rl.world import LocalWorld, World
 
 T = TypeVar("T")
@@ -445,7 +445,7 @@ def load_sharded(
     meta = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
     if not meta.get("sharded"):
         raise ValueError(
-            f"{path} is a single-process checkpoint; load it with agent_rl.infra.checkpoint.load_checkpoint before "
+            f"{path} is a single-process checkpoint; load it with agent_rl.runtime.checkpoint.load_checkpoint before "
             "sharding the model"
         )
     modules = _modules(model, optimizer, critic, critic_optimizer)

@@ -81,7 +81,7 @@ def ensure_model(cfg: Config) -> None:
     path = Path(cfg.model.path)
     if cfg.model.preset:
         if not (path / "config.json").exists():
-            from agent_rl.infra.model_init import MissingPackageError, convert_preset
+            from agent_rl.bootstrap.model_init import MissingPackageError, convert_preset
 
             _log(f"converting the {cfg.model.preset} preset into {path}")
             try:
@@ -96,7 +96,7 @@ def ensure_model(cfg: Config) -> None:
                 "model"
             )
         return
-    from agent_rl.infra.model_init import init_model
+    from agent_rl.bootstrap.model_init import init_model
 
     _log(f"initialising a {cfg.model.init_size} model with a locally trained tokenizer in {path}")
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,1 @@
+"""The collapse guard and the signals it reads."""

@@ -1,0 +1,1 @@
+"""Memory planning before launch (`agent-rl plan`) and the preflight step that checks it."""

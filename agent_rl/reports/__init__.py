@@ -1,0 +1,1 @@
+"""Reports: the trajectory viewer, the evaluation table, the plots."""
