@@ -370,9 +370,10 @@ def cmd_demo(args) -> int:
     """The embedded default end to end: prepare, evaluate the base model, SFT warm start, GRPO,
     evaluate, plot, and print test EM at each stage."""
     from agent_rl.bootstrap.prepare import local_retriever, prepare
+    from agent_rl.evaluation import evaluate_all
     from agent_rl.reports.plot import plot_run
     from agent_rl.rollout.prompts import load_prompts
-    from agent_rl.train import evaluate_all, train
+    from agent_rl.train import train
 
     cfg = _config(args)
     prepare(cfg)

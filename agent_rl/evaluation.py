@@ -23,7 +23,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import sys
 import time
 from collections import defaultdict
@@ -45,8 +44,6 @@ from agent_rl.world import LOCAL, World
 from retriever_server.client import RetrieverClient
 
 SPEC = "spec.json"
-# Test hook: the process SIGKILLs itself after writing this many chunks (a kill at a known point).
-KILL_AFTER_ENV = "AGENT_RL_TEST_EVAL_KILL_AFTER_CHUNKS"
 
 
 class EvalMismatch(ValueError):
@@ -272,12 +269,16 @@ def _keep_complete(path: Path, spec: dict) -> None:
     os.replace(tmp, path)
 
 
-def trajectory_record(chunk: int, t: Trajectory, meta: dict) -> dict:
-    """One trajectory's scores: what the table and a paired comparison of two evaluations need."""
+def trajectory_record(chunk: int, t: Trajectory, meta: dict, prefix: str = "eval") -> dict:
+    """One trajectory's scores: what the table and a paired comparison of two evaluations need; the same
+    row for `agent-rl eval` and the trainer's evaluations (`prefix`: eval, or eval_sampled; `prompt_id`
+    repeats `id` under the name the trainer's score files have always used)."""
     answer = extract_answer(policy_text(t.response_text))
     return {
+        "eval": prefix,
         "chunk": chunk,
         "id": t.prompt_id,
+        "prompt_id": t.prompt_id,
         "data_source": t.data_source,
         "type": meta.get("type", ""),
         "sample": t.sample_idx,
@@ -288,6 +289,70 @@ def trajectory_record(chunk: int, t: Trajectory, meta: dict) -> dict:
         "end_reason": t.end_reason,
         "answer": answer,
     }
+
+
+def evaluate(
+    loop: AgentLoop,
+    prompts: PromptSet,
+    cfg: Config,
+    temperature: float | None = None,
+    prefix: str = "eval",
+    keep: list[Trajectory] | None = None,
+    scores: list[dict] | None = None,
+) -> dict[str, float]:
+    """Rollouts over the test prompts (greedy by default: rollout.eval_temperature): EM, F1 and
+    searches run per trajectory overall and per data_source (`prefix/<source>/em`), and per question type
+    where the rows' `metadata.type` names one (`prefix/type/<type>/em`: the toy world's single-hop and
+    two-hop). The trajectories are appended to `keep` if given, and one record per question (id, data
+    source, type, EM, F1, searches: `trajectory_record`, as `agent-rl eval` writes) to `scores`."""
+    temperature = cfg.rollout.eval_temperature if temperature is None else temperature
+    trajs = loop.run(prompts.items, group_size=1, temperature=temperature)
+    if keep is not None:
+        keep.extend(trajs)
+    rows = [trajectory_record(0, t, meta, prefix) for t, meta in zip(trajs, prompts.metadata)]
+    if scores is not None:
+        scores.extend(rows)
+    return score_metrics(rows)
+
+
+def score_metrics(rows: list[dict]) -> dict[str, float]:
+    """EM, F1 and searches run per trajectory from per-question score rows (`evaluate`'s), under each
+    row's prefix (`eval`, `eval_sampled`): overall, per data source and per question type, with n."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(r["eval"], []).append(r)
+        groups.setdefault(f"{r['eval']}/{r['data_source']}", []).append(r)
+        if r["type"]:
+            groups.setdefault(f"{r['eval']}/type/{r['type']}", []).append(r)
+    out: dict[str, float] = {}
+    for key, rs in groups.items():
+        for name, field_ in (("em", "em"), ("f1", "f1"), ("searches_mean", "searches")):
+            out[f"{key}/{name}"] = sum(r[field_] for r in rs) / len(rs)
+    for prefix in dict.fromkeys(r["eval"] for r in rows):
+        out[f"{prefix}/n"] = float(len(groups[prefix]))
+    return out
+
+
+def evaluate_all(
+    loop: AgentLoop,
+    prompts: PromptSet,
+    cfg: Config,
+    scores: list[dict] | None = None,
+    keep: list[Trajectory] | None = None,
+) -> dict[str, float]:
+    """Greedy EM/F1 under eval/, plus, with run.eval_sampled, EM/F1 of one sample at
+    rollout.temperature under eval_sampled/ (what GRPO optimises; greedy EM can sit still while
+    the sampled policy sharpens). The greedy trajectories are appended to `keep` if given."""
+    out = evaluate(loop, prompts, cfg, scores=scores, keep=keep)
+    if cfg.run.eval_sampled:
+        gen = loop.engine.generator  # vLLM draws each request's seed from it too
+        state = gen.get_state()
+        gen.manual_seed(cfg.run.seed)  # the same draws at every evaluation
+        try:
+            out.update(evaluate(loop, prompts, cfg, cfg.rollout.temperature, "eval_sampled", scores=scores))
+        finally:
+            gen.set_state(state)  # training rollouts (and --resume) never see the eval's draws
+    return out
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -320,11 +385,10 @@ def score_shard(
     who = f"shard {shard}/{shards}: " if shards > 1 else ""
     if finished:
         print(f"[eval] {who}resuming: {finished} of {total} questions already scored in {folder}", file=sys.stderr)
-    kill_after = int(os.environ.get(KILL_AFTER_ENV, "0"))
     start, scored = time.perf_counter(), 0
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
-        for n_written, c in enumerate(todo, start=1):
+        for c in todo:
             rows = plan[c]
             items = [prompts.items[i] for i in rows]
             meta = {prompts.items[i].prompt_id: prompts.metadata[i] for i in rows}
@@ -345,8 +409,6 @@ def score_shard(
                 file=sys.stderr,
                 flush=True,
             )
-            if kill_after and n_written >= kill_after:
-                os.kill(os.getpid(), signal.SIGKILL)
     finally:
         os.close(fd)
     return scored

@@ -141,13 +141,21 @@ class Demonstrations:
 
 
 def sft(cfg: Config) -> Path:
-    """Train on scripted demonstrations; save to `model.warm_start` (or OUTPUT_DIR/sft)."""
-    from agent_rl.bootstrap.prepare import local_retriever, prepare
+    """`agent-rl sft`: the host allocator, first-use preparation, then `train_sft`."""
+    from agent_rl.bootstrap.prepare import prepare
     from agent_rl.runtime import allocator
 
     host_allocator = allocator.setup(allocator.for_config(cfg))
     print(f"[sft] host allocator: {host_allocator}", file=sys.stderr)
     prepare(cfg)
+    return train_sft(cfg)
+
+
+def train_sft(cfg: Config) -> Path:
+    """Train on scripted demonstrations; save to `model.warm_start` (or OUTPUT_DIR/sft). What the config
+    names must exist (`prepare`): `sft` and the trainer's setup, which has prepared it, call this."""
+    from agent_rl.bootstrap.prepare import local_retriever
+
     out = Path(cfg.model.warm_start or Path(cfg.run.output_dir) / "sft")
     torch.manual_seed(cfg.run.seed)
     rng = random.Random(cfg.run.seed)

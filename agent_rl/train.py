@@ -27,6 +27,7 @@ import torch
 
 from agent_rl.bootstrap.prepare import local_retriever, prepare
 from agent_rl.config import Config
+from agent_rl.evaluation import evaluate_all, score_metrics
 from agent_rl.guard.collapse import CollapseGuard
 from agent_rl.guard.signals import ReplaySet, rewarded_rows, row_logprobs, update_logprob_change
 from agent_rl.learn.batch import RolloutBatch
@@ -45,7 +46,7 @@ from agent_rl.rollout.buffer import TrajectoryBuffer
 from agent_rl.rollout.engines import Engine, build_engine
 from agent_rl.rollout.loop import AgentLoop, rollout_metrics
 from agent_rl.rollout.prompts import PromptSet, load_prompts, load_tokenizer
-from agent_rl.rollout.rewards import Reward, answer_scores, compute_reward
+from agent_rl.rollout.rewards import Reward, answer_scores
 from agent_rl.rollout.trajectory import Trajectory, write_trajectories
 from agent_rl.runtime import allocator
 from agent_rl.runtime import distributed as dist_lib
@@ -63,7 +64,7 @@ from agent_rl.runtime.checkpoint import (
 )
 from agent_rl.runtime.logger import MetricsLogger
 from agent_rl.runtime.memory import peak_rss_bytes, proc_status_bytes
-from agent_rl.sft import sft
+from agent_rl.sft import train_sft
 from agent_rl.world import World
 from retriever_server.client import RetrieverClient
 
@@ -126,79 +127,6 @@ def make_scheduler(cfg: Config, optimizer):
         return 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def evaluate(
-    loop: AgentLoop,
-    prompts: PromptSet,
-    cfg: Config,
-    temperature: float | None = None,
-    prefix: str = "eval",
-    keep: list[Trajectory] | None = None,
-    scores: list[dict] | None = None,
-) -> dict[str, float]:
-    """Rollouts over the test prompts (greedy by default: rollout.eval_temperature): EM, F1 and
-    searches run per trajectory overall and per data_source (`prefix/<source>/em`), and per question type
-    where the rows' `metadata.type` names one (`prefix/type/<type>/em`: the toy world's single-hop and
-    two-hop). The trajectories are appended to `keep` if given, and one record per question (id, data
-    source, type, EM, F1, searches) to `scores`: what a paired comparison of two evaluations needs."""
-    temperature = cfg.rollout.eval_temperature if temperature is None else temperature
-    trajs = loop.run(prompts.items, group_size=1, temperature=temperature)
-    if keep is not None:
-        keep.extend(trajs)
-    rows = []
-    for t, meta in zip(trajs, prompts.metadata):
-        rows.append(
-            {"eval": prefix, "prompt_id": t.prompt_id, "data_source": t.data_source, "type": meta.get("type", "")}
-            | {
-                "em": compute_reward("em", t.response_text, t.golden_answers),
-                "f1": compute_reward("f1", t.response_text, t.golden_answers),
-            }
-            | {"searches": sum(1 for x in t.turns if x.action == "search" and x.obs_tokens), "end_reason": t.end_reason}
-        )
-    if scores is not None:
-        scores.extend(rows)
-    return score_metrics(rows)
-
-
-def score_metrics(rows: list[dict]) -> dict[str, float]:
-    """EM, F1 and searches run per trajectory from per-question score rows (`evaluate`'s), under each
-    row's prefix (`eval`, `eval_sampled`): overall, per data source and per question type, with n."""
-    groups: dict[str, list[dict]] = {}
-    for r in rows:
-        groups.setdefault(r["eval"], []).append(r)
-        groups.setdefault(f"{r['eval']}/{r['data_source']}", []).append(r)
-        if r["type"]:
-            groups.setdefault(f"{r['eval']}/type/{r['type']}", []).append(r)
-    out: dict[str, float] = {}
-    for key, rs in groups.items():
-        for name, field_ in (("em", "em"), ("f1", "f1"), ("searches_mean", "searches")):
-            out[f"{key}/{name}"] = sum(r[field_] for r in rs) / len(rs)
-    for prefix in dict.fromkeys(r["eval"] for r in rows):
-        out[f"{prefix}/n"] = float(len(groups[prefix]))
-    return out
-
-
-def evaluate_all(
-    loop: AgentLoop,
-    prompts: PromptSet,
-    cfg: Config,
-    scores: list[dict] | None = None,
-    keep: list[Trajectory] | None = None,
-) -> dict[str, float]:
-    """Greedy EM/F1 under eval/, plus, with run.eval_sampled, EM/F1 of one sample at
-    rollout.temperature under eval_sampled/ (what GRPO optimises; greedy EM can sit still while
-    the sampled policy sharpens). The greedy trajectories are appended to `keep` if given."""
-    out = evaluate(loop, prompts, cfg, scores=scores, keep=keep)
-    if cfg.run.eval_sampled:
-        gen = loop.engine.generator  # vLLM draws each request's seed from it too
-        state = gen.get_state()
-        gen.manual_seed(cfg.run.seed)  # the same draws at every evaluation
-        try:
-            out.update(evaluate(loop, prompts, cfg, cfg.rollout.temperature, "eval_sampled", scores=scores))
-        finally:
-            gen.set_state(state)  # training rollouts (and --resume) never see the eval's draws
-    return out
 
 
 def save_trajectories(
@@ -590,7 +518,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
             print(
                 f"[train] warm start {cfg.model.warm_start} is missing: running `agent-rl sft` first", file=sys.stderr
             )
-            sft(cfg)
+            train_sft(cfg)  # prepared above, under the allocator set above
     world.barrier()  # rank 0 built whatever was missing (toy world, model, index, warm start)
     start_path = cfg.model.warm_start or cfg.model.path
     tokenizer = load_tokenizer(start_path)

@@ -16,7 +16,6 @@ import pyarrow.parquet as pq
 import pytest
 from agent_fixtures import start_server, torchrun_cmd, toy_world_overrides
 
-from agent_rl.evaluation import KILL_AFTER_ENV
 from agent_rl.reports.eval_report import macro_interval, paired_interval, summarise, to_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +107,8 @@ def test_killed_evaluation_resumes_to_the_same_scores(world, whole, tmp_path):
     """SIGKILL after two chunks, a torn write left behind (half a chunk and a cut line); the rerun
     skips the scored chunks, redoes the torn one and gives the uninterrupted run's records and table."""
     out = tmp_path / "eval.json"
-    res = _eval(world, out, "--chunk-size", "2", env={**ENV, KILL_AFTER_ENV: "2"})
+    killer = [sys.executable, str(ROOT / "tests" / "kill_after_chunks.py"), "2"]  # SIGKILL after 2 chunks
+    res = _eval(world, out, "--chunk-size", "2", launcher=killer)
     assert res.returncode == -9, res.stderr[-4000:]
     part = tmp_path / "eval_questions" / "part-0.jsonl"
     lines = part.read_text().splitlines()

@@ -7,6 +7,7 @@ refused naming `rollout.chat_template`; SFT demonstrations, rewards and a traini
 evaluation work in the protocol.
 """
 
+import html
 import json
 import os
 import random
@@ -278,3 +279,11 @@ def test_a_training_run_with_evaluation_in_tool_calls(toy_warm_start, tmp_path):
     assert any(r.get("step") == 1 for r in metrics)
     kept = [json.loads(x) for p in sorted((out / "trajectories").glob("*.jsonl")) for x in p.read_text().splitlines()]
     assert kept and all(r["prompt_text"].startswith("<|im_start|>system\n") for r in kept)
+    # the viewer renders them, a refused call with its reason
+    from agent_rl.reports.view import write_report
+
+    index = write_report(sorted((out / "trajectories").glob("*.jsonl")), tmp_path / "report")
+    pages = "".join(p.read_text() for p in (index.parent / "t").glob("*.html"))
+    assert index.exists() and "tool_call" in pages
+    refused = [x["call_error"] for r in kept for x in r["turns"] if x.get("call_error")]
+    assert all(f"tool call refused: {html.escape(e)}" in pages for e in refused)

@@ -286,6 +286,8 @@ def trajectory_page(rec: dict, n: int, total: int) -> str:
             f"tokens{flags}</div>"
             f"<div class='tok'>{_token_spans(rec, gen)}</div>"
         )
+        if turn.get("call_error"):  # rollout.protocol=tool_calls: why the call could not run
+            body.append(f"<div class='err'>tool call refused: {_esc(turn['call_error'])}</div>")
         if turn.get("query") is not None or turn.get("retriever_error") or turn.get("docs"):
             body.append(
                 f"<div class='obs'><div>query: <b class='query'>{_esc(turn.get('query'))}</b> &middot; "
