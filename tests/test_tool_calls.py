@@ -172,9 +172,9 @@ def test_calls_are_parsed_and_every_fault_is_said(tokenizer):
 
 
 def test_templates_without_tools_are_refused_naming_the_key(smollm2_dir, tiny_model_dir, tmp_path):
-    """SmolLM2's own template (no tools section) and a missing template file are refused naming
-    rollout.chat_template; the key is refused under the tag protocol, an unknown protocol too; a Jinja file
-    with a tools section is taken."""
+    """SmolLM2's own template (no tools section), a missing template file, a template that escapes a tool
+    message's content (tojson) or writes the tool's name into it are refused naming rollout.chat_template; the
+    key is refused under the tag protocol, an unknown protocol too; a Jinja file with a tools section is taken."""
     tok = load_tokenizer(str(smollm2_dir))
     with pytest.raises(ConfigError, match="does not render the tools' schemas; set rollout.chat_template"):
         ChatFormat(tok, [SearchTool(None, 3)], "")
@@ -184,6 +184,16 @@ def test_templates_without_tools_are_refused_naming_the_key(smollm2_dir, tiny_mo
         load_config(None, ["rollout.chat_template=chatml_tools"])
     with pytest.raises(ConfigError, match="rollout.protocol"):
         load_config(None, ["rollout.protocol=xml"])
+    tool_branch = "'<|im_start|>user\n<tool_response>\n' + message['content'] + "
+    assert tool_branch in CHATML_TOOLS
+    for changed, why in (
+        ("'<|im_start|>user\n<tool_response>\n' + message['content'] | tojson + ", "escaped, or moved"),
+        ("'<|im_start|>user\n<tool_response>' + message['name'] + message['content'] + ", "writes the tool's name"),
+    ):
+        path = tmp_path / "changed.jinja"
+        path.write_text(CHATML_TOOLS.replace(tool_branch, changed))
+        with pytest.raises(ConfigError, match=why):
+            ChatFormat(tok, [SearchTool(None, 3)], str(path))
     path = tmp_path / "t.jinja"
     path.write_text(CHATML_TOOLS)
     fmt = ChatFormat(tok, [SearchTool(None, 3)], str(path))

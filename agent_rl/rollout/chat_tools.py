@@ -67,6 +67,7 @@ TEMPLATES = {"chatml_tools": CHATML_TOOLS}
 _CALL = re.compile(f"{TOOL_CALL_OPEN}(.*?){TOOL_CALL_CLOSE}", re.DOTALL)
 _ANSWER = re.compile(f"{ANSWER_OPEN}(.*?){ANSWER_CLOSE}", re.DOTALL)
 _PROBE = "PROBE-7f3a9c"  # a string no template writes
+_CONTENT = _PROBE + 'x "quoted"\n<&>'  # a content any escaping (tojson, |e) would change
 _JSON_TYPES: dict[str, Any] = {
     "string": str,
     "integer": int,
@@ -138,13 +139,21 @@ class ChatFormat:
         self.stop_tags = (TOOL_CALL_CLOSE, self.end_of_turn)
 
     def render(self, messages: list[dict], generation: bool) -> str:
-        return self.tok.apply_chat_template(
-            messages,
-            tools=self.schemas or None,
-            chat_template=self.template,
-            add_generation_prompt=generation,
-            tokenize=False,
-        )
+        from jinja2 import TemplateError
+
+        try:
+            return self.tok.apply_chat_template(
+                messages,
+                tools=self.schemas or None,
+                chat_template=self.template,
+                add_generation_prompt=generation,
+                tokenize=False,
+            )
+        except TemplateError as err:
+            raise ConfigError(
+                f"rollout.chat_template ({self.key}) failed to render a conversation of system, user, assistant and "
+                f"tool messages: {err}; use chatml_tools or another template"
+            ) from err
 
     def _after_assistant(self, messages: list[dict], generation: bool = True) -> str:
         """What the template writes after an assistant message's content when `messages` follow it."""
@@ -153,14 +162,24 @@ class ChatFormat:
         return text[text.index(_PROBE) + len(_PROBE) :]
 
     def _frame(self, role: str) -> tuple[str, str]:
-        """The text before and after a `role` message's content, inserted after an assistant turn."""
-        text = self._after_assistant([{"role": role, "content": _PROBE + "x"}])
-        if text.count(_PROBE + "x") != 1 or not text.lstrip().startswith(self.end_of_turn):
+        """The text before and after a `role` message's content, inserted after an assistant turn: the same for
+        every tool (a template that writes the tool's name into its message is refused)."""
+        frames = set()
+        for name in ("search", "read"):
+            text = self._after_assistant([{"role": role, "content": _CONTENT, "name": name}])
+            if text.count(_CONTENT) != 1 or not text.lstrip().startswith(self.end_of_turn):
+                raise ConfigError(
+                    f"rollout.chat_template ({self.key}): a {role} message's content is not rendered as written after "
+                    "the assistant's end of turn (escaped, or moved); use chatml_tools or a template that writes "
+                    "message contents verbatim"
+                )
+            frames.add(tuple(text.split(_CONTENT)))
+        if len(frames) != 1:
             raise ConfigError(
-                f"rollout.chat_template ({self.key}): a {role} message's content is not rendered as written after the "
-                "assistant's end of turn; use chatml_tools or a template that writes message contents verbatim"
+                f"rollout.chat_template ({self.key}): the template writes the tool's name into its {role} message, "
+                "which one frame for every tool cannot hold; use chatml_tools or a template without it"
             )
-        head, tail = text.split(_PROBE + "x")
+        head, tail = frames.pop()
         return head, tail
 
     def prompt_text(self, question: str) -> str:
