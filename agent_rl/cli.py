@@ -414,7 +414,8 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """agent-rl's commands, each with its options and the function it runs (`func`)."""
     parser = argparse.ArgumentParser(
         prog="agent-rl", description="Search-augmented agentic RL: PPO/GRPO over multi-turn retrieval trajectories."
     )
@@ -530,7 +531,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("demo", help="the embedded default end to end (what `make demo` runs)")
     _with_config(p)
     p.set_defaults(func=cmd_demo)
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     # key=value overrides may also follow the options (`rollout CONFIG --out F key=value`).
     args, extra = parser.parse_known_args(argv)
     stray = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
