@@ -680,6 +680,58 @@ def step_metrics(
     return run.world.reduce_metrics(metrics)
 
 
+def learn_step(run: Run, trajs: list[Trajectory], times: dict) -> tuple[RolloutBatch, dict, dict | None, dict]:
+    """Steps 4 and 5 of a training step: old and reference log-probs, values and advantages (the engine asleep),
+    the update, the update signal and the weights pushed to the engine; `times` gets the phases' ends. Returns the
+    batch, the update's metrics, the rows asked for with their log-probs, and the update signal."""
+    cfg, world, engine = run.cfg, run.world, run.engine
+    # 4. old / reference log-probs, values, advantages (the engine sleeps where it can: weights offloaded, KV
+    # freed)
+    engine.sleep(discard_weights=True)  # the weight sync after the update rewrites every weight
+    allocator.release()  # the rollout's freed memory back to the system before the update's
+    single_pass = cfg.algo.ppo_epochs == 1 and (
+        cfg.algo.mini_batch_size == 0 or cfg.algo.mini_batch_size // world.world_size >= len(trajs)
+    )
+    batch = prepare_batch(
+        cfg,
+        run.policy,
+        run.ref,
+        run.critic,
+        trajs,
+        run.tokenizer.pad_token_id,
+        need_old=not single_pass,
+        world=world,
+    )
+    times["prepared"] = time.perf_counter()
+    # 5. update; the rows to save and the guard's rewarded rows reported with the update's log-probs
+    report, signal_rows = run.asked_rows(trajs, batch)
+    start = time.perf_counter()
+    before = run.signal_logprobs(batch, signal_rows)
+    signal_s = time.perf_counter() - start
+    upd = update(
+        cfg,
+        run.policy,
+        run.critic,
+        run.optimizer,
+        run.critic_opt,
+        batch,
+        run.update_rng,
+        world=world,
+        trainer_logprobs=report,
+    )
+    # The gradients are spent: freed now, they are not resident across the weight sync, the
+    # engine's wake and the rollout (the next update's zero_grad would free them only then).
+    run.optimizer.zero_grad(set_to_none=True)
+    if run.critic_opt is not None:
+        run.critic_opt.zero_grad(set_to_none=True)
+    run.scheduler.step()
+    update_signal = run.update_signal(batch, before, signal_s)
+    times["sync_s"] = run.push_weights()
+    allocator.release()  # the update's activations, kept for reuse within it, back to the system
+    times["updated"] = time.perf_counter()
+    return batch, upd, report, update_signal
+
+
 def train(cfg: Config, resume: bool = False) -> dict[str, float]:
     """Run the whole training job; returns the last evaluation metrics.
 
@@ -735,50 +787,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
                 for t in trajs:
                     if t.retrieval_failed:
                         t.excluded, t.loss_mask = True, [0] * len(t.loss_mask)
-            # 4. old / reference log-probs, values, advantages (the engine sleeps where it can: weights offloaded, KV
-            # freed)
-            engine.sleep(discard_weights=True)  # the weight sync after the update rewrites every weight
-            allocator.release()  # the rollout's freed memory back to the system before the update's
-            single_pass = cfg.algo.ppo_epochs == 1 and (
-                cfg.algo.mini_batch_size == 0 or cfg.algo.mini_batch_size // world.world_size >= len(trajs)
-            )
-            batch = prepare_batch(
-                cfg,
-                run.policy,
-                run.ref,
-                run.critic,
-                trajs,
-                run.tokenizer.pad_token_id,
-                need_old=not single_pass,
-                world=world,
-            )
-            times["prepared"] = time.perf_counter()
-            # 5. update; the rows to save and the guard's rewarded rows reported with the update's log-probs
-            report, signal_rows = run.asked_rows(trajs, batch)
-            start = time.perf_counter()
-            before = run.signal_logprobs(batch, signal_rows)
-            signal_s = time.perf_counter() - start
-            upd = update(
-                cfg,
-                run.policy,
-                run.critic,
-                run.optimizer,
-                run.critic_opt,
-                batch,
-                run.update_rng,
-                world=world,
-                trainer_logprobs=report,
-            )
-            # The gradients are spent: freed now, they are not resident across the weight sync, the
-            # engine's wake and the rollout (the next update's zero_grad would free them only then).
-            run.optimizer.zero_grad(set_to_none=True)
-            if run.critic_opt is not None:
-                run.critic_opt.zero_grad(set_to_none=True)
-            run.scheduler.step()
-            update_signal = run.update_signal(batch, before, signal_s)
-            times["sync_s"] = run.push_weights()
-            allocator.release()  # the update's activations, kept for reuse within it, back to the system
-            times["updated"] = time.perf_counter()
+            batch, upd, report, update_signal = learn_step(run, trajs, times)
             if report and world.is_main:
                 path = save_trajectories(run.out_dir, run.step, batch, report, run.tokenizer)
                 run.logger.log_trajectories(run.step, "rollout/trajectories", path)
