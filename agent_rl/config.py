@@ -1030,9 +1030,17 @@ class Config:
     def validate(self) -> None:
         """Reject bad combinations with the key's name and the fix: each section's own checks, then those
         across sections."""
-        for section in (self.budget, self.reward, self.rollout, self.algo, self.model, self.data, self.retriever):
-            section.validate()
-        for section in (self.guard, self.train, self.run, self.sft):
+        sections = (
+            self.budget,
+            self.reward,
+            self.rollout,
+            self.algo,
+            self.model,
+            self.data,
+            self.retriever,
+            self.guard,
+        )
+        for section in (*sections, self.train, self.run, self.sft):
             section.validate()
         if self.algo.group_size < 1 or self.rollout.prompts_per_step < 1:
             raise ConfigError("algo.group_size and rollout.prompts_per_step must be >= 1")

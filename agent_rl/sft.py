@@ -24,6 +24,7 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -32,6 +33,7 @@ from agent_rl.learn.batch import collate, pack_microbatches
 from agent_rl.learn.policy import forward_logprobs, load_policy
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.chat_tools import build_format
+from agent_rl.rollout.engines import Engine
 from agent_rl.rollout.prompts import load_prompts, load_tokenizer
 from agent_rl.rollout.retriever import format_documents
 from agent_rl.rollout.tools import build_tools
@@ -46,8 +48,9 @@ def build_demonstrations(cfg: Config, tokenizer, client: RetrieverClient) -> Dem
     budget = TokenBudget.from_config(cfg.budget)
     tools = build_tools(cfg.rollout.tools, None, cfg.retriever.topk)
     # the prompts, calls, observations and answers of the rollouts' protocol (rollout.protocol)
-    turns = Turns(None, tokenizer, None, budget, cfg.retriever.topk, tools, build_format(cfg, tokenizer, tools))
-    fmt, obs = turns.format, turns.obs
+    fmt = build_format(cfg, tokenizer, tools)
+    turns = Turns(cast(Engine, None), tokenizer, None, budget, cfg.retriever.topk, tools, fmt)  # nothing generated
+    obs = turns.obs
     prompts = turns.admit(load_prompts(cfg.data.train_files, tokenizer, budget))
     answers_pool = sorted({a for it in prompts.items for a in it.golden_answers[:1]})
     rows = [(it, meta) for it, meta in zip(prompts.items, prompts.metadata) if meta.get("queries")]

@@ -10,8 +10,9 @@ from __future__ import annotations
 from agent_rl.config import Config
 from agent_rl.rollout.async_loop import run_async
 from agent_rl.rollout.budget import TokenBudget
-from agent_rl.rollout.chat_tools import build_format
+from agent_rl.rollout.chat_tools import ChatFormat, build_format
 from agent_rl.rollout.engines import Engine
+from agent_rl.rollout.protocol import TagFormat
 from agent_rl.rollout.sync_loop import run_sync
 from agent_rl.rollout.tools import Tool, build_tools
 from agent_rl.rollout.trajectory import Trajectory
@@ -35,7 +36,7 @@ class AgentLoop(Turns):
         mode: str = "sync",
         max_inflight: int = 0,
         tools: list[Tool] | None = None,
-        fmt=None,
+        fmt: TagFormat | ChatFormat | None = None,
     ):
         if mode not in ("sync", "async"):
             raise ValueError(f"rollout mode {mode!r}: use sync or async")

@@ -20,6 +20,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from agent_rl.rollout.budget import TokenBudget
+from agent_rl.rollout.chat_tools import ChatFormat
 from agent_rl.rollout.engines import Engine, Generation
 from agent_rl.rollout.protocol import (
     OBSERVATION_HEAD,
@@ -84,7 +85,7 @@ class Turns:
         budget: TokenBudget,
         topk: int = 3,
         tools: list[Tool] | None = None,
-        fmt=None,
+        fmt: TagFormat | ChatFormat | None = None,
     ):
         self.engine = engine
         self.tok = tokenizer
@@ -94,8 +95,8 @@ class Turns:
         # `rollout.tools` (tools.build_tools); None: Search-R1's search alone
         self.tools: dict[str, Tool] = {t.name: t for t in (tools or [SearchTool(client, topk)])}
         # `rollout.protocol`: Search-R1's tags (protocol.TagFormat) or chat_tools.ChatFormat's tool calls
-        self.format = fmt or TagFormat(tuple(self.tools))
-        self.chat = self.format.name == "tool_calls"
+        self.format: TagFormat | ChatFormat = fmt or TagFormat(tuple(self.tools))
+        self.chat = isinstance(self.format, ChatFormat)
         self.note = "" if self.chat else prompt_note(list(self.tools.values()))
         self._noted: dict[tuple[int, ...], list[int]] = {}  # prompt ids -> with the tools' note
         self.obs = ObservationBuilder(tokenizer, self.format.tool_head, self.format.tool_tail)
@@ -148,6 +149,7 @@ class Turns:
                     "rollout.protocol = tool_calls renders each prompt from its `question` column; prompt "
                     f"{it.prompt_id} has none (write the data with `data-prep`)"
                 )
+            assert isinstance(self.format, ChatFormat)
             it.prompt_ids = self.obs._ids(self.format.prompt_text(question))
 
     def new_trajectories(self, items: list[PromptItem], group_size: int) -> list[Trajectory]:
@@ -229,7 +231,7 @@ class Turns:
         return None
 
     def _invalid_ids(self, error: str | None, text: str) -> list[int]:
-        key = (error, self.chat and text.rstrip().endswith(self.format.end_of_turn))
+        key = (error, isinstance(self.format, ChatFormat) and text.rstrip().endswith(self.format.end_of_turn))
         if key not in self._invalid:
             self._invalid[key] = self.obs._ids(self.format.invalid_text(error, text))
         return self._invalid[key]
