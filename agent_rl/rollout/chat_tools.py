@@ -115,8 +115,6 @@ class ChatFormat:
     """The tool-call protocol over one tokenizer, template and tool set: prompts, stops, parsing and the
     texts inserted between turns."""
 
-    name = "tool_calls"
-
     def __init__(self, tokenizer, tools: Sequence, template: str = ""):
         self.tok = tokenizer
         self.template = load_template(template, tokenizer)

@@ -55,10 +55,6 @@ _TOOL_CALL = re.compile("<tool_call>(.*?)</tool_call>", re.DOTALL)
 _TRAILING_SPECIAL = re.compile(r"(\s*<\|[^|<>]*\|>)+\s*$")  # end-of-turn/-text tokens: <|im_end|>, <|eot_id|>
 
 
-def search_action(query: str) -> str:
-    return f"{SEARCH_OPEN} {query} {SEARCH_CLOSE}"
-
-
 def answer_action(answer: str) -> str:
     return f"{ANSWER_OPEN} {answer} {ANSWER_CLOSE}"
 
@@ -128,7 +124,6 @@ class TagFormat:
     """Search-R1's tag protocol (`rollout.protocol: tags`) behind the interface the turn logic uses,
     which `chat_tools.ChatFormat` also has: stops, parsing, the texts inserted between turns."""
 
-    name = "tags"
     tool_head, tool_tail = OBSERVATION_HEAD, OBSERVATION_TAIL
 
     def __init__(self, tools: Sequence[str] = ("search",)):
@@ -143,7 +138,7 @@ class TagFormat:
         return INVALID_MESSAGE
 
     def call_text(self, name: str, value: str) -> str:
-        return search_action(value) if name == "search" else f"<{name}> {value} </{name}>"
+        return f"<{name}> {value} </{name}>"  # search: Search-R1's <search> query </search>
 
     def answer_text(self, answer: str) -> str:
         return answer_action(answer)
