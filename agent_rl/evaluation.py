@@ -38,8 +38,9 @@ from agent_rl.rollout.loop import AgentLoop
 from agent_rl.rollout.prompts import PromptSet
 from agent_rl.rollout.protocol import extract_answer, policy_text
 from agent_rl.rollout.rewards import answer_scores
-from agent_rl.rollout.trajectory import Trajectory
+from agent_rl.rollout.trajectory import Trajectory, write_trajectories
 from agent_rl.runtime import distributed as dist_lib
+from agent_rl.runtime.logger import MetricsLogger
 from agent_rl.world import LOCAL, World
 from retriever_server.client import RetrieverClient
 
@@ -353,6 +354,50 @@ def evaluate_all(
         finally:
             gen.set_state(state)  # training rollouts (and --resume) never see the eval's draws
     return out
+
+
+def evaluate_step(
+    loop: AgentLoop,
+    test_set: PromptSet,
+    cfg: Config,
+    world: World,
+    out_dir: Path,
+    step: int,
+    tokenizer,
+    logger: MetricsLogger,
+) -> dict[str, float]:
+    """The trainer's evaluation at `step`: every rank evaluates its contiguous share of the test set with its
+    own rollout engine (no collectives inside); rank 0 gathers the per-question scores and trajectories, in the
+    test set's order, and computes the metrics (empty on the other ranks). Each question's scores go to
+    `out_dir`/eval/step_N.jsonl (for paired comparisons between steps, with the rank that ran it), the greedy
+    trajectories to `out_dir`/eval_trajectories/step_N.jsonl (for `agent-rl view`), and the evaluation's
+    seconds to `timing/eval_s`."""
+    result: dict[str, float] = {}
+    ts = test_set
+    lo, hi = (len(ts.items) * r // world.world_size for r in (world.rank, world.rank + 1))
+    share = PromptSet(ts.items[lo:hi], ts.metadata[lo:hi], ts.questions[lo:hi])
+    scores: list[dict] = []
+    trajs: list[Trajectory] = []
+    start = time.perf_counter()
+    if share.items:
+        evaluate_all(loop, share, cfg, scores, keep=trajs)
+    for r in scores:
+        r["rank"] = world.rank
+    parts, traj_parts = world.gather_object(scores), world.gather_object(trajs)
+    if world.is_main:
+        prefixes = dict.fromkeys(r["eval"] for part in parts for r in part)
+        scores = [r for prefix in prefixes for part in parts for r in part if r["eval"] == prefix]
+        trajs = [t for part in traj_parts for t in part]
+        result = score_metrics(scores)
+        result["timing/eval_s"] = time.perf_counter() - start
+        path = out_dir / "eval" / f"step_{step}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in scores))
+        traj_path = out_dir / "eval_trajectories" / f"step_{step}.jsonl"
+        write_trajectories(traj_path, trajs, tokenizer)
+        logger.log_trajectories(step, "eval/trajectories", traj_path)
+    world.barrier()
+    return result
 
 
 def _write_all(fd: int, data: bytes) -> None:

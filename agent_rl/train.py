@@ -10,7 +10,6 @@ the update is micro-batched by token count, not by a fixed row count.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import math
 import os
@@ -18,54 +17,33 @@ import random
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
 from agent_rl.bootstrap.prepare import local_retriever, prepare
 from agent_rl.config import Config
-from agent_rl.evaluation import evaluate_all, score_metrics
 from agent_rl.guard.collapse import CollapseGuard
-from agent_rl.guard.signals import ReplaySet, rewarded_rows, row_logprobs, update_logprob_change
+from agent_rl.guard.signals import ReplaySet
 from agent_rl.learn.batch import RolloutBatch
-from agent_rl.learn.policy import (
-    _DTYPES,
-    ValueModel,
-    assert_no_data_parallel,
-    frozen_copy,
-    load_policy,
-    trainer_autocast,
-)
+from agent_rl.learn.policy import _DTYPES, ValueModel, assert_no_data_parallel, frozen_copy, load_policy
 from agent_rl.learn.update import adamw, prepare_batch, update
 from agent_rl.planning.preflight import run_preflight
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.buffer import TrajectoryBuffer
-from agent_rl.rollout.engines import Engine, build_engine
+from agent_rl.rollout.engines import build_engine
 from agent_rl.rollout.loop import AgentLoop, rollout_metrics
-from agent_rl.rollout.prompts import PromptSet, load_prompts, load_tokenizer
+from agent_rl.rollout.prompts import load_prompts, load_tokenizer
 from agent_rl.rollout.rewards import Reward, answer_scores
-from agent_rl.rollout.trajectory import Trajectory, write_trajectories
+from agent_rl.rollout.trajectory import Trajectory
+from agent_rl.run import PromptStream, Run
 from agent_rl.runtime import allocator
 from agent_rl.runtime import distributed as dist_lib
-from agent_rl.runtime.checkpoint import (
-    REFERENCE,
-    StopFlag,
-    checkpoint_step,
-    checkpoints,
-    drop_checkpoints_after,
-    install_signal_handlers,
-    latest_checkpoint,
-    load_checkpoint,
-    load_reference,
-    save_checkpoint,
-)
+from agent_rl.runtime.checkpoint import install_signal_handlers
 from agent_rl.runtime.logger import MetricsLogger
 from agent_rl.runtime.memory import peak_rss_bytes, proc_status_bytes
 from agent_rl.sft import train_sft
-from agent_rl.world import World
 from retriever_server.client import RetrieverClient
 
 
@@ -80,39 +58,6 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.mkldnn.deterministic = True  # type: ignore[assignment]  # a ContextProp setter
-
-
-@dataclass
-class PromptStream:
-    """Deterministic, resumable order over the training prompts: a seeded shuffle per epoch."""
-
-    size: int
-    seed: int
-    shuffle: bool
-    cursor: int = 0
-    _order: list[int] = field(default_factory=list)
-    _epoch: int = -1
-
-    def next(self, n: int) -> list[int]:
-        out = []
-        for _ in range(n):
-            epoch, pos = divmod(self.cursor, self.size)
-            if epoch != self._epoch:
-                self._order = list(range(self.size))
-                if self.shuffle:
-                    random.Random(self.seed * 1_000_003 + epoch).shuffle(self._order)
-                self._epoch = epoch
-            out.append(self._order[pos])
-            self.cursor += 1
-        return out
-
-
-def sync_weights(engine: Engine, policy) -> float:
-    """Push the updated weights into the rollout engine (a no-op where it generates with the policy
-    module itself); returns seconds."""
-    start = time.perf_counter()
-    engine.sync_weights(policy)
-    return time.perf_counter() - start
 
 
 def make_scheduler(cfg: Config, optimizer):
@@ -157,347 +102,6 @@ def save_trajectories(
             )
             fh.write(json.dumps(rec) + "\n")
     return path
-
-
-@dataclass
-class Run:
-    """Everything one training run holds between steps: what `setup` builds and `train` drives.
-    Its settings (steps, output directory, checkpoints, evaluation) are `cfg.run`, a `RunConfig`."""
-
-    cfg: Config
-    world: World
-    out_dir: Path
-    tokenizer: Any  # a transformers tokenizer
-    engine: Engine
-    policy: torch.nn.Module
-    ref: torch.nn.Module | None
-    critic: torch.nn.Module | None
-    optimizer: torch.optim.Optimizer
-    critic_opt: torch.optim.Optimizer | None
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    budget: TokenBudget
-    train_set: PromptSet
-    test_set: PromptSet | None
-    stream: PromptStream
-    buffer: TrajectoryBuffer
-    logger: MetricsLogger
-    guard: CollapseGuard
-    replay: ReplaySet | None  # the guard's replay set (guard.replay_size)
-    stop: StopFlag
-    update_rng: random.Random
-    step: int = 0
-    # `ref` is a rollback's (a frozen copy of the policy it restored): no file but the checkpoint rebuilds it
-    rollback_ref: bool = False
-
-    @property
-    def ckpt_root(self) -> Path:
-        return self.out_dir / "checkpoints"
-
-    def push_weights(self) -> float:
-        """The updated weights into the rollout engine (a collective under torchrun); seconds."""
-        if self.world.sharded:
-            return dist_lib.sync_rollout_weights(self.engine, self.policy)
-        return sync_weights(self.engine, self.policy)
-
-    def checkpoint(self) -> Path:
-        extra = {
-            "step": self.step,
-            "cursor": self.stream.cursor,
-            "update_rng": self.update_rng.getstate(),
-            "engine_rng": self.engine.generator.get_state(),
-            "guard": self.guard.state_dict(),  # with what a rollback changed, so --resume keeps it
-            "kl_coef": self.cfg.algo.kl_coef,
-            "entropy_coef": self.cfg.algo.entropy_coef,
-            "replay": self.replay.state_dict() if self.replay is not None else [],
-        }
-        if self.world.sharded:
-            return dist_lib.save_sharded(
-                self.ckpt_root,
-                self.step,
-                self.policy,
-                self.optimizer,
-                self.world,
-                self.scheduler,
-                extra,
-                self.cfg.to_dict(),
-                self.cfg.run.keep_last,
-                export_hf=True,
-                critic=self.critic,
-                critic_optimizer=self.critic_opt,
-            )
-        if self.critic is not None and self.critic_opt is not None:
-            extra["critic"], extra["critic_opt"] = self.critic.state_dict(), self.critic_opt.state_dict()
-        return save_checkpoint(
-            self.ckpt_root,
-            self.step,
-            self.policy,
-            self.optimizer,
-            self.scheduler,
-            extra,
-            self.cfg.to_dict(),
-            self.cfg.run.keep_last,
-            reference=self.ref if self.rollback_ref else None,
-        )
-
-    def restore(self, path: Path) -> None:
-        if self.world.sharded or (path / "dcp").is_dir():  # DCP reshards a torchrun checkpoint into one process
-            extra = dist_lib.load_sharded(
-                path, self.policy, self.optimizer, self.world, self.scheduler, self.critic, self.critic_opt
-            )
-        else:
-            extra = load_checkpoint(path, self.policy, self.optimizer, self.scheduler)
-            if self.critic is not None and self.critic_opt is not None:
-                self.critic.load_state_dict(extra["critic"])
-                self.critic_opt.load_state_dict(extra["critic_opt"])
-        self.step, self.stream.cursor = int(extra["step"]), int(extra["cursor"])
-        if "engine_rng" in extra:
-            self.engine.generator.set_state(extra["engine_rng"])
-        self.update_rng.setstate(extra["update_rng"])
-        if "guard" in extra:
-            self.guard.load_state_dict(extra["guard"])
-            self._restore_reference(path, extra["kl_coef"])
-            self._set_kl(extra["kl_coef"])
-            self._set_algo(entropy_coef=extra.get("entropy_coef", self.cfg.algo.entropy_coef))
-            if self.replay is not None:
-                self.replay.load_state_dict(extra["replay"])
-        self.push_weights()
-
-    def _restore_reference(self, path: Path, kl_coef: float) -> None:
-        """The reference checkpoint `path` was saved with: a rollback's, read back whole, or none (a checkpoint
-        from before the rollback that made the one held now, which is then dropped)."""
-        if (path / REFERENCE).exists():
-            if self.ref is None:
-                self.ref = frozen_copy(self.policy, self.cfg.train.device, _DTYPES[self.cfg.model.dtype])
-            load_reference(path, self.ref)
-            self.rollback_ref = True
-            return
-        if self.rollback_ref:
-            self.ref, self.rollback_ref = None, False
-        if kl_coef > 0 and self.ref is None and not hasattr(self.policy, "disable_adapter") and not self.world.sharded:
-            print(
-                f"[guard] {path} holds a rollback's KL coefficient but not its reference (saved before references "
-                "were kept): the reference is the restored policy",
-                file=sys.stderr,
-            )
-
-    def _set_kl(self, kl_coef: float) -> None:
-        if kl_coef > 0 and self.ref is None and not hasattr(self.policy, "disable_adapter"):
-            if self.world.sharded:
-                print("[guard] no reference model on this FSDP run: the KL coefficient stays 0", file=sys.stderr)
-                return
-            # a rollback's first KL: the reference is the policy as restored (the last healthy one), saved
-            # with every checkpoint from here on
-            self.ref = frozen_copy(self.policy, self.cfg.train.device, _DTYPES[self.cfg.model.dtype])
-            self.rollback_ref = True
-        self._set_algo(kl_coef=kl_coef)
-
-    def _set_algo(self, **changes) -> None:
-        """The run's config with these algo fields changed (what a rollback set, or a checkpoint restores)."""
-        self.cfg = dataclasses.replace(self.cfg, algo=dataclasses.replace(self.cfg.algo, **changes))
-
-    def asked_rows(self, trajs: list[Trajectory], batch: RolloutBatch) -> tuple[dict | None, list[int]]:
-        """The rows whose log-probs before the update the update is asked for, for the trajectory file: this
-        step's first rows (this rank's share) every run.save_trajectories_every steps (None on other steps); and
-        the collapse guard's rewarded rows (guard.update_rows), which the update signal scores itself."""
-        every = self.cfg.run.save_trajectories_every
-        report: dict[int, list[float] | None] | None = (
-            dict.fromkeys(range(min(len(trajs), self.cfg.run.save_trajectories_per_step)))
-            if every and self.step % every == 0
-            else None
-        )
-        if self.cfg.guard.update_rows <= 0:
-            return report, []
-        assert batch.advantages is not None
-        return report, rewarded_rows(batch.trajs, batch.advantages, self.cfg.guard.update_rows)
-
-    def signal_logprobs(self, batch: RolloutBatch, rows: list[int]) -> dict[int, torch.Tensor]:
-        """The update signal's rows scored as the signal scores them after the update (`row_logprobs`, in the
-        trainer's arithmetic); nothing when guard.update_rows is 0."""
-        if self.cfg.guard.update_rows <= 0:
-            return {}
-        with trainer_autocast(self.cfg, self.world):
-            return row_logprobs(
-                self.policy,
-                batch.trajs,
-                rows,
-                self.tokenizer.pad_token_id,
-                self.cfg.train.device,
-                self.cfg.rollout.temperature,
-                self.cfg.train.max_tokens_per_microbatch,
-                self.world,
-            )
-
-    def update_signal(self, batch: RolloutBatch, before: dict[int, torch.Tensor], seconds: float) -> dict[str, float]:
-        """guard/update_logprob_change: what the update just made did to the log-probs of the rows it rewarded,
-        from their log-probs `before` it (`signal_logprobs`, which took `seconds`; nothing when guard.update_rows
-        is 0 or no rank has such a row)."""
-        if self.cfg.guard.update_rows <= 0:
-            return {}
-        start = time.perf_counter()
-        assert batch.advantages is not None
-        with trainer_autocast(self.cfg, self.world):
-            change = update_logprob_change(
-                self.policy,
-                batch.trajs,
-                before,
-                batch.advantages,
-                self.tokenizer.pad_token_id,
-                self.cfg.train.device,
-                self.cfg.rollout.temperature,
-                self.cfg.train.max_tokens_per_microbatch,
-                self.world,
-            )
-        if change is None:
-            return {}
-        spent = seconds + time.perf_counter() - start
-        return {"guard/update_logprob_change": change, "timing/update_signal_s": spent}
-
-    def replay_signal(self, sampled: list[Trajectory]) -> dict[str, float]:
-        """guard/replay_logprob of the replay set under the updated policy (once every rank's set is full), then
-        this step's rewarded responses into the set while it fills."""
-        if self.replay is None:
-            return {}
-        out = {}
-        start = time.perf_counter()
-        if self.replay.ready(self.world) and self.step % self.cfg.guard.replay_every == 0:
-            pad = self.tokenizer.pad_token_id
-            out["guard/replay_logprob"] = self.replay.logprob(
-                self.policy,
-                pad,
-                self.cfg.train.device,
-                self.cfg.rollout.temperature,
-                self.cfg.train.max_tokens_per_microbatch,
-                self.world,
-            )
-            out["timing/replay_s"] = time.perf_counter() - start
-        self.replay.add(sampled)
-        return out
-
-    def resume(self) -> None:
-        """Restore the latest checkpoint under the output directory, if there is one."""
-        path = self.world.broadcast_object(latest_checkpoint(self.ckpt_root))  # every rank the same step
-        if path is None:
-            print(f"[train] --resume: no checkpoint under {self.ckpt_root}; starting from step 0", file=sys.stderr)
-            return
-        self.restore(path)
-        self.logger.truncate_after(self.step)
-        print(f"[train] resumed from {path} at step {self.step}", file=sys.stderr)
-
-    def evaluate(self, loop: AgentLoop) -> dict[str, float]:
-        """Every rank evaluates its contiguous share of the test set with its own rollout engine (no
-        collectives inside); rank 0 gathers the per-question scores and trajectories, in the test set's
-        order, and computes the metrics. Each question's scores go to OUTPUT_DIR/eval/step_N.jsonl (for
-        paired comparisons between steps, with the rank that ran it), the greedy trajectories to
-        OUTPUT_DIR/eval_trajectories/step_N.jsonl (for `agent-rl view`), and the evaluation's seconds
-        to `timing/eval_s`."""
-        result: dict[str, float] = {}
-        if self.test_set is None:
-            return result
-        world, ts = self.world, self.test_set
-        lo, hi = (len(ts.items) * r // world.world_size for r in (world.rank, world.rank + 1))
-        share = PromptSet(ts.items[lo:hi], ts.metadata[lo:hi], ts.questions[lo:hi])
-        scores: list[dict] = []
-        trajs: list[Trajectory] = []
-        start = time.perf_counter()
-        if share.items:
-            evaluate_all(loop, share, self.cfg, scores, keep=trajs)
-        for r in scores:
-            r["rank"] = world.rank
-        parts, traj_parts = world.gather_object(scores), world.gather_object(trajs)
-        if world.is_main:
-            prefixes = dict.fromkeys(r["eval"] for part in parts for r in part)
-            scores = [r for prefix in prefixes for part in parts for r in part if r["eval"] == prefix]
-            trajs = [t for part in traj_parts for t in part]
-            result = score_metrics(scores)
-            result["timing/eval_s"] = time.perf_counter() - start
-            path = self.out_dir / "eval" / f"step_{self.step}.jsonl"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("".join(json.dumps(r) + "\n" for r in scores))
-            traj_path = self.out_dir / "eval_trajectories" / f"step_{self.step}.jsonl"
-            write_trajectories(traj_path, trajs, self.tokenizer)
-            self.logger.log_trajectories(self.step, "eval/trajectories", traj_path)
-        self.world.barrier()
-        return result
-
-    def stopping(self) -> bool:
-        """A signal arrived (on any rank: the ranks leave the loop together)."""
-        return self.world.all_reduce_max(float(self.stop.is_set())) > 0
-
-    def retriever_ok(self, client: RetrieverClient, counters) -> bool:
-        """Too many of this step's searches failed: wait for /health (rank 0; all ranks agree)."""
-        searched, errors = counters["retriever/queries"], counters["retriever/errors"]
-        if not self.world.all_reduce_max(
-            float(searched > 0 and errors / searched > self.cfg.retriever.max_failed_share)
-        ):
-            return True
-        back = 0.0
-        if self.world.is_main:
-            print(
-                f"[train] step {self.step}: {int(errors)} of {int(searched)} searches failed; waiting for "
-                f"{client.url}/health",
-                file=sys.stderr,
-            )
-            back = float(
-                client.wait_healthy(
-                    self.cfg.retriever.health_wait_s, log=lambda m: print(f"[train] {m}", file=sys.stderr)
-                )
-            )
-        return self.world.all_reduce_max(back) > 0
-
-    def rollback(self) -> Path | None:
-        """The guard's rollback: the last healthy checkpoint, a lower learning rate, a stronger KL, a weaker
-        entropy bonus (if any); saved again with them, so a --resume after it keeps them, and the checkpoints
-        after it deleted. Returns the checkpoint it went back to.
-
-        The last healthy checkpoint is the newest from two or more steps before the step that fired: the
-        policy of the step just before generated the rollouts that raised a signal (format, repetition,
-        searches, length), so returning to it would replay them. With none that old, the oldest there is."""
-        found = checkpoints(self.ckpt_root)
-        healthy = [p for p in found if checkpoint_step(p) <= self.step - 2]
-        path = self.world.broadcast_object(healthy[-1] if healthy else (found[0] if found else None))
-        # Lower the scheduler's base rates, not just the live ones: LambdaLR recomputes
-        # lr from base_lrs at every step (and the restore brings back the old ones).
-        base_lrs = [lr * self.cfg.guard.lr_factor for lr in self.scheduler.base_lrs]
-        kl = self.cfg.algo.kl_coef * self.cfg.guard.kl_factor if self.cfg.algo.kl_coef > 0 else self.cfg.guard.kl_floor
-        entropy_coef = self.cfg.algo.entropy_coef * self.cfg.guard.entropy_coef_factor
-        rollbacks, first = self.guard.rollbacks, self.guard.first_signal_step
-        if path is not None:
-            self.restore(path)  # the guard's window and replay set as they were then
-            if self.world.is_main:
-                drop_checkpoints_after(self.ckpt_root, checkpoint_step(path))
-            self.world.barrier()
-        self.guard.rollbacks, self.guard.first_signal_step = rollbacks, first
-        self.guard.replay_best = -math.inf  # the restored policy is the new baseline of the replay signal
-        self.scheduler.base_lrs = base_lrs
-        for group, base, factor in zip(self.optimizer.param_groups, base_lrs, self.scheduler.lr_lambdas):
-            group["lr"] = base * factor(self.scheduler.last_epoch)
-        self._set_kl(kl)
-        self._set_algo(entropy_coef=entropy_coef)
-        if path is not None:
-            self.checkpoint()
-        bonus = f", entropy_coef {entropy_coef:g}" if entropy_coef > 0 else ""
-        print(
-            f"[guard] rolled back to {path} (step {self.step}): lr {self.optimizer.param_groups[0]['lr']:.3g}, "
-            f"kl_coef {self.cfg.algo.kl_coef:g}{bonus} ({self.guard.rollbacks} of {self.cfg.guard.max_rollbacks} "
-            "rollbacks)",
-            file=sys.stderr,
-        )
-        return path
-
-    def checkpoint_due(self) -> bool:
-        """run.save_every, the last step, and with guard.action=rollback every guard.healthy_every steps (a step
-        that raised a signal has rolled back before it gets here: what is saved is healthy)."""
-        run, guard = self.cfg.run, self.cfg.guard
-        healthy = guard.action == "rollback" and guard.healthy_every > 0 and self.step % guard.healthy_every == 0
-        return self.step % run.save_every == 0 or self.step == run.max_steps or healthy
-
-    def exit(self, message: str) -> None:
-        """Save this step, close the logs and the process group, and stop with `message`."""
-        path = self.checkpoint()
-        self.logger.close()
-        self.engine.close()  # before the process group: vLLM's own groups are built on it
-        self.world.close()
-        raise SystemExit(message.replace("{path}", str(path)))
 
 
 def setup(cfg: Config, resume: bool = False) -> Run:

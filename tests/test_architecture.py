@@ -5,8 +5,8 @@ Stages, earliest first: the config and the world of ranks; rollout (budget, engi
 client, turn logic and its drivers, rewards); reports (viewer, eval table, plots); runtime
 (distributed, checkpoints, logging, allocator, memory readings); bootstrap (first-use builders);
 learn (batch, policy forward, advantages, losses, update); planning (the planner and the preflight
-step); guard (the collapse guard and its signals); the entry points at the top (train, sft, cli,
-evaluation). A module may import its own stage or an earlier one, never a later one, also inside
+step); guard (the collapse guard and its signals); the entry points at the top (train and the run it
+drives, sft, cli, evaluation). A module may import its own stage or an earlier one, never a later one, also inside
 functions.
 """
 
@@ -36,7 +36,9 @@ def _stage(module: str) -> int:
     for rank, prefix in enumerate(STAGES, start=1):
         if module == prefix or module.startswith(prefix + "."):
             return rank
-    return len(STAGES) + 1  # agent_rl.train, agent_rl.sft, agent_rl.cli, agent_rl.evaluation, agent_rl.__main__
+    return (
+        len(STAGES) + 1
+    )  # agent_rl.train, agent_rl.run, agent_rl.sft, agent_rl.cli, agent_rl.evaluation, agent_rl.__main__
 
 
 def _module_name(path: Path) -> str:

@@ -11,7 +11,7 @@ from agent_rl.learn.policy import assert_no_data_parallel, forward_logprobs, loa
 from agent_rl.learn.update import prepare_batch, update
 from agent_rl.rollout.engines import build_engine
 from agent_rl.rollout.trajectory import Trajectory
-from agent_rl.train import sync_weights
+from agent_rl.run import sync_weights
 
 
 def _batch(vocab: int, groups: int = 2, n: int = 2):

@@ -912,16 +912,16 @@ def test_every_shipped_config_fits_the_hardware_its_header_names():
 def test_gradients_are_freed_before_the_weight_sync(tiny_model_dir, tmp_path, monkeypatch, keep_signal_handlers):
     """After the optimizer step the trainer frees the gradients (set to None), so they are not
     resident across the weight sync, the engine's wake and the next rollout."""
-    from agent_rl import train as train_mod
+    from agent_rl import run as run_mod
 
     at_sync = []
-    real_sync = train_mod.sync_weights
+    real_sync = run_mod.sync_weights
 
     def sync(engine, policy):
         at_sync.append(sum(p.grad is not None for p in policy.parameters()))
         return real_sync(engine, policy)
 
-    monkeypatch.setattr(train_mod, "sync_weights", sync)
+    monkeypatch.setattr(run_mod, "sync_weights", sync)
     _, rows, error = _train(tiny_model_dir, tmp_path, monkeypatch, lambda call: False, 2)
     assert error is None and max(r["step"] for r in rows) == 2
     assert at_sync and at_sync[-2:] == [0, 0], at_sync
