@@ -359,6 +359,12 @@ class RolloutConfig:
         "chatml_tools = ChatML with a tools section, shipped for models whose template has none, e.g. SmolLM2 | the "
         "path of a Jinja file).",
     )
+    system_prompt: str = _f(
+        "",
+        "rollout.protocol=tool_calls: the system message before the question ('' = agent_rl/rollout/chat_tools.py's "
+        "TOOL_SYSTEM, Search-R1's instruction for tool calls); it should ask for the final answer inside "
+        "<answer></answer>, which rewards and evaluation read.",
+    )
     generation_batch_size: int = _f(128, "Most sequences generated at once by the HF engine.")
     hf_decode: str = _f(
         "auto",
@@ -434,11 +440,12 @@ class RolloutConfig:
             spec if spec in BUILTIN_TOOLS else load_tool_object(spec, f"rollout.tools[{i}]").name
             for i, spec in enumerate(self.tools)
         ]
-        if self.chat_template and self.protocol != "tool_calls":
-            raise ConfigError(
-                f"rollout.chat_template = {self.chat_template!r} is read by rollout.protocol=tool_calls only "
-                f"(rollout.protocol is {self.protocol!r})"
-            )
+        for key in ("chat_template", "system_prompt"):
+            if getattr(self, key) and self.protocol != "tool_calls":
+                raise ConfigError(
+                    f"rollout.{key} = {getattr(self, key)!r} is read by rollout.protocol=tool_calls only "
+                    f"(rollout.protocol is {self.protocol!r})"
+                )
         if len(set(names)) != len(names) or "answer" in names:
             raise ConfigError(
                 f"rollout.tools = {self.tools!r}: tool names {names} must be distinct and not 'answer' "

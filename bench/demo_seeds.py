@@ -1,9 +1,9 @@
 """Does GRPO beat its warm start on the embedded default? `make demo`'s job over several seeds.
 
-Usage: .venv/bin/python bench/demo_seeds.py [--seeds 0 1 2 3] [--out runs/demo_seeds] [key=value ...]
+Usage: .venv/bin/python bench/demo_seeds.py [--seeds 0 1 2 3] [--out runs/demo_seeds] [--config C] [key=value ...]
 
 For each seed: the SFT warm start (its own, `model.warm_start=OUT/sft_seed_S`) and the GRPO run
-(`run.seed=S`, `run.output_dir=OUT/seed_S`) of `configs/tiny_cpu_grpo.yaml`; the toy world, the
+(`run.seed=S`, `run.output_dir=OUT/seed_S`) of `configs/tiny_cpu_grpo.yaml` (or `--config`); the toy world, the
 tiny model and the index are shared (the world's seed is fixed, so every seed is scored on the
 same held-out questions). From each run's per-question scores (`OUTPUT_DIR/eval/step_N.jsonl`) it
 prints greedy and sampled test EM after SFT and after GRPO, overall and per question type, the
@@ -59,6 +59,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3])
     parser.add_argument("--out", default="runs/demo_seeds")
+    parser.add_argument("--config", default="configs/tiny_cpu_grpo.yaml", help="the demo's config, or another")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run (key=value)")
     args = parser.parse_args()
     out = ROOT / args.out
@@ -70,7 +71,7 @@ def main() -> int:
         cmd = [
             str(ROOT / ".venv" / "bin" / "agent-rl"),
             "train",
-            "configs/tiny_cpu_grpo.yaml",
+            args.config,
             f"run.seed={seed}",
             f"run.output_dir={run_dir}",
             f"model.warm_start={out / f'sft_seed_{seed}'}",

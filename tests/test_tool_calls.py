@@ -56,6 +56,18 @@ class ScriptedChat:
         return out
 
 
+@pytest.fixture(scope="module")
+def chat_model_dir(toy_warm_start, tmp_path_factory):
+    """The tiny model `configs/tiny_cpu_tool_calls.yaml` builds on first use over the toy world: its tokenizer
+    trained on the prompts as the chat template renders them, the template's markers as special tokens."""
+    from agent_rl.bootstrap.prepare import ensure_model
+
+    path = tmp_path_factory.mktemp("chat_model") / "model"
+    overrides = [*toy_world_overrides(toy_warm_start["cache"]), f"model.path={path}"]
+    ensure_model(load_config("configs/tiny_cpu_tool_calls.yaml", overrides))
+    return path
+
+
 def _cfg(model_dir, *extra):
     return load_config(
         None,
@@ -75,13 +87,14 @@ def _template_ids(tok, messages, schemas) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-@pytest.mark.parametrize("model", ["smollm2", "tiny"])
+@pytest.mark.parametrize("model", ["smollm2", "tiny", "tiny_for_tool_calls"])
 def test_a_trajectory_is_the_chat_template_over_its_messages_token_for_token(request, server, model):
     """A search call, a call with a wrong argument, a message with neither call nor answer, then the answer:
     prompt + response ids equal `apply_chat_template` over the same messages (the tool's documents as a tool
     message, the call's error as a tool message, the corrective message as a user message), the policy's
     own tokens are exactly its turns, and EM, F1 and em_format read the answer."""
-    model_dir = request.getfixturevalue("smollm2_dir" if model == "smollm2" else "tiny_model_dir")
+    fixture = {"smollm2": "smollm2_dir", "tiny": "tiny_model_dir", "tiny_for_tool_calls": "chat_model_dir"}[model]
+    model_dir = request.getfixturevalue(fixture)
     tok = load_tokenizer(str(model_dir))
     _, url = server
     client = RetrieverClient(url, topk=2)
@@ -180,8 +193,9 @@ def test_templates_without_tools_are_refused_naming_the_key(smollm2_dir, tiny_mo
         ChatFormat(tok, [SearchTool(None, 3)], "")
     with pytest.raises(ConfigError, match="rollout.chat_template = 'nope.jinja': neither"):
         ChatFormat(tok, [SearchTool(None, 3)], "nope.jinja")
-    with pytest.raises(ConfigError, match="read by rollout.protocol=tool_calls only"):
-        load_config(None, ["rollout.chat_template=chatml_tools"])
+    for key in ("chat_template=chatml_tools", "system_prompt=Answer."):
+        with pytest.raises(ConfigError, match=f"rollout.{key.split('=')[0]} = .* read by rollout.protocol=tool_calls"):
+            load_config(None, [f"rollout.{key}"])
     with pytest.raises(ConfigError, match="rollout.protocol"):
         load_config(None, ["rollout.protocol=xml"])
     tool_branch = "'<|im_start|>user\n<tool_response>\n' + message['content'] + "
@@ -269,14 +283,14 @@ def test_sft_demonstrations_are_the_template_over_their_messages(toy_warm_start)
 
 
 def test_a_training_run_with_evaluation_in_tool_calls(toy_warm_start, tmp_path):
-    """`agent-rl sft` then `agent-rl train` with its step-0 and final evaluation under tool_calls: the run
-    ends, the evaluation scored every question, and the kept trajectories are tool calls and tool messages."""
+    """`configs/tiny_cpu_tool_calls.yaml` from nothing: its model built, `agent-rl sft`, then `agent-rl train`
+    with its step-0 and final evaluation: the run ends, the evaluation scored every question, and the kept
+    trajectories are tool calls and tool messages."""
     cache = toy_warm_start["cache"]
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "agent_rl.cli", "train", "configs/tiny_cpu_grpo.yaml", *toy_world_overrides(cache)]
-    cmd += ["rollout.protocol=tool_calls", "rollout.chat_template=chatml_tools", f"model.warm_start={tmp_path}/sft"]
-    cmd += ["budget.max_prompt_tokens=1024", "budget.max_obs_tokens=200", "budget.max_total_tokens=1600"]
-    cmd += ["budget.max_tokens_per_turn=48", "sft.steps=4", "sft.batch_size=4", "run.max_steps=1"]
+    cmd = [sys.executable, "-m", "agent_rl.cli", "train", "configs/tiny_cpu_tool_calls.yaml"]
+    cmd += [*toy_world_overrides(cache), f"model.path={tmp_path}/model", f"model.warm_start={tmp_path}/sft"]
+    cmd += ["sft.steps=4", "sft.batch_size=4", "run.max_steps=1"]
     cmd += ["rollout.prompts_per_step=2", "algo.group_size=2", "run.eval_every=1", "run.eval_max_samples=4"]
     cmd += [f"run.output_dir={out}", "run.tensorboard=false", "run.eval_sampled=false", "run.save_trajectories_every=1"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -297,3 +311,20 @@ def test_a_training_run_with_evaluation_in_tool_calls(toy_warm_start, tmp_path):
     assert index.exists() and "tool_call" in pages
     refused = [x["call_error"] for r in kept for x in r["turns"] if x.get("call_error")]
     assert all(f"tool call refused: {html.escape(e)}" in pages for e in refused)
+
+
+def test_a_model_built_for_tool_calls_speaks_the_template_in_few_tokens(chat_model_dir, tiny_model_dir):
+    """`configs/tiny_cpu_tool_calls.yaml`'s model: every marker of the template is one special token, the
+    template is the tokenizer's own (so `rollout.chat_template: ''` takes it), `rollout.system_prompt` is the
+    system message, and the rendered prompt costs a fraction of the tokens a tokenizer trained without it needs."""
+    cfg = load_config("configs/tiny_cpu_tool_calls.yaml", [f"model.path={chat_model_dir}"])
+    tok = load_tokenizer(str(chat_model_dir))
+    assert tok.chat_template == CHATML_TOOLS
+    for marker in ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"):
+        assert len(tok(marker, add_special_tokens=False)["input_ids"]) == 1, marker
+    fmt = ChatFormat(tok, [SearchTool(None, 1)], "", cfg.rollout.system_prompt)
+    prompt = fmt.prompt_text("Where is the head office of Brin Tessly Labs?")
+    assert prompt.startswith("<|im_start|>system\n" + cfg.rollout.system_prompt + "\nTools:")
+    n = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    other = len(load_tokenizer(str(tiny_model_dir))(prompt, add_special_tokens=False)["input_ids"])
+    assert n <= cfg.budget.max_prompt_tokens and 2 * n < other, (n, other)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,34 +59,45 @@ def _default_texts() -> Iterator[str]:
     yield from texts
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int):
+def train_tokenizer(texts: Iterable[str], vocab_size: int, specials: Sequence[str] = (), chat_template: str = ""):
+    """A byte-level BPE of `vocab_size` over `texts`; the agent tags and `specials` (a chat template's markers,
+    under rollout.protocol=tool_calls) are single special tokens; `chat_template` ('' = a plain role template)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
+    extra = [*TAGS, *(s for s in dict.fromkeys(specials) if s not in (EOS, PAD, *TAGS))]
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS, PAD, *TAGS],
+        special_tokens=[EOS, PAD, *extra],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     # The tags are taught in context too, so the words around them merge naturally.
-    tok.train_from_iterator(iter([*texts, " ".join(TAGS)]), trainer)
+    tok.train_from_iterator(iter([*texts, " ".join(extra)]), trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS,
         pad_token=PAD,
-        additional_special_tokens=TAGS,
+        additional_special_tokens=extra,
         clean_up_tokenization_spaces=False,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template or CHAT_TEMPLATE
     return fast
 
 
-def init_model(out_dir: Path, size: str = "tiny", texts: Iterable[str] | None = None, seed: int = 0) -> Path:
-    """Train the tokenizer, build a random Qwen2 of `size`, save both to out_dir."""
+def init_model(
+    out_dir: Path,
+    size: str = "tiny",
+    texts: Iterable[str] | None = None,
+    seed: int = 0,
+    specials: Sequence[str] = (),
+    chat_template: str = "",
+) -> Path:
+    """Train the tokenizer (`specials` and `chat_template` as `train_tokenizer` takes them), build a random
+    Qwen2 of `size`, save both to out_dir."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -94,7 +105,7 @@ def init_model(out_dir: Path, size: str = "tiny", texts: Iterable[str] | None = 
         raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}")
     spec: dict[str, Any] = dict(SIZES[size])
     vocab = spec.pop("vocab")
-    tokenizer = train_tokenizer(texts if texts is not None else _default_texts(), vocab)
+    tokenizer = train_tokenizer(texts if texts is not None else _default_texts(), vocab, specials, chat_template)
     torch.manual_seed(seed)
     config = Qwen2Config(  # type: ignore[call-arg]  # rope_theta: read from kwargs by transformers
         vocab_size=len(tokenizer),

@@ -77,6 +77,29 @@ def _training_texts(cfg: Config) -> Iterator[str]:
             yield from pq.read_table(f, columns=["prompt"]).column("prompt").to_pylist()
 
 
+def _chat_texts(cfg: Config) -> tuple[list[str], list[str], str]:
+    """Under rollout.protocol=tool_calls, what a model built here must tokenize well: each training question's
+    prompt as the chat template renders it (system message, tools' schemas), a tool call on it, a tool message
+    and an answer; with the template's markers (`<|im_start|>`, `<tool_call>`, ...) as special tokens and the
+    template as the tokenizer's own."""
+    import pyarrow.parquet as pq
+
+    from agent_rl.bootstrap.model_init import train_tokenizer
+    from agent_rl.rollout.chat_tools import ChatFormat
+    from agent_rl.rollout.tools import build_tools
+
+    tools = build_tools(cfg.rollout.tools, None, cfg.retriever.topk)
+    fmt = ChatFormat(train_tokenizer([], 300), tools, cfg.rollout.chat_template, cfg.rollout.system_prompt)
+    texts = []
+    for f in cfg.data.train_files:
+        if Path(f).exists():
+            for q in pq.read_table(f, columns=["question"]).column("question").to_pylist():
+                call = fmt.call_text(tools[0].name, q)
+                texts.append(fmt.prompt_text(q) + call + fmt.after_turn(fmt.tool_head, call) + fmt.tool_tail)
+    texts.append(fmt.answer_text("x") + fmt.invalid_text(None, "x"))
+    return texts, fmt.markers(), fmt.template
+
+
 def ensure_model(cfg: Config) -> None:
     path = Path(cfg.model.path)
     if cfg.model.preset:
@@ -101,7 +124,11 @@ def ensure_model(cfg: Config) -> None:
     _log(f"initialising a {cfg.model.init_size} model with a locally trained tokenizer in {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".model_", dir=path.parent))
-    init_model(tmp, size=cfg.model.init_size, texts=_training_texts(cfg), seed=cfg.run.seed)
+    texts, specials, template = list(_training_texts(cfg)), list[str](), ""
+    if cfg.rollout.protocol == "tool_calls":
+        chat, specials, template = _chat_texts(cfg)
+        texts += chat
+    init_model(tmp, size=cfg.model.init_size, texts=texts, seed=cfg.run.seed, specials=specials, chat_template=template)
     os.replace(tmp, path)
 
 

@@ -42,6 +42,7 @@ from agent_rl.rollout.protocol import (
 )
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+_RESPONSE_TAGS = ("<tool_response>", "</tool_response>")
 TOOL_SYSTEM = (
     "Answer the given question. Call a tool whenever you lack some knowledge, as many times as you want. When no "
     f"further knowledge is needed, give the answer inside {ANSWER_OPEN} and {ANSWER_CLOSE}, without detailed "
@@ -115,8 +116,9 @@ class ChatFormat:
     """The tool-call protocol over one tokenizer, template and tool set: prompts, stops, parsing and the
     texts inserted between turns."""
 
-    def __init__(self, tokenizer, tools: Sequence, template: str = ""):
+    def __init__(self, tokenizer, tools: Sequence, template: str = "", system: str = ""):
         self.tok = tokenizer
+        self.system = system or TOOL_SYSTEM
         self.template = load_template(template, tokenizer)
         self.key = template or "the tokenizer's own"
         self.schemas = [tool_schema(t) for t in tools]
@@ -181,10 +183,20 @@ class ChatFormat:
         return head, tail
 
     def prompt_text(self, question: str) -> str:
-        """The prompt: system instruction, the question as the user message, the assistant header."""
+        """The prompt: the system message (`rollout.system_prompt`), the question as the user message, the
+        assistant header."""
         return self.render(
-            [{"role": "system", "content": TOOL_SYSTEM}, {"role": "user", "content": question.strip()}], True
+            [{"role": "system", "content": self.system}, {"role": "user", "content": question.strip()}], True
         )
+
+    def markers(self) -> list[str]:
+        """The template's control texts (`<|im_start|>`, `<|eot_id|>`, `<tool_call>`, `<tool_response>`, ...): the
+        special tokens of a tokenizer trained for it (`agent-rl init-model` under this protocol)."""
+        text = self.prompt_text("Q") + "".join(self.call_text(name, "q") for name in self.params)
+        text += self.tool_head + self.tool_tail + self.user_head + self.end_of_turn
+        found = re.findall(r"<\|[^<>|\s]+\|>", text)
+        found += [tag for tag in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, *_RESPONSE_TAGS) if tag in text]
+        return list(dict.fromkeys(found))
 
     def after_turn(self, head: str, turn_text: str) -> str:
         """`head` less the end of turn the policy already wrote (a turn that stopped at it)."""
@@ -260,7 +272,7 @@ class ChatFormat:
 def build_format(cfg, tokenizer, tools: Sequence):
     """The protocol `rollout.protocol` names: `ChatFormat` for tool_calls, Search-R1's `TagFormat` else."""
     if cfg.rollout.protocol == "tool_calls":
-        return ChatFormat(tokenizer, tools, cfg.rollout.chat_template)
+        return ChatFormat(tokenizer, tools, cfg.rollout.chat_template, cfg.rollout.system_prompt)
     return TagFormat(tuple(t.name for t in tools))
 
 
