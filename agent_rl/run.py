@@ -216,7 +216,7 @@ class Run:
         trainer's arithmetic); nothing when guard.update_rows is 0."""
         if self.cfg.guard.update_rows <= 0:
             return {}
-        with trainer_autocast(self.cfg, self.world):
+        with trainer_autocast(self.cfg.train, self.world):
             return row_logprobs(
                 self.policy,
                 batch.trajs,
@@ -236,7 +236,7 @@ class Run:
             return {}
         start = time.perf_counter()
         assert batch.advantages is not None
-        with trainer_autocast(self.cfg, self.world):
+        with trainer_autocast(self.cfg.train, self.world):
             change = update_logprob_change(
                 self.policy,
                 batch.trajs,

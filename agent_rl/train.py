@@ -297,7 +297,8 @@ def learn_step(run: Run, trajs: list[Trajectory], times: dict) -> tuple[RolloutB
         cfg.algo.mini_batch_size == 0 or cfg.algo.mini_batch_size // world.world_size >= len(trajs)
     )
     batch = prepare_batch(
-        cfg,
+        cfg.algo,
+        cfg.train,
         run.policy,
         run.ref,
         run.critic,
@@ -305,6 +306,7 @@ def learn_step(run: Run, trajs: list[Trajectory], times: dict) -> tuple[RolloutB
         run.tokenizer.pad_token_id,
         need_old=not single_pass,
         world=world,
+        temperature=cfg.rollout.temperature,
     )
     times["prepared"] = time.perf_counter()
     # 5. update; the rows to save and the guard's rewarded rows reported with the update's log-probs
@@ -313,7 +315,8 @@ def learn_step(run: Run, trajs: list[Trajectory], times: dict) -> tuple[RolloutB
     before = run.signal_logprobs(batch, signal_rows)
     signal_s = time.perf_counter() - start
     upd = update(
-        cfg,
+        cfg.algo,
+        cfg.train,
         run.policy,
         run.critic,
         run.optimizer,
@@ -322,6 +325,7 @@ def learn_step(run: Run, trajs: list[Trajectory], times: dict) -> tuple[RolloutB
         run.update_rng,
         world=world,
         trainer_logprobs=report,
+        temperature=cfg.rollout.temperature,
     )
     # The gradients are spent: freed now, they are not resident across the weight sync, the
     # engine's wake and the rollout (the next update's zero_grad would free them only then).

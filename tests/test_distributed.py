@@ -119,8 +119,20 @@ def _single_process_step(model_dir: Path, trajs, overrides: list[str]):
     policy = _load(model_dir)
     ref = frozen_copy(policy, "cpu") if cfg.algo.kl_coef > 0 else None
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
-    batch = prepare_batch(cfg, policy, ref, None, trajs, PAD, need_old=cfg.algo.ppo_epochs > 1)
-    metrics = update(cfg, policy, None, opt, None, batch, random.Random(0))
+    batch = prepare_batch(
+        cfg.algo,
+        cfg.train,
+        policy,
+        ref,
+        None,
+        trajs,
+        PAD,
+        need_old=cfg.algo.ppo_epochs > 1,
+        temperature=cfg.rollout.temperature,
+    )
+    metrics = update(
+        cfg.algo, cfg.train, policy, None, opt, None, batch, random.Random(0), temperature=cfg.rollout.temperature
+    )
     params = {n: p.detach().clone() for n, p in policy.named_parameters()}
     grads = {n: p.grad.detach().clone() for n, p in policy.named_parameters()}
     return params, grads, metrics
@@ -384,9 +396,29 @@ def _rank_main(work: Path) -> None:
             shard_model(ref, dist, cfg)
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
         batch = prepare_batch(
-            cfg, policy, ref, None, mine, PAD, need_old=cfg.algo.ppo_epochs > 1, **({"world": dist} if pads else {})
+            cfg.algo,
+            cfg.train,
+            policy,
+            ref,
+            None,
+            mine,
+            PAD,
+            need_old=cfg.algo.ppo_epochs > 1,
+            **({"world": dist} if pads else {}),
+            temperature=cfg.rollout.temperature,
         )
-        metrics = update(cfg, policy, None, opt, None, batch, random.Random(0), world=dist)
+        metrics = update(
+            cfg.algo,
+            cfg.train,
+            policy,
+            None,
+            opt,
+            None,
+            batch,
+            random.Random(0),
+            world=dist,
+            temperature=cfg.rollout.temperature,
+        )
         grads, params = _full_grads(policy), {n: t for n, t in _full(policy).items() if not n.endswith("inv_freq")}
         mbs = [0.0, 0.0]
         mbs[dist.rank] = metrics["train/microbatches"]
@@ -453,8 +485,30 @@ def _rank_main(work: Path) -> None:
     # DCP: train a step so AdamW has state, save, scramble, load, compare
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     mine = [t for g in split_groups(groups, dist.rank, dist.world_size) for t in g]
-    batch = prepare_batch(cfg, policy, None, None, mine, PAD, need_old=False, **({"world": dist} if pads else {}))
-    update(cfg, policy, None, opt, None, batch, random.Random(0), world=dist)
+    batch = prepare_batch(
+        cfg.algo,
+        cfg.train,
+        policy,
+        None,
+        None,
+        mine,
+        PAD,
+        need_old=False,
+        **({"world": dist} if pads else {}),
+        temperature=cfg.rollout.temperature,
+    )
+    update(
+        cfg.algo,
+        cfg.train,
+        policy,
+        None,
+        opt,
+        None,
+        batch,
+        random.Random(0),
+        world=dist,
+        temperature=cfg.rollout.temperature,
+    )
     saved_params = _full(policy)
     by_name = dict(policy.named_parameters())
     saved_exp_avg = {n: opt.state[p]["exp_avg"].full_tensor().clone() for n, p in by_name.items()}

@@ -43,7 +43,9 @@ def test_rloo_in_prepare_batch_broadcasts_over_trained_tokens_and_drops_excluded
     cfg = _cfg(tiny_model_dir, "algo.advantage=rloo")
     policy = load_policy(cfg, str(tiny_model_dir), "cpu")
     trajs = _trajs(policy.config.vocab_size, [1.0, 0.0, 1.0, 0.0, 2.0, 0.0, 1.0, 0.5], excluded=2)
-    batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=False)
+    batch = prepare_batch(
+        cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=False, temperature=cfg.rollout.temperature
+    )
     want = torch.tensor([1.0, -0.5, 0.0, -0.5, 2.0 - 0.5, -3.5 / 3, 1.0 - 2.5 / 3, 0.5 - 1.0])
     torch.testing.assert_close(batch.advantages, want[:, None] * batch.loss_mask)
     assert float(batch.returns.abs().sum()) == 0.0
@@ -132,12 +134,16 @@ def test_prepare_batch_reinforce_pp_uses_the_k1_kl_of_policy_and_reference(tiny_
     ref = frozen_copy(policy, "cpu")
     _drift(policy, 0.05)
     trajs = _trajs(policy.config.vocab_size, [1.0, 0.0, 1.0, 0.0] * 2)
-    batch = prepare_batch(cfg, policy, ref, None, trajs, 0, need_old=True)
+    batch = prepare_batch(
+        cfg.algo, cfg.train, policy, ref, None, trajs, 0, need_old=True, temperature=cfg.rollout.temperature
+    )
     scores, mask = torch.tensor([t.reward for t in trajs]), batch.loss_mask
     kl = losses.kl_penalty(batch.old_logprobs, batch.ref_logprobs, "k1")
     want = adv_lib.reinforce_pp_advantages(adv_lib.token_level_rewards(scores, mask, kl, 0.5), mask, 0.9)
     torch.testing.assert_close(batch.advantages, want)
-    single = prepare_batch(cfg, policy, ref, None, trajs, 0, need_old=False)
+    single = prepare_batch(
+        cfg.algo, cfg.train, policy, ref, None, trajs, 0, need_old=False, temperature=cfg.rollout.temperature
+    )
     torch.testing.assert_close(single.advantages, want)
     no_kl = adv_lib.reinforce_pp_advantages(adv_lib.token_level_rewards(scores, mask), mask, 0.9)
     assert float((want - no_kl).abs().max()) > 1e-3
@@ -153,8 +159,20 @@ def test_auto_advantage_and_ppo_clip_are_the_defaults_bit_for_bit(tiny_model_dir
         torch.manual_seed(0)
         policy = load_policy(cfg, str(tiny_model_dir), "cpu")
         trajs = _trajs(policy.config.vocab_size, [1.0, 0.0, 1.0, 0.0] * 2)
-        batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=False)
-        update(cfg, policy, None, torch.optim.SGD(policy.parameters(), lr=0.0), None, batch, random.Random(0))
+        batch = prepare_batch(
+            cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=False, temperature=cfg.rollout.temperature
+        )
+        update(
+            cfg.algo,
+            cfg.train,
+            policy,
+            None,
+            torch.optim.SGD(policy.parameters(), lr=0.0),
+            None,
+            batch,
+            random.Random(0),
+            temperature=cfg.rollout.temperature,
+        )
         results.append((batch.advantages, [p.grad for p in policy.parameters()]))
     assert torch.equal(results[0][0], results[1][0])
     assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1]))
@@ -268,13 +286,25 @@ def test_one_step_raises_positive_and_lowers_negative_advantage_rows(tiny_model_
     torch.manual_seed(0)
     policy = load_policy(cfg, str(tiny_model_dir), "cpu")
     trajs = _trajs(policy.config.vocab_size, [1.0, 0.0, 1.0, 0.0] * 2)
-    batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=True)
+    batch = prepare_batch(
+        cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=True, temperature=cfg.rollout.temperature
+    )
     adv = (batch.advantages * batch.loss_mask).sum(-1)
     pos, neg = adv > 0, adv < 0
     assert int(pos.sum()) == 4 and int(neg.sum()) == 4
     assert bool((pos == torch.tensor([t.reward > 0 for t in trajs])).all())
     before, _ = _response_stats(policy, trajs)
-    stats = update(cfg, policy, None, adamw(policy.parameters(), cfg.train.lr), None, batch, random.Random(0))
+    stats = update(
+        cfg.algo,
+        cfg.train,
+        policy,
+        None,
+        adamw(policy.parameters(), cfg.train.lr),
+        None,
+        batch,
+        random.Random(0),
+        temperature=cfg.rollout.temperature,
+    )
     after, _ = _response_stats(policy, trajs)
     delta = after - before
     assert float(delta[pos].mean()) > 1e-2 and float(delta[neg].mean()) < -1e-2, delta
@@ -296,12 +326,24 @@ def _off_policy_grads(cfg, trajs, shift: float):
     if cfg.algo.kl_coef > 0:
         ref = frozen_copy(policy, "cpu")
         _drift(policy, 0.02)
-    batch = prepare_batch(cfg, policy, ref, None, trajs, 0, need_old=True)
+    batch = prepare_batch(
+        cfg.algo, cfg.train, policy, ref, None, trajs, 0, need_old=True, temperature=cfg.rollout.temperature
+    )
     noise = torch.randn(batch.old_logprobs.shape, generator=torch.Generator().manual_seed(3))
     batch.old_logprobs = batch.old_logprobs + shift * noise * batch.loss_mask
     engine = batch.old_logprobs + 0.5 * torch.randn(noise.shape, generator=torch.Generator().manual_seed(4))
     batch.rows.rollout_logprobs = engine * batch.loss_mask
-    stats = update(cfg, policy, None, torch.optim.SGD(policy.parameters(), lr=0.0), None, batch, random.Random(0))
+    stats = update(
+        cfg.algo,
+        cfg.train,
+        policy,
+        None,
+        torch.optim.SGD(policy.parameters(), lr=0.0),
+        None,
+        batch,
+        random.Random(0),
+        temperature=cfg.rollout.temperature,
+    )
     return [p.grad.clone() for p in policy.parameters()], stats
 
 

@@ -54,8 +54,10 @@ def _one_step(model_dir, overrides, pure_bf16=False):
     before = {n: p.detach().float().clone() for n, p in policy.named_parameters()}
     trajs = _trajectories(policy.config.vocab_size)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
-    batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=False)
-    update(cfg, policy, None, opt, None, batch, random.Random(0))
+    batch = prepare_batch(
+        cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=False, temperature=cfg.rollout.temperature
+    )
+    update(cfg.algo, cfg.train, policy, None, opt, None, batch, random.Random(0), temperature=cfg.rollout.temperature)
     dtypes = {p.dtype for p in policy.parameters()}
     return {n: p.detach().float() - before[n] for n, p in policy.named_parameters()}, dtypes
 
@@ -164,7 +166,7 @@ def test_hf_engine_samples_in_the_trainers_compute_dtype(tiny_model_dir):
         mb = collate(trajs, list(range(4)), tok.pad_token_id)
         with torch.no_grad():
             fp32, _ = forward_logprobs(policy, mb, 1.0)
-            with compute_autocast(load_config(None, ["train.bf16=true"]), "cpu"):
+            with compute_autocast(load_config(None, ["train.bf16=true"]).train, "cpu"):
                 half, _ = forward_logprobs(policy, mb, 1.0)
         m = mb.loss_mask.bool()
         m[:, 0] = False

@@ -94,7 +94,9 @@ def _count(model_dir: Path, rows: int, path: str, microbatches: int = 1) -> tupl
     torch.manual_seed(0)
     policy = load_policy(cfg, str(model_dir), "cpu")
     trajs = _trajs(rows, policy.config.vocab_size)
-    batch = update_mod.prepare_batch(cfg, policy, None, None, trajs, 0, need_old=False)
+    batch = update_mod.prepare_batch(
+        cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=False, temperature=cfg.rollout.temperature
+    )
     optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
     passes: list[int] = []  # rows of each pass through the model
     hook = policy.get_decoder().register_forward_pre_hook(
@@ -114,7 +116,16 @@ def _count(model_dir: Path, rows: int, path: str, microbatches: int = 1) -> tupl
     try:
         with count_host_syncs() as counter:
             metrics = update_mod.update(
-                cfg, policy, None, optimizer, None, batch, random.Random(0), trainer_logprobs=report
+                cfg.algo,
+                cfg.train,
+                policy,
+                None,
+                optimizer,
+                None,
+                batch,
+                random.Random(0),
+                trainer_logprobs=report,
+                temperature=cfg.rollout.temperature,
             )
     finally:
         update_mod._microbatch_step = step

@@ -47,8 +47,10 @@ def test_lora_trains_adapters_only_and_base_is_reference(tiny_model_dir):
     opt = torch.optim.AdamW(trainable, lr=1e-2)
     before = {k: v.clone() for k, v in policy.state_dict().items()}
     trajs = _batch(policy.config.vocab_size)
-    batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=False)
-    update(cfg, policy, None, opt, None, batch, random.Random(0))
+    batch = prepare_batch(
+        cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=False, temperature=cfg.rollout.temperature
+    )
+    update(cfg.algo, cfg.train, policy, None, opt, None, batch, random.Random(0), temperature=cfg.rollout.temperature)
     after = policy.state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
     assert changed and all("lora_" in k for k in changed)
@@ -78,7 +80,17 @@ def test_split_devices_sync_weights_explicitly(tiny_model_dir):
     assert same.model is policy  # one device: shared module, nothing to sync
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     trajs = _batch(policy.config.vocab_size)
-    update(cfg, policy, None, opt, None, prepare_batch(cfg, policy, None, None, trajs, 0, False), random.Random(0))
+    update(
+        cfg.algo,
+        cfg.train,
+        policy,
+        None,
+        opt,
+        None,
+        prepare_batch(cfg.algo, cfg.train, policy, None, None, trajs, 0, False, temperature=cfg.rollout.temperature),
+        random.Random(0),
+        temperature=cfg.rollout.temperature,
+    )
     name, p = next(iter(policy.named_parameters()))
     assert not torch.equal(dict(engine.model.named_parameters())[name], p)
     seconds = sync_weights(engine, policy)
@@ -111,8 +123,22 @@ def test_zero_advantage_rows_skip_the_update_and_leave_the_step_unchanged(tiny_m
             ) in trajs:  # group toy-0 keeps its 0/1 rewards (not at step 2 of all_equal); the others get equal rewards
                 if t.prompt_id != "toy-0" or (rewards == "all_equal" and step == 1):
                     t.reward = 1.0 if t.prompt_id == "toy-1" else 0.0
-            batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=False)
-            metrics.append(update(cfg, policy, None, opt, None, batch, random.Random(step)))
+            batch = prepare_batch(
+                cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=False, temperature=cfg.rollout.temperature
+            )
+            metrics.append(
+                update(
+                    cfg.algo,
+                    cfg.train,
+                    policy,
+                    None,
+                    opt,
+                    None,
+                    batch,
+                    random.Random(step),
+                    temperature=cfg.rollout.temperature,
+                )
+            )
         results[skip] = ({k: v.clone() for k, v in policy.state_dict().items()}, metrics)
     (skipped_params, skipped_metrics), (plain_params, plain_metrics) = results[True], results[False]
     assert skipped_metrics[0]["train/skipped_zero_advantage_rows"] == 4  # groups toy-1 and toy-2

@@ -341,7 +341,9 @@ def test_observation_tokens_get_zero_gradient_grpo(tiny_model_dir):
         for p in policy.parameters():
             p.add_(0.02 * torch.randn_like(p))
     trajs = _trajs(policy.config.vocab_size)
-    batch = prepare_batch(cfg, policy, ref, None, trajs, 0, need_old=True)
+    batch = prepare_batch(
+        cfg.algo, cfg.train, policy, ref, None, trajs, 0, need_old=True, temperature=cfg.rollout.temperature
+    )
     assert batch.advantages[batch.loss_mask == 0].abs().sum() == 0  # prompt, observations and padding
     records: list = []
     handles = _capture_grads(
@@ -349,7 +351,9 @@ def test_observation_tokens_get_zero_gradient_grpo(tiny_model_dir):
     )  # the last hidden state, which only the LM head reads
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     try:
-        stats = update(cfg, policy, None, opt, None, batch, random.Random(0))
+        stats = update(
+            cfg.algo, cfg.train, policy, None, opt, None, batch, random.Random(0), temperature=cfg.rollout.temperature
+        )
     finally:
         for h in handles:
             h.remove()
@@ -381,7 +385,9 @@ def test_observation_tokens_get_zero_gradient_ppo_policy_and_critic(tiny_model_d
     with torch.no_grad():
         critic.head.bias.fill_(0.3)  # nonzero values, so GAE has something to skip
     trajs = _trajs(policy.config.vocab_size)
-    batch = prepare_batch(cfg, policy, None, critic, trajs, 0, need_old=False)
+    batch = prepare_batch(
+        cfg.algo, cfg.train, policy, None, critic, trajs, 0, need_old=False, temperature=cfg.rollout.temperature
+    )
     for a, r, m in zip(batch.advantages, batch.returns, batch.loss_mask):
         assert torch.count_nonzero(a[m == 0]) == 0 and torch.count_nonzero(r[m == 0]) == 0
         assert torch.count_nonzero(r[m == 1]) > 0
@@ -392,7 +398,17 @@ def test_observation_tokens_get_zero_gradient_ppo_policy_and_critic(tiny_model_d
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=1e-3)
     try:
-        stats = update(cfg, policy, critic, opt, critic_opt, batch, random.Random(0))
+        stats = update(
+            cfg.algo,
+            cfg.train,
+            policy,
+            critic,
+            opt,
+            critic_opt,
+            batch,
+            random.Random(0),
+            temperature=cfg.rollout.temperature,
+        )
     finally:
         for h in handles:
             h.remove()
@@ -422,8 +438,28 @@ def test_k1_kl_enters_ppo_token_rewards(tiny_model_dir):
     critic = ValueModel(frozen_copy(policy, "cpu"))
     trajs = _trajs(policy.config.vocab_size)
     for need_old in (True, False):
-        with_kl = prepare_batch(cfg_kl, policy, ref, critic, trajs, 0, need_old=need_old)
-        without = prepare_batch(cfg_nokl, policy, None, critic, trajs, 0, need_old=need_old)
+        with_kl = prepare_batch(
+            cfg_kl.algo,
+            cfg_kl.train,
+            policy,
+            ref,
+            critic,
+            trajs,
+            0,
+            need_old=need_old,
+            temperature=cfg_kl.rollout.temperature,
+        )
+        without = prepare_batch(
+            cfg_nokl.algo,
+            cfg_nokl.train,
+            policy,
+            None,
+            critic,
+            trajs,
+            0,
+            need_old=need_old,
+            temperature=cfg_nokl.rollout.temperature,
+        )
         diff = float((with_kl.returns - without.returns).abs().sum())
         assert diff > 1e-3, f"need_old={need_old}: the k1 KL did not change the returns"
 
@@ -473,8 +509,20 @@ def test_shared_prompt_prefix_equals_the_full_pass(tiny_model_dir):
     for share in (False, True):
         cfg = load_config(None, [*base, f"train.share_prompt_prefix={str(share).lower()}"])
         model = copy.deepcopy(policy)
-        batch = prepare_batch(cfg, model, None, None, trajs, 0, need_old=False)
-        update(cfg, model, None, torch.optim.SGD(model.parameters(), lr=0.5), None, batch, random.Random(0))
+        batch = prepare_batch(
+            cfg.algo, cfg.train, model, None, None, trajs, 0, need_old=False, temperature=cfg.rollout.temperature
+        )
+        update(
+            cfg.algo,
+            cfg.train,
+            model,
+            None,
+            torch.optim.SGD(model.parameters(), lr=0.5),
+            None,
+            batch,
+            random.Random(0),
+            temperature=cfg.rollout.temperature,
+        )
         stepped[share] = [p.detach() for p in model.parameters()]
     moved = max(float((a - b.detach()).abs().max()) for a, b in zip(stepped[True], policy.parameters()))
     assert moved > 1e-4

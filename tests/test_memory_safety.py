@@ -339,10 +339,10 @@ def _train(tiny_model_dir, tmp_path, monkeypatch, explode, steps, *extra, answer
     kl_coefs, entropy_coefs = [], []  # the KL coefficient and the entropy bonus each update ran with
     real_update = train_mod.update
 
-    def update(cfg_, *args, **kw):
-        kl_coefs.append(cfg_.algo.kl_coef)
-        entropy_coefs.append(cfg_.algo.entropy_coef)
-        return real_update(cfg_, *args, **kw)
+    def update(algo, *args, **kw):
+        kl_coefs.append(algo.kl_coef)
+        entropy_coefs.append(algo.entropy_coef)
+        return real_update(algo, *args, **kw)
 
     monkeypatch.setattr(train_mod, "update", update)
     cfg.kl_coefs, cfg.entropy_coefs = kl_coefs, entropy_coefs
@@ -592,8 +592,9 @@ for pi in range(cfg.rollout.prompts_per_step):
 for step in range(2):  # step 2 runs forward/backward with the AdamW states already allocated
     if engine is not None:
         engine.sync_weights(policy)  # LoRA merged, as after every update
-    batch = prepare_batch(cfg, policy, None, None, trajs, tok.pad_token_id, need_old=False)
-    update(cfg, policy, None, opt, None, batch, random.Random(step))
+    T = cfg.rollout.temperature
+    batch = prepare_batch(cfg.algo, cfg.train, policy, None, None, trajs, tok.pad_token_id, False, temperature=T)
+    update(cfg.algo, cfg.train, policy, None, opt, None, batch, random.Random(step), temperature=T)
     allocator.release()  # as `train` does after each update
 print(json.dumps({"peak_rss": peak_rss_bytes(),  # VmHWM: ru_maxrss would carry pytest's own peak across exec
                   "params": sum(p.numel() for p in policy.parameters()), "allocator": allocator.in_use()}))

@@ -163,8 +163,12 @@ def test_update_with_packed_rows_equals_padded_update(tiny_model_dir):
             lambda m, a, kw: rows.append(len(kw["input_ids"])), with_kwargs=True
         )
         trajs = _varied(policy.config.vocab_size)
-        batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=True)
-        update(cfg, policy, None, opt, None, batch, random.Random(0))
+        batch = prepare_batch(
+            cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=True, temperature=cfg.rollout.temperature
+        )
+        update(
+            cfg.algo, cfg.train, policy, None, opt, None, batch, random.Random(0), temperature=cfg.rollout.temperature
+        )
         assert rows == ([5] if pack else [6]) * 3  # the old log-probs pass, then one pass per epoch
         results[pack] = {k: v.clone() for k, v in policy.state_dict().items()}
     assert any(not torch.equal(results[False][k], initial[k]) for k in initial)

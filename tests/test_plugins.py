@@ -333,8 +333,20 @@ def test_one_grpo_step_on_tool_trajectories(tiny_model_dir, tokenizer):
     torch.manual_seed(0)
     policy = load_policy(cfg, str(tiny_model_dir), "cpu")
     before = [p.detach().clone() for p in policy.parameters()]
-    batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=False)
-    update(cfg, policy, None, torch.optim.SGD(policy.parameters(), lr=0.5), None, batch, random.Random(0))
+    batch = prepare_batch(
+        cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=False, temperature=cfg.rollout.temperature
+    )
+    update(
+        cfg.algo,
+        cfg.train,
+        policy,
+        None,
+        torch.optim.SGD(policy.parameters(), lr=0.5),
+        None,
+        batch,
+        random.Random(0),
+        temperature=cfg.rollout.temperature,
+    )
     moved = max(float((a - b.detach()).abs().max()) for a, b in zip(before, policy.parameters()))
     assert moved > 1e-5
 

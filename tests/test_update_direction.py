@@ -97,12 +97,24 @@ def test_grpo_step_raises_positive_and_lowers_negative_advantage_responses(tiny_
     torch.manual_seed(0)
     policy = load_policy(cfg, str(tiny_model_dir), "cpu")
     trajs = _trajs(policy.config.vocab_size, [1.0, 0.0, 1.0, 0.0] * 2)
-    batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=False)
+    batch = prepare_batch(
+        cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=False, temperature=cfg.rollout.temperature
+    )
     adv = batch.advantages.sum(-1)
     pos, neg = adv > 0, adv < 0
     assert int(pos.sum()) == 4 and int(neg.sum()) == 4
     before, _ = _response_stats(policy, trajs)
-    update(cfg, policy, None, adamw(policy.parameters(), cfg.train.lr), None, batch, random.Random(0))
+    update(
+        cfg.algo,
+        cfg.train,
+        policy,
+        None,
+        adamw(policy.parameters(), cfg.train.lr),
+        None,
+        batch,
+        random.Random(0),
+        temperature=cfg.rollout.temperature,
+    )
     after, _ = _response_stats(policy, trajs)
     delta = after - before
     assert float(delta[pos].mean()) > 1e-2 and float(delta[neg].mean()) < -1e-2, delta
@@ -117,10 +129,22 @@ def test_entropy_bonus_raises_entropy_with_zero_advantages(tiny_model_dir):
     policy = load_policy(cfg, str(tiny_model_dir), "cpu")
     _drift(policy)  # a sharper start than the near-uniform random init, so entropy has room to rise
     trajs = _trajs(policy.config.vocab_size, [1.0] * 4 + [0.0] * 4)
-    batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=False)
+    batch = prepare_batch(
+        cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=False, temperature=cfg.rollout.temperature
+    )
     assert float(batch.advantages.abs().sum()) == 0.0
     _, before = _response_stats(policy, trajs)
-    stats = update(cfg, policy, None, adamw(policy.parameters(), cfg.train.lr), None, batch, random.Random(0))
+    stats = update(
+        cfg.algo,
+        cfg.train,
+        policy,
+        None,
+        adamw(policy.parameters(), cfg.train.lr),
+        None,
+        batch,
+        random.Random(0),
+        temperature=cfg.rollout.temperature,
+    )
     _, after = _response_stats(policy, trajs)
     assert stats["actor/entropy"] == pytest.approx(before, rel=1e-4)  # the update read the same entropy
     assert after > before + 1e-3, (before, after)
@@ -135,10 +159,22 @@ def test_kl_term_pulls_the_policy_back_to_the_reference(tiny_model_dir):
     ref = frozen_copy(policy, "cpu")
     _drift(policy)
     trajs = _trajs(policy.config.vocab_size, [1.0] * 4 + [0.0] * 4)
-    batch = prepare_batch(cfg, policy, ref, None, trajs, 0, need_old=False)
+    batch = prepare_batch(
+        cfg.algo, cfg.train, policy, ref, None, trajs, 0, need_old=False, temperature=cfg.rollout.temperature
+    )
     assert float(batch.advantages.abs().sum()) == 0.0
     before = _kl_to_ref(policy, ref, trajs)
-    stats = update(cfg, policy, None, adamw(policy.parameters(), cfg.train.lr), None, batch, random.Random(0))
+    stats = update(
+        cfg.algo,
+        cfg.train,
+        policy,
+        None,
+        adamw(policy.parameters(), cfg.train.lr),
+        None,
+        batch,
+        random.Random(0),
+        temperature=cfg.rollout.temperature,
+    )
     after = _kl_to_ref(policy, ref, trajs)
     assert stats["actor/kl"] == pytest.approx(before, rel=1e-4)
     assert before > 0.01 and after < before - 1e-3, (before, after)
@@ -165,10 +201,22 @@ def _grads(cfg, trajs):
             p.requires_grad_(True)
         with torch.no_grad():
             critic.head.bias.fill_(0.3)
-    batch = prepare_batch(cfg, policy, ref, critic, trajs, 0, need_old=False)
+    batch = prepare_batch(
+        cfg.algo, cfg.train, policy, ref, critic, trajs, 0, need_old=False, temperature=cfg.rollout.temperature
+    )
     opt = torch.optim.SGD(policy.parameters(), lr=0.0)
     critic_opt = torch.optim.SGD(critic.parameters(), lr=0.0) if critic is not None else None
-    stats = update(cfg, policy, critic, opt, critic_opt, batch, random.Random(0))
+    stats = update(
+        cfg.algo,
+        cfg.train,
+        policy,
+        critic,
+        opt,
+        critic_opt,
+        batch,
+        random.Random(0),
+        temperature=cfg.rollout.temperature,
+    )
     params = list(policy.parameters()) + (list(critic.parameters()) if critic is not None else [])
     return [p.grad.clone() for p in params], stats
 
@@ -235,7 +283,9 @@ def test_mini_batch_size_takes_one_optimizer_step_per_mini_batch(tiny_model_dir)
     torch.manual_seed(0)
     policy = load_policy(cfg, str(tiny_model_dir), "cpu")
     trajs = _trajs(policy.config.vocab_size, [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
-    batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=True)
+    batch = prepare_batch(
+        cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=True, temperature=cfg.rollout.temperature
+    )
     by_ids = {tuple(t.prompt_ids + t.response_ids): i for i, t in enumerate(trajs)}
     seen: list[int] = []
     steps: list[tuple[list[int], list[torch.Tensor], dict]] = []
@@ -253,7 +303,9 @@ def test_mini_batch_size_takes_one_optimizer_step_per_mini_batch(tiny_model_dir)
     opt = torch.optim.SGD(policy.parameters(), lr=0.5)
     hooks = [policy.register_forward_pre_hook(on_forward, with_kwargs=True), opt.register_step_pre_hook(on_step)]
     try:
-        update(cfg, policy, None, opt, None, batch, random.Random(0))
+        update(
+            cfg.algo, cfg.train, policy, None, opt, None, batch, random.Random(0), temperature=cfg.rollout.temperature
+        )
     finally:
         for h in hooks:
             h.remove()
@@ -265,13 +317,15 @@ def test_mini_batch_size_takes_one_optimizer_step_per_mini_batch(tiny_model_dir)
         model = load_policy(one_pass, str(tiny_model_dir), "cpu")
         model.load_state_dict(state)
         update(
-            one_pass,
+            one_pass.algo,
+            one_pass.train,
             model,
             None,
             torch.optim.SGD(model.parameters(), lr=0.0),
             None,
             _sub_batch(batch, rows),
             random.Random(0),
+            temperature=one_pass.rollout.temperature,
         )
         _assert_same_gradient(grads, [p.grad for p in model.parameters()])
         if k:
@@ -325,9 +379,21 @@ def test_tis_cap_reweights_each_token_of_the_update(tiny_model_dir):
 
     def run(c, scale):
         model = copy.deepcopy(policy)
-        batch = prepare_batch(c, model, None, None, trajs, 0, need_old=False)
+        batch = prepare_batch(
+            c.algo, c.train, model, None, None, trajs, 0, need_old=False, temperature=c.rollout.temperature
+        )
         batch.advantages = batch.advantages * scale
-        stats = update(c, model, None, torch.optim.SGD(model.parameters(), lr=0.0), None, batch, random.Random(0))
+        stats = update(
+            c.algo,
+            c.train,
+            model,
+            None,
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            None,
+            batch,
+            random.Random(0),
+            temperature=c.rollout.temperature,
+        )
         return [p.grad.clone() for p in model.parameters()], stats
 
     got, stats = run(cfg, 1.0)
@@ -360,7 +426,9 @@ def test_gradient_checkpointing_gives_the_plain_update_gradient(tiny_model_dir):
         ref = frozen_copy(policy, "cpu")
         _drift(policy, 0.02)
         trajs = _trajs(policy.config.vocab_size, [1.0, 0.0, 1.0, 0.0] * 2)
-        batch = prepare_batch(cfg, policy, ref, None, trajs, 0, need_old=False)
+        batch = prepare_batch(
+            cfg.algo, cfg.train, policy, ref, None, trajs, 0, need_old=False, temperature=cfg.rollout.temperature
+        )
         layer, calls = policy.model.layers[0], []
         forward = layer.forward
 
@@ -370,7 +438,17 @@ def test_gradient_checkpointing_gives_the_plain_update_gradient(tiny_model_dir):
 
         layer.forward = counted
         try:
-            update(cfg, policy, None, torch.optim.SGD(policy.parameters(), lr=0.0), None, batch, random.Random(0))
+            update(
+                cfg.algo,
+                cfg.train,
+                policy,
+                None,
+                torch.optim.SGD(policy.parameters(), lr=0.0),
+                None,
+                batch,
+                random.Random(0),
+                temperature=cfg.rollout.temperature,
+            )
         finally:
             del layer.forward
         results[ckpt] = ([p.grad.clone() for p in policy.parameters()], len(calls))
@@ -435,14 +513,24 @@ def test_shared_prefix_update_is_bitwise_repeatable(tiny_model_dir):
             t.append(ids, sampled=sampled, logprobs=[-1.0] * n if sampled else None)
         t.reward = float(j % 2)
         trajs.append(t)
-    batch = prepare_batch(cfg, policy, None, None, trajs, 0, need_old=False)
+    batch = prepare_batch(
+        cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=False, temperature=cfg.rollout.temperature
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(max(2, threads))
     try:
         runs = []
         for _ in range(6):
             stats = update(
-                cfg, policy, None, torch.optim.SGD(policy.parameters(), lr=0.0), None, batch, random.Random(0)
+                cfg.algo,
+                cfg.train,
+                policy,
+                None,
+                torch.optim.SGD(policy.parameters(), lr=0.0),
+                None,
+                batch,
+                random.Random(0),
+                temperature=cfg.rollout.temperature,
             )
             runs.append([p.grad.clone() for p in policy.parameters()])
     finally:

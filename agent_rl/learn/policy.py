@@ -15,7 +15,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from agent_rl.config import PREFIX_MAX_SHARE, Config
+from agent_rl.config import PREFIX_MAX_SHARE, AlgoConfig, Config, TrainConfig
 from agent_rl.learn.batch import MicroBatch, to_device
 from agent_rl.learn.losses import entropy_from_logits, token_logprobs
 from agent_rl.rollout.padding import distinct, left_pad
@@ -55,19 +55,19 @@ def load_policy(cfg: Config, path: str, device: str) -> Any:  # a transformers c
     return model
 
 
-def compute_autocast(cfg: Config, device: str | torch.device):
+def compute_autocast(train: TrainConfig, device: str | torch.device):
     """bf16 compute over fp32 weights in one process (`train.bf16`); a no-op otherwise. Under
     FSDP2 the MixedPrecisionPolicy does the casting instead (agent_rl.runtime.distributed.shard_model)."""
-    if not cfg.train.bf16:
+    if not train.bf16:
         return contextlib.nullcontext()
     return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
 
 
-def trainer_autocast(cfg: Config, world: World):
+def trainer_autocast(train: TrainConfig, world: World):
     """The arithmetic of the trainer's forwards: bf16 autocast in one process (`compute_autocast`); under FSDP its
     mixed-precision policy casts instead, so nothing here. Every forward whose log-probs are compared with the
     update's (the collapse guard's update signal) runs under it too."""
-    return contextlib.nullcontext() if world.sharded else compute_autocast(cfg, cfg.train.device)
+    return contextlib.nullcontext() if world.sharded else compute_autocast(train, train.device)
 
 
 def frozen_copy(model: nn.Module, device: str, dtype: torch.dtype | None = None) -> nn.Module:
@@ -180,16 +180,23 @@ def _to(device: torch.device, *host: torch.Tensor) -> list[torch.Tensor]:
     return [part.view(t.shape).to(t.dtype) for part, t in zip(parts, host)]
 
 
-def update_logprobs(cfg: Config, model: nn.Module, mb: MicroBatch, share_prefix: bool = False):
-    """The update's forward as the config sets it (temperature, entropy when the loss or the log
+def update_logprobs(
+    algo: AlgoConfig,
+    train: TrainConfig,
+    model: nn.Module,
+    mb: MicroBatch,
+    temperature: float,
+    share_prefix: bool = False,
+):
+    """The update's forward as the config sets it (the sampling temperature, entropy when the loss or the log
     reads it, packed rows): used by the update and by the preflight that must run the same pass."""
     return forward_logprobs(
         model,
         mb,
-        cfg.rollout.temperature,
-        with_entropy=cfg.algo.entropy_coef > 0 or cfg.algo.log_entropy,
+        temperature,
+        with_entropy=algo.entropy_coef > 0 or algo.log_entropy,
         share_prefix=share_prefix,
-        pack=cfg.train.pack_rows,
+        pack=train.pack_rows,
     )
 
 

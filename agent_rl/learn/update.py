@@ -24,7 +24,7 @@ import random
 import torch
 from torch import nn
 
-from agent_rl.config import Config
+from agent_rl.config import AlgoConfig, TrainConfig
 from agent_rl.learn import advantages as adv_lib
 from agent_rl.learn import losses
 from agent_rl.learn.batch import MicroBatch, RolloutBatch, even_microbatches, pack_microbatches
@@ -44,20 +44,24 @@ def adamw(params, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.0) -> t
     return torch.optim.AdamW(params, lr=lr, betas=tuple(betas), weight_decay=weight_decay, fused=plain or None)
 
 
-def share_prefix(cfg: Config, world: World) -> bool:
-    """Share a group's prompt in the forward? Not under FSDP (every rank must run the same passes)."""
-    return cfg.train.share_prompt_prefix and not world.sharded and not cfg.model.gradient_checkpointing
+def share_prefix(train: TrainConfig, policy: nn.Module, world: World) -> bool:
+    """Share a group's prompt in the forward? Not under FSDP (every rank must run the same passes), nor when
+    the policy recomputes its activations in backward (model.gradient_checkpointing, which `load_policy` turns
+    on in the module)."""
+    checkpointing = bool(getattr(policy, "is_gradient_checkpointing", False))
+    return train.share_prompt_prefix and not world.sharded and not checkpointing
 
 
-def _pack(cfg: Config, batch: RolloutBatch, members: list[int], share: bool) -> list[list[int]]:
+def _pack(train: TrainConfig, batch: RolloutBatch, members: list[int], share: bool) -> list[list[int]]:
     """Micro-batches over `members` as rows of the batch, a group's rows together when shared."""
     groups = [batch.trajs[i].prompt_id for i in members] if share else None
-    local = pack_microbatches(batch.lengths(members), cfg.train.max_tokens_per_microbatch, groups)
+    local = pack_microbatches(batch.lengths(members), train.max_tokens_per_microbatch, groups)
     return [[members[j] for j in b] for b in local]
 
 
 def prepare_batch(
-    cfg: Config,
+    algo: AlgoConfig,
+    train: TrainConfig,
     policy: nn.Module,
     ref: nn.Module | None,
     critic: nn.Module | None,
@@ -65,31 +69,32 @@ def prepare_batch(
     pad_id: int,
     need_old: bool,
     world: World = LOCAL,
+    *,
+    temperature: float,
 ) -> RolloutBatch:
     """The step's batch, scored: old log-probs (when `need_old`), reference log-probs (when a KL
-    term is on), values (PPO), then advantages and returns, each (N, W) over the full sequence."""
+    term is on), values (PPO), then advantages and returns, each (N, W) over the full sequence.
+    Log-probs are at the sampling `temperature` (rollout.temperature)."""
     batch = RolloutBatch.from_trajectories(trajs, pad_id)
     n, width = batch.rows.input_ids.shape
-    use_ref = cfg.algo.kl_coef > 0
-    estimator = cfg.algo.resolved_advantage()
+    use_ref = algo.kl_coef > 0
+    estimator = algo.resolved_advantage()
     # k1 in the reward needs the current policy's log-probs even on the single-pass path
-    k1_reward = use_ref and cfg.algo.kl_type == "k1" and estimator in ("gae", "reinforce_pp", "reinforce_pp_baseline")
+    k1_reward = use_ref and algo.kl_type == "k1" and estimator in ("gae", "reinforce_pp", "reinforce_pp_baseline")
     wanted = {"old": need_old or k1_reward, "ref": use_ref, "values": critic is not None}
     out = {k: torch.zeros((n, width), dtype=torch.float32) for k, on in wanted.items() if on}
-    share = share_prefix(cfg, world)
+    share = share_prefix(train, policy, world)
     scored: list[tuple[list[int], str, torch.Tensor]] = []
-    with torch.no_grad(), trainer_autocast(cfg, world):
-        for index, real in even_microbatches(_pack(cfg, batch, list(range(n)), share), world):
-            mb = batch.micro(index, cfg.train.device)
+    with torch.no_grad(), trainer_autocast(train, world):
+        for index, real in even_microbatches(_pack(train, batch, list(range(n)), share), world):
+            mb = batch.micro(index, train.device)
             got = {}
             if wanted["old"]:
-                got["old"], _ = forward_logprobs(
-                    policy, mb, cfg.rollout.temperature, share_prefix=share, pack=cfg.train.pack_rows
-                )
+                got["old"], _ = forward_logprobs(policy, mb, temperature, share_prefix=share, pack=train.pack_rows)
             if use_ref:
                 with reference_mode(policy, ref) as ref_model:
                     got["ref"], _ = forward_logprobs(
-                        ref_model, mb, cfg.rollout.temperature, share_prefix=share, pack=cfg.train.pack_rows
+                        ref_model, mb, temperature, share_prefix=share, pack=train.pack_rows
                     )
             if critic is not None:
                 got["values"] = critic(mb.input_ids, mb.attention_mask)
@@ -104,24 +109,24 @@ def prepare_batch(
     # mask is all 0 under every estimator), and its group's statistics come from the others.
     keys = [f"{t.prompt_id}#excluded{i}" if t.excluded else t.prompt_id for i, t in enumerate(trajs)]
     if estimator == "grpo":
-        batch.advantages = adv_lib.grpo_advantages(scores, keys, norm_by_std=cfg.algo.norm_adv_by_std)[:, None] * mask
+        batch.advantages = adv_lib.grpo_advantages(scores, keys, norm_by_std=algo.norm_adv_by_std)[:, None] * mask
         batch.returns = torch.zeros_like(mask)
     elif estimator == "rloo":
         batch.advantages = adv_lib.rloo_advantages(scores, keys)[:, None] * mask
         batch.returns = torch.zeros_like(mask)
     else:
         kl = losses.kl_penalty(out["old"], out["ref"], "k1") if k1_reward else None
-        token_rewards = adv_lib.token_level_rewards(scores, mask, kl, cfg.algo.kl_coef if kl is not None else 0.0)
+        token_rewards = adv_lib.token_level_rewards(scores, mask, kl, algo.kl_coef if kl is not None else 0.0)
         if estimator == "gae":
-            a, batch.returns = adv_lib.gae(token_rewards, out["values"], mask, cfg.algo.gamma, cfg.algo.lam)
+            a, batch.returns = adv_lib.gae(token_rewards, out["values"], mask, algo.gamma, algo.lam)
             batch.advantages = adv_lib.whiten(a, mask) * mask
         else:  # REINFORCE++: whitened over the whole batch, every rank's rows under torchrun
             reduce_sum = world.all_reduce_sum if world.sharded else None
             if estimator == "reinforce_pp":
-                batch.advantages = adv_lib.reinforce_pp_advantages(token_rewards, mask, cfg.algo.gamma, reduce_sum)
+                batch.advantages = adv_lib.reinforce_pp_advantages(token_rewards, mask, algo.gamma, reduce_sum)
             else:
                 batch.advantages = adv_lib.reinforce_pp_baseline_advantages(
-                    scores, keys, token_rewards, mask, cfg.algo.gamma, reduce_sum
+                    scores, keys, token_rewards, mask, algo.gamma, reduce_sum
                 )
             batch.returns = torch.zeros_like(mask)
     batch.old_logprobs = out.get("old") if need_old else None
@@ -131,7 +136,8 @@ def prepare_batch(
 
 
 def update(
-    cfg: Config,
+    algo: AlgoConfig,
+    train: TrainConfig,
     policy: nn.Module,
     critic: nn.Module | None,
     optimizer: torch.optim.Optimizer,
@@ -140,8 +146,11 @@ def update(
     rng: random.Random,
     world: World = LOCAL,
     trainer_logprobs: dict[int, list[float] | None] | None = None,
+    *,
+    temperature: float,
 ) -> dict[str, float]:
-    """PPO-style epochs over mini-batches, each accumulated over token-capped micro-batches.
+    """PPO-style epochs over mini-batches, each accumulated over token-capped micro-batches; log-probs at the
+    sampling `temperature` (rollout.temperature).
 
     `trainer_logprobs`, when given, maps rows of the batch to be reported (`save_trajectories`);
     the first epoch fills each with that row's old log-probs over its response tokens.
@@ -150,20 +159,20 @@ def update(
         raise ValueError("update needs a scored batch: build it with prepare_batch")
     advantages = batch.advantages
     n = len(batch)
-    mini = (cfg.algo.mini_batch_size // world.world_size if cfg.algo.mini_batch_size else 0) or n
-    share = share_prefix(cfg, world)
+    mini = (algo.mini_batch_size // world.world_size if algo.mini_batch_size else 0) or n
+    share = share_prefix(train, policy, world)
     policy.train()
     # A row whose advantage is 0 on every token adds exactly 0 to the policy gradient (every
     # term of the clipped loss is advantage x ratio) unless a KL, entropy or value loss reads it.
     skip_zero = (
-        cfg.train.skip_zero_advantage
+        train.skip_zero_advantage
         and critic is None
-        and cfg.algo.entropy_coef == 0
-        and not (cfg.algo.kl_coef > 0 and cfg.algo.kl_type == "low_var_kl")
+        and algo.entropy_coef == 0
+        and not (algo.kl_coef > 0 and algo.kl_type == "low_var_kl")
     )
     skipped = 0
     readout = _Readout()  # metrics; |trainer - engine| log-prob over sampled tokens (first epoch); reported rows
-    for epoch in range(cfg.algo.ppo_epochs):
+    for epoch in range(algo.ppo_epochs):
         order = list(range(n))
         rng.shuffle(order)
         for lo in range(0, n, mini):
@@ -185,14 +194,16 @@ def update(
                 run = [i for i, t in zip(members, trained) if t] or members[:1]
                 skipped += len(members) - len(run)
                 members = run
-            for index, real in even_microbatches(_pack(cfg, batch, members, share), world):
-                mb = batch.micro(index, cfg.train.device)
-                if cfg.algo.loss_agg == "token-mean":
+            for index, real in even_microbatches(_pack(train, batch, members, share), world):
+                mb = batch.micro(index, train.device)
+                if algo.loss_agg == "token-mean":
                     weight = sum(tokens[i] for i in index) / max(1.0, mask_tokens)
                 else:
                     weight = sum(tokens[i] > 0 for i in index) / max(1.0, rows)
                 # an FSDP padding pass: the same collectives, a zero gradient, no metrics
-                mb_stats, old = _microbatch_step(cfg, policy, critic, mb, weight if real else 0.0, share, world)
+                mb_stats, old = _microbatch_step(
+                    algo, train, policy, critic, mb, weight if real else 0.0, share, world, temperature
+                )
                 if real:
                     readout.stats += mb_stats.items()
                 if epoch == 0 and real:  # old = the weights the engine sampled with
@@ -202,12 +213,12 @@ def update(
                         if trainer_logprobs is not None and i in trainer_logprobs:
                             t = batch.trajs[i]
                             readout.rows.append((i, old[r, t.prompt_tokens : t.total_tokens]))
-            if cfg.train.max_grad_norm > 0:
+            if train.max_grad_norm > 0:
                 params = [p for p in policy.parameters() if p.requires_grad]
-                norm = torch.nn.utils.clip_grad_norm_(params, cfg.train.max_grad_norm)
+                norm = torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm)
                 readout.stats.append(("actor/grad_norm", _replicated(norm)))
                 if critic is not None:
-                    torch.nn.utils.clip_grad_norm_(critic.parameters(), cfg.train.max_grad_norm)
+                    torch.nn.utils.clip_grad_norm_(critic.parameters(), train.max_grad_norm)
             optimizer.step()
             if critic_opt is not None:
                 critic_opt.step()
@@ -264,13 +275,15 @@ def _replicated(t: torch.Tensor) -> torch.Tensor:
 
 
 def _microbatch_step(
-    cfg: Config,
+    algo: AlgoConfig,
+    train: TrainConfig,
     policy: nn.Module,
     critic: nn.Module | None,
     mb: MicroBatch,
     weight: float,
     share: bool,
     world: World,
+    temperature: float,
 ) -> tuple[dict[str, torch.Tensor | float], torch.Tensor]:
     """Forward and backward of one micro-batch, its loss scaled by `weight`. Returns its metrics (0-dim tensors
     on the device, read once at the update's end) and the old log-probs it used (B, T), detached. Nothing in it
@@ -278,11 +291,10 @@ def _microbatch_step(
     stats: dict[str, torch.Tensor | float] = {}
     advantages, engine_lp = mb.advantages, mb.rollout_logprobs
     assert advantages is not None and engine_lp is not None, "micro-batches of a scored RolloutBatch carry both"
-    with trainer_autocast(cfg, world):
-        logprobs, entropy = update_logprobs(cfg, policy, mb, share)
+    with trainer_autocast(train, world):
+        logprobs, entropy = update_logprobs(algo, train, policy, mb, temperature, share)
     old = logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs  # None: on-policy, the update's own forward
-    tis = losses.tis_weights(old, engine_lp, mb.loss_mask, cfg.algo.tis_cap) if cfg.algo.tis_cap > 0 else None
-    algo = cfg.algo
+    tis = losses.tis_weights(old, engine_lp, mb.loss_mask, algo.tis_cap) if algo.tis_cap > 0 else None
     if algo.policy_loss == "gspo":
         pg_loss, pg_stats = losses.gspo_loss(
             logprobs, old, advantages, mb.loss_mask, algo.clip_ratio_low, algo.clip_ratio_high, algo.loss_agg, tis
@@ -298,19 +310,17 @@ def _microbatch_step(
     if tis is not None:
         stats["actor/tis_weight_mean"] = (tis * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1)
     loss = pg_loss
-    if cfg.algo.kl_coef > 0 and cfg.algo.kl_type == "low_var_kl":
+    if algo.kl_coef > 0 and algo.kl_type == "low_var_kl":
         assert mb.ref_logprobs is not None, "prepare_batch computes reference log-probs whenever algo.kl_coef > 0"
-        kl = losses.aggregate(
-            losses.kl_penalty(logprobs, mb.ref_logprobs, "low_var_kl"), mb.loss_mask, cfg.algo.loss_agg
-        )
-        loss = loss + cfg.algo.kl_coef * kl
+        kl = losses.aggregate(losses.kl_penalty(logprobs, mb.ref_logprobs, "low_var_kl"), mb.loss_mask, algo.loss_agg)
+        loss = loss + algo.kl_coef * kl
         stats["actor/kl"] = kl.detach()
     if entropy is not None:
-        if cfg.algo.entropy_coef > 0:
-            ent = losses.aggregate(entropy, mb.loss_mask, cfg.algo.loss_agg)
-            loss = loss - cfg.algo.entropy_coef * ent
+        if algo.entropy_coef > 0:
+            ent = losses.aggregate(entropy, mb.loss_mask, algo.loss_agg)
+            loss = loss - algo.entropy_coef * ent
         else:  # a metric only (algo.log_entropy)
-            ent = losses.aggregate(entropy.detach(), mb.loss_mask, cfg.algo.loss_agg)
+            ent = losses.aggregate(entropy.detach(), mb.loss_mask, algo.loss_agg)
         stats["actor/entropy"] = ent.detach()
     (loss * weight).backward()
     stats["loss/policy"] = pg_loss.detach()
@@ -319,10 +329,10 @@ def _microbatch_step(
         assert mb.values is not None and mb.returns is not None, (
             "prepare_batch computes values and returns with a critic"
         )
-        with trainer_autocast(cfg, world):
+        with trainer_autocast(train, world):
             values = critic(mb.input_ids, mb.attention_mask)
         v_loss, v_stats = losses.value_loss(
-            values, mb.values, mb.returns, mb.loss_mask, cfg.algo.value_clip or None, cfg.algo.loss_agg
+            values, mb.values, mb.returns, mb.loss_mask, algo.value_clip or None, algo.loss_agg
         )
         (v_loss * weight).backward()
         stats["loss/value"] = v_loss.detach()

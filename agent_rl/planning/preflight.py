@@ -66,8 +66,8 @@ def run_preflight(model, cfg: Config, device: str, optimizer=None) -> dict:
         mask = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
         mask[:, length - trained :] = 1.0
         mb = MicroBatch(index=list(range(rows)), input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=mask)
-        with compute_autocast(cfg, device):
-            lp, _ = update_logprobs(cfg, model, mb)
+        with compute_autocast(cfg.train, device):
+            lp, _ = update_logprobs(cfg.algo, cfg.train, model, mb, cfg.rollout.temperature)
         lp.sum().backward()
     except (torch.OutOfMemoryError, MemoryError, RuntimeError) as err:
         if not _is_oom(err):
