@@ -182,7 +182,7 @@ def cmd_eval(args) -> int:
     except ValueError as err:
         print(f"agent-rl eval: error: {err}", file=sys.stderr)
         return 2
-    world = evaluation.join_ranks(cfg)
+    world = evaluation.join_ranks(cfg.retriever, cfg.rollout)
     if world.world_size > 1:
         if args.shard:
             print("agent-rl eval: error: --shard and torchrun both split the questions; use one", file=sys.stderr)
@@ -211,12 +211,14 @@ def cmd_eval(args) -> int:
                 loop.admit(load_prompts(data, tokenizer, budget, args.max_samples)), args.per_source, cfg.run.seed
             )
             spec = evaluation.make_spec(
-                cfg,
+                cfg.rollout,
+                cfg.budget,
+                cfg.run.seed,
                 args.checkpoint,
                 model_path,
                 data,
                 prompts,
-                evaluation.describe_retriever(loop.client, cfg),
+                evaluation.describe_retriever(loop.client, cfg.retriever),
                 max_samples=args.max_samples,
                 per_source=args.per_source,
                 pass_k=args.pass_k,
@@ -381,9 +383,8 @@ def cmd_demo(args) -> int:
     if cfg.data.test_files:
         with local_retriever(cfg) as url:
             loop, tokenizer, budget = _loop(cfg, cfg.model.path, url)
-            base = evaluate_all(
-                loop, loop.admit(load_prompts(cfg.data.test_files, tokenizer, budget, cfg.run.eval_max_samples)), cfg
-            )
+            test_set = loop.admit(load_prompts(cfg.data.test_files, tokenizer, budget, cfg.run.eval_max_samples))
+            base = evaluate_all(loop, test_set, cfg.rollout, cfg.run)
     final = train(cfg)
     out = Path(cfg.run.output_dir)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from agent_rl.config import Config
+from agent_rl.config import BudgetConfig, RetrieverConfig, RolloutConfig, RunConfig
 from agent_rl.reports.eval_report import summarise
 from agent_rl.rollout.loop import AgentLoop
 from agent_rl.rollout.prompts import PromptSet
@@ -56,7 +56,7 @@ def questions_dir(out: Path) -> Path:
     return out.with_name(out.stem + "_questions")
 
 
-def join_ranks(cfg: Config) -> World:
+def join_ranks(retriever: RetrieverConfig, rollout: RolloutConfig) -> World:
     """Under torchrun, a gloo group for the start (rank 0 prepares, shares the retriever URL) and the
     final merge; each rank's rollout device becomes `cuda:LOCAL_RANK` when it names a GPU. One
     process: the world of one."""
@@ -64,15 +64,15 @@ def join_ranks(cfg: Config) -> World:
         return LOCAL
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
-    if not cfg.retriever.url and not cfg.retriever.replay and world != int(os.environ.get("LOCAL_WORLD_SIZE", world)):
+    if not retriever.url and not retriever.replay and world != int(os.environ.get("LOCAL_WORLD_SIZE", world)):
         raise ValueError(
             "retriever.url is unset on a multi-node evaluation: start retriever-server --host 0.0.0.0 "
             "and set retriever.url=http://HOST:PORT"
         )
     # Ranks finish their shares at different times; the merge waits for the slowest.
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(hours=24))
-    if cfg.rollout.device.startswith("cuda"):
-        cfg.rollout.device = f"cuda:{local}"
+    if rollout.device.startswith("cuda"):
+        rollout.device = f"cuda:{local}"
     return dist_lib.DistInfo(rank=rank, world_size=world, local_rank=local, device=torch.device("cpu"), backend="gloo")
 
 
@@ -120,28 +120,30 @@ def files_fingerprint(model_dir: str | Path) -> str:
     return h.hexdigest()[:16]
 
 
-def describe_retriever(client: RetrieverClient, cfg: Config) -> dict:
+def describe_retriever(client: RetrieverClient, retriever: RetrieverConfig) -> dict:
     """The retrieval the scores depend on: the index fingerprint `/health` serves (or the replayed
     record's), what it said of the index, the URL or replay folder, and topk."""
     out: dict = {
         "index_fingerprint": None,
-        "topk": cfg.retriever.topk,
+        "topk": retriever.topk,
         "url": client.url,
-        "replay": cfg.retriever.replay or None,
+        "replay": retriever.replay or None,
     }
     try:
         out["index_fingerprint"] = client.fingerprint()
     except Exception as err:  # noqa: BLE001  # an unreadable /health only leaves the fingerprint unknown
         print(f"[eval] no index fingerprint from the retriever ({err}); results record none", file=sys.stderr)
     out["index"] = client.index_info
-    about = Path(cfg.retriever.replay or ".") / str(out["index_fingerprint"]) / "index.json"
-    if out["index"] is None and cfg.retriever.replay and about.exists():  # replayed with no server: the record's
+    about = Path(retriever.replay or ".") / str(out["index_fingerprint"]) / "index.json"
+    if out["index"] is None and retriever.replay and about.exists():  # replayed with no server: the record's
         out["index"] = json.loads(about.read_text())
     return out
 
 
 def make_spec(
-    cfg: Config,
+    rollout: RolloutConfig,
+    budget: BudgetConfig,
+    seed: int,
     checkpoint: str,
     model_dir: str,
     data: list[str],
@@ -153,7 +155,7 @@ def make_spec(
     pass_k: int,
     chunk_size: int,
 ) -> dict:
-    """Everything the scores depend on, with the exact questions (ids in order)."""
+    """Everything the scores depend on, with the exact questions (ids in order); `seed` is run.seed."""
     ids = [item.prompt_id for item in prompts.items]
     dupes = len(ids) - len(set(ids))
     if dupes:
@@ -166,7 +168,7 @@ def make_spec(
         "subset": {
             "max_samples": max_samples,
             "per_source": per_source,
-            "seed": cfg.run.seed,
+            "seed": seed,
             "n": len(ids),
             "ids_sha256": hashlib.sha256("\n".join(ids).encode()).hexdigest(),
             "dropped": dict(prompts.dropped),
@@ -175,13 +177,13 @@ def make_spec(
         "retriever": retriever,
         "decoding": {
             "pass_k": pass_k,
-            "temperature": cfg.rollout.temperature if sampled else cfg.rollout.eval_temperature,
-            "top_p": cfg.rollout.top_p if sampled else 1.0,
-            "seed": cfg.run.seed,
-            "engine": cfg.rollout.resolved_engine(),
-            "mode": cfg.rollout.mode,
+            "temperature": rollout.temperature if sampled else rollout.eval_temperature,
+            "top_p": rollout.top_p if sampled else 1.0,
+            "seed": seed,
+            "engine": rollout.resolved_engine(),
+            "mode": rollout.mode,
         },
-        "budget": dataclasses.asdict(cfg.budget),
+        "budget": dataclasses.asdict(budget),
         "chunk_size": chunk_size,
     }
 
@@ -295,7 +297,7 @@ def trajectory_record(chunk: int, t: Trajectory, meta: dict, prefix: str = "eval
 def evaluate(
     loop: AgentLoop,
     prompts: PromptSet,
-    cfg: Config,
+    rollout: RolloutConfig,
     temperature: float | None = None,
     prefix: str = "eval",
     keep: list[Trajectory] | None = None,
@@ -306,7 +308,7 @@ def evaluate(
     where the rows' `metadata.type` names one (`prefix/type/<type>/em`: the toy world's single-hop and
     two-hop). The trajectories are appended to `keep` if given, and one record per question (id, data
     source, type, EM, F1, searches: `trajectory_record`, as `agent-rl eval` writes) to `scores`."""
-    temperature = cfg.rollout.eval_temperature if temperature is None else temperature
+    temperature = rollout.eval_temperature if temperature is None else temperature
     trajs = loop.run(prompts.items, group_size=1, temperature=temperature)
     if keep is not None:
         keep.extend(trajs)
@@ -337,20 +339,21 @@ def score_metrics(rows: list[dict]) -> dict[str, float]:
 def evaluate_all(
     loop: AgentLoop,
     prompts: PromptSet,
-    cfg: Config,
+    rollout: RolloutConfig,
+    run: RunConfig,
     scores: list[dict] | None = None,
     keep: list[Trajectory] | None = None,
 ) -> dict[str, float]:
     """Greedy EM/F1 under eval/, plus, with run.eval_sampled, EM/F1 of one sample at
     rollout.temperature under eval_sampled/ (what GRPO optimises; greedy EM can sit still while
     the sampled policy sharpens). The greedy trajectories are appended to `keep` if given."""
-    out = evaluate(loop, prompts, cfg, scores=scores, keep=keep)
-    if cfg.run.eval_sampled:
+    out = evaluate(loop, prompts, rollout, scores=scores, keep=keep)
+    if run.eval_sampled:
         gen = loop.engine.generator  # vLLM draws each request's seed from it too
         state = gen.get_state()
-        gen.manual_seed(cfg.run.seed)  # the same draws at every evaluation
+        gen.manual_seed(run.seed)  # the same draws at every evaluation
         try:
-            out.update(evaluate(loop, prompts, cfg, cfg.rollout.temperature, "eval_sampled", scores=scores))
+            out.update(evaluate(loop, prompts, rollout, rollout.temperature, "eval_sampled", scores=scores))
         finally:
             gen.set_state(state)  # training rollouts (and --resume) never see the eval's draws
     return out
@@ -359,7 +362,8 @@ def evaluate_all(
 def evaluate_step(
     loop: AgentLoop,
     test_set: PromptSet,
-    cfg: Config,
+    rollout: RolloutConfig,
+    run: RunConfig,
     world: World,
     out_dir: Path,
     step: int,
@@ -380,7 +384,7 @@ def evaluate_step(
     trajs: list[Trajectory] = []
     start = time.perf_counter()
     if share.items:
-        evaluate_all(loop, share, cfg, scores, keep=trajs)
+        evaluate_all(loop, share, rollout, run, scores, keep=trajs)
     for r in scores:
         r["rank"] = world.rank
     parts, traj_parts = world.gather_object(scores), world.gather_object(trajs)

@@ -288,8 +288,9 @@ class Run:
         """The test set under the policy of this step (`evaluation.evaluate_step`); nothing without one."""
         if self.test_set is None:
             return {}
+        cfg = self.cfg
         return evaluate_step(
-            loop, self.test_set, self.cfg, self.world, self.out_dir, self.step, self.tokenizer, self.logger
+            loop, self.test_set, cfg.rollout, cfg.run, self.world, self.out_dir, self.step, self.tokenizer, self.logger
         )
 
     def stopping(self) -> bool:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from agent_rl.bootstrap.prepare import local_retriever, prepare
-from agent_rl.config import Config
+from agent_rl.config import Config, TrainConfig
 from agent_rl.guard.collapse import CollapseGuard
 from agent_rl.guard.signals import ReplaySet
 from agent_rl.learn.batch import RolloutBatch
@@ -60,13 +60,14 @@ def seed_everything(seed: int, deterministic: bool = False) -> None:
         torch.backends.mkldnn.deterministic = True  # type: ignore[assignment]  # a ContextProp setter
 
 
-def make_scheduler(cfg: Config, optimizer):
-    warm, total = cfg.train.warmup_steps, max(1, cfg.run.max_steps)
+def make_scheduler(train: TrainConfig, max_steps: int, optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    """train.lr_schedule over run.max_steps (`max_steps`), after train.warmup_steps of linear warmup."""
+    warm, total = train.warmup_steps, max(1, max_steps)
 
     def factor(step: int) -> float:
         if warm and step < warm:
             return (step + 1) / warm
-        if cfg.train.lr_schedule == "cosine":
+        if train.lr_schedule == "cosine":
             progress = (step - warm) / max(1, total - warm)
             return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
         return 1.0
@@ -177,7 +178,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
         critic=critic,
         optimizer=optimizer,
         critic_opt=adamw(critic.parameters(), cfg.algo.critic_lr) if critic is not None else None,
-        scheduler=make_scheduler(cfg, optimizer),
+        scheduler=make_scheduler(cfg.train, cfg.run.max_steps, optimizer),
         budget=budget,
         train_set=train_set,
         test_set=load_prompts(cfg.data.test_files, tokenizer, budget, cfg.run.eval_max_samples)

@@ -652,7 +652,7 @@ def test_the_planner_takes_the_engines_figures_from_the_engines(tiny_model_dir, 
         None,
         [model, "rollout.engine=vllm", "rollout.device=cpu", "rollout.cpu_kv_cache_gib=0.4", "model.lora.enabled=true"],
     )
-    arch = planner.config_arch(vllm_cpu)
+    arch = planner.config_arch(vllm_cpu.model)
     own = engine_memory(vllm_cpu, arch, 4)
     assert own.on_host and own.held["vllm_kv_cache"] == 2**30  # vLLM-CPU reserves whole GiB, at least one
     assert own.held["vllm_weights"] == arch.params() * 4 and "weight_sync_merged" in own.rollout

@@ -481,7 +481,7 @@ def test_lr_schedule_at_every_step_hand_computed(schedule, warmup, factors):
     )
     param = torch.nn.Parameter(torch.zeros(1))
     opt = adamw([param], cfg.train.lr)
-    scheduler = make_scheduler(cfg, opt)
+    scheduler = make_scheduler(cfg.train, cfg.run.max_steps, opt)
     used = []
     for _ in range(cfg.run.max_steps):
         used.append(opt.param_groups[0]["lr"])

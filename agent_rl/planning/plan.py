@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from agent_rl.bootstrap.prepare import replays_only
-from agent_rl.config import PREFIX_MAX_SHARE, Config
+from agent_rl.config import PREFIX_MAX_SHARE, Config, ModelConfig
 from agent_rl.rollout.buffer import TrajectoryBuffer
 from agent_rl.rollout.engines import engine_memory
 from agent_rl.runtime import allocator
@@ -170,18 +170,18 @@ def read_arch(model_path: str) -> Arch:
     )
 
 
-def config_arch(cfg: Config) -> Arch:
+def config_arch(model: ModelConfig) -> Arch:
     """The architecture a config trains: its model directory's config.json, or, before first use
     builds it, the preset's known shape or model_init's size table (vocab at its cap)."""
-    for path in (cfg.model.warm_start, cfg.model.path):
+    for path in (model.warm_start, model.path):
         if path and Path(path, "config.json").exists():
             return read_arch(path)
-    if cfg.model.preset:
-        return Arch(*KNOWN_SHAPES[cfg.model.preset])
-    if cfg.model.init_size:
+    if model.preset:
+        return Arch(*KNOWN_SHAPES[model.preset])
+    if model.init_size:
         from agent_rl.bootstrap.model_init import SIZES
 
-        sz = SIZES[cfg.model.init_size]
+        sz = SIZES[model.init_size]
         return Arch(
             sz["hidden_size"],
             sz["num_hidden_layers"],
@@ -191,7 +191,7 @@ def config_arch(cfg: Config) -> Arch:
             sz["vocab"],
             True,
         )
-    return read_arch(cfg.model.path)
+    return read_arch(model.path)
 
 
 def activation_bytes(
@@ -326,12 +326,6 @@ def _host_ram() -> int:
         return 16 * GIB
 
 
-def _estimate(cfg: Config, gpus: int) -> tuple[dict[str, int], dict[str, int]]:
-    """(gpu components per device, host components) at the peak phase; see `_phases`."""
-    phases = _phases(cfg, gpus)
-    return phases[_peak_phase(phases)]
-
-
 def _peak_phase(phases: dict[str, tuple[dict[str, int], dict[str, int]]]) -> str:
     on_gpu = any(gpu for gpu, _ in phases.values())
     return max(phases, key=lambda name: sum(phases[name][0 if on_gpu else 1].values()))
@@ -339,7 +333,7 @@ def _peak_phase(phases: dict[str, tuple[dict[str, int], dict[str, int]]]) -> str
 
 def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
     """{"rollout" | "update": (gpu components per device, host components)}."""
-    arch = config_arch(cfg)
+    arch = config_arch(cfg.model)
     on_gpu = cfg.train.device.startswith("cuda")
     b = _DTYPE_BYTES[cfg.model.dtype]  # storage of what is not trained (frozen base, reference, engine)
     bc = 2 if cfg.train.bf16 else 4  # compute dtype: activations and logits
