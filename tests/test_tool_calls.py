@@ -328,3 +328,54 @@ def test_a_model_built_for_tool_calls_speaks_the_template_in_few_tokens(chat_mod
     n = len(tok(prompt, add_special_tokens=False)["input_ids"])
     other = len(load_tokenizer(str(tiny_model_dir))(prompt, add_special_tokens=False)["input_ids"])
     assert n <= cfg.budget.max_prompt_tokens and 2 * n < other, (n, other)
+
+
+class RetrievalScript(ScriptedChat):
+    """Searches the question, then answers with the first document's title: the second turn depends on what
+    retrieval returned."""
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer, [])
+
+    def generate(self, prompts, max_new_tokens, temperature, top_p=1.0, seeds=None):
+        out = []
+        for p in prompts:
+            ctx = self.tok.decode(p, skip_special_tokens=False)
+            titles = re.findall(r"Doc 1\(Title: ([^)]*)\)", ctx)
+            question = ctx.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+            text = (
+                f"<answer> {titles[-1]} </answer><|im_end|>" if titles else CALL.replace("Inception director", question)
+            )
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
+            out.append(Generation(ids, [-0.5] * len(ids), "stop"))
+        return out
+
+
+def test_async_and_a_replayed_record_give_the_same_trajectories_in_tool_calls(chat_model_dir, server, tmp_path):
+    """Under tool_calls the asynchronous driver and a rollout replayed from a record (no server) give the
+    trajectories of the synchronous live rollout, to the bit, the second turn reading what retrieval returned."""
+    import dataclasses
+
+    from retriever_server.record import RetrievalRecord
+
+    tok = load_tokenizer(str(chat_model_dir))
+    _, url = server
+    questions = ["Who directed Inception?", "Which river flows through Paris?"]
+
+    def rollout(client, mode):
+        cfg = _cfg(chat_model_dir, f"rollout.mode={mode}")
+        loop = AgentLoop.from_config(cfg, RetrievalScript(tok), tok, client, BUDGET)
+        rows = [dataclasses.asdict(t) for t in loop.run(loop.admit(_prompts(questions, tok)).items, group_size=2)]
+        for row in rows:
+            for turn in row["turns"]:
+                turn.pop("retrieval_ms")
+        return json.dumps(rows)
+
+    live = RetrieverClient(url, topk=2, record=RetrievalRecord(tmp_path))
+    want = rollout(live, "sync")
+    live.close()
+    assert want.count('"action": "search"') == 4 and want.count('"action": "answer"') == 4
+    assert rollout(RetrieverClient(url, topk=2), "async") == want
+    for mode in ("sync", "async"):
+        replay = RetrieverClient(None, topk=2, record=RetrievalRecord(tmp_path), replay=True)
+        assert rollout(replay, mode) == want and replay.stats["requests"] == 0
