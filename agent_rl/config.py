@@ -40,7 +40,7 @@ def _f(default: Any, help: str, **kw: Any) -> Any:
 @dataclass
 class RunConfig:
     """Settings of one training run: its length, output directory, checkpoints, evaluation and seed.
-    The live run these settings drive (models, optimizer, step counter) is `agent_rl.train.Run`."""
+    The live run these settings drive (models, optimizer, step counter) is `agent_rl.run.Run`."""
 
     output_dir: str = _f(
         "runs/tiny_cpu_grpo", "Directory for metrics.jsonl, TensorBoard events, checkpoints/ and plots/."

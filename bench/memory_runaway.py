@@ -117,8 +117,28 @@ def point(setting: str, scale: int, args) -> dict:
         t.reward = float(j % 2)
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-4)
     for step in range(2):  # step 2 runs forward/backward with the AdamW states already allocated
-        batch = prepare_batch(cfg, policy, None, None, trajs, tok.pad_token_id, need_old=False)
-        update(cfg, policy, None, opt, None, batch, random.Random(step))
+        batch = prepare_batch(
+            cfg.algo,
+            cfg.train,
+            policy,
+            None,
+            None,
+            trajs,
+            tok.pad_token_id,
+            need_old=False,
+            temperature=cfg.rollout.temperature,
+        )
+        update(
+            cfg.algo,
+            cfg.train,
+            policy,
+            None,
+            opt,
+            None,
+            batch,
+            random.Random(step),
+            temperature=cfg.rollout.temperature,
+        )
     return {
         "budget": setting,
         "scale": scale,

@@ -102,8 +102,28 @@ def measure(config: str, overrides: list[str]) -> dict:
             trajs.append(t)
     _reset_peak()
     for step in range(2):
-        batch = prepare_batch(cfg, policy, None, None, trajs, tok.pad_token_id, need_old=False)
-        update(cfg, policy, None, opt, None, batch, random.Random(step))
+        batch = prepare_batch(
+            cfg.algo,
+            cfg.train,
+            policy,
+            None,
+            None,
+            trajs,
+            tok.pad_token_id,
+            need_old=False,
+            temperature=cfg.rollout.temperature,
+        )
+        update(
+            cfg.algo,
+            cfg.train,
+            policy,
+            None,
+            opt,
+            None,
+            batch,
+            random.Random(step),
+            temperature=cfg.rollout.temperature,
+        )
         allocator.release()  # as `train` does after each update
         if engine is not None:
             engine.sync_weights(policy)

@@ -201,7 +201,7 @@ def measure_case(model_dir: Path, device: str, lora: bool, config: str = "config
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         with torch.autocast(device_type="cuda", dtype=torch.bfloat16, cache_enabled=cache):
-            lp, _ = update_logprobs(cfg, model, mb)
+            lp, _ = update_logprobs(cfg.algo, cfg.train, model, mb, cfg.rollout.temperature)
             after_forward = now() - resting
         after_autocast_exit = now() - resting
         lp.sum().backward()

@@ -166,11 +166,31 @@ def run_ours(args) -> dict:
         clock.start("score")
         for t in trajs:
             t.reward = _reward(args.reward, t.response_text, t.golden_answers)
-        batch = prepare_batch(cfg, policy, None, None, trajs, tok.pad_token_id, need_old=False)
+        batch = prepare_batch(
+            cfg.algo,
+            cfg.train,
+            policy,
+            None,
+            None,
+            trajs,
+            tok.pad_token_id,
+            need_old=False,
+            temperature=cfg.rollout.temperature,
+        )
         clock.stop("score")
         clock.start("fwd_bwd")
         optim_before = clock.total["optim"]
-        stats = update(cfg, policy, None, opt, None, batch, random.Random(step))
+        stats = update(
+            cfg.algo,
+            cfg.train,
+            policy,
+            None,
+            opt,
+            None,
+            batch,
+            random.Random(step),
+            temperature=cfg.rollout.temperature,
+        )
         allocator.release()
         clock.stop("fwd_bwd")
         if step:

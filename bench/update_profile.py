@@ -243,7 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     policy = load_policy(cfg, str(mdir), args.device)
     optimizer = update_mod.adamw([p for p in policy.parameters() if p.requires_grad], cfg.train.lr)
     trajs = trajectories(args.rows * args.microbatches, args.tokens, policy.config.vocab_size, cfg.algo.group_size)
-    batch = update_mod.prepare_batch(cfg, policy, None, None, trajs, 0, need_old=False)
+    batch = update_mod.prepare_batch(
+        cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=False, temperature=cfg.rollout.temperature
+    )
 
     steps: list[float] = []  # host seconds inside each micro-batch step
     counter: SyncCount | None = None
@@ -257,7 +259,17 @@ def main(argv: list[str] | None = None) -> int:
         return out
 
     def run_update() -> dict:
-        return update_mod.update(cfg, policy, None, optimizer, None, batch, random.Random(0))
+        return update_mod.update(
+            cfg.algo,
+            cfg.train,
+            policy,
+            None,
+            optimizer,
+            None,
+            batch,
+            random.Random(0),
+            temperature=cfg.rollout.temperature,
+        )
 
     update_mod._microbatch_step = timed_step
     try:

@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeats + 1):
                 sync()
                 start = time.perf_counter()
-                with compute_autocast(cfg, args.device):
-                    lp, _ = update_logprobs(cfg, model, mb)
+                with compute_autocast(cfg.train, args.device):
+                    lp, _ = update_logprobs(cfg.algo, cfg.train, model, mb, cfg.rollout.temperature)
                 (lp * mb.loss_mask).sum().backward()
                 model.zero_grad(set_to_none=True)
                 sync()
