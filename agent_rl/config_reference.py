@@ -2,7 +2,7 @@
 
 `python -m agent_rl.config_reference docs/CONFIG.md` rewrites the file; without a path it prints it.
 tests/test_docs.py fails when the committed file differs from what this writes, so a field added
-or reworded in `agent_rl/config.py` reaches the reference in the same commit.
+or reworded in `agent_rl/config/` reaches the reference in the same commit.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def render(root: type = Config) -> str:
     lines = [
         "# Config reference",
         "",
-        "<!-- Generated from the help of each field in agent_rl/config.py. Do not edit by hand: run",
+        "<!-- Generated from the help of each field in agent_rl/config/. Do not edit by hand: run",
         f"     `{COMMAND}`. tests/test_docs.py checks that this file is up to date. -->",
         "",
         "A config is YAML (`configs/*.yaml`); any key is overridden on the command line as `section.key=value`",

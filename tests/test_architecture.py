@@ -18,7 +18,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "agent_rl"
 
-FOUNDATION = {"agent_rl.config", "agent_rl.world"}
+FOUNDATION = {
+    "agent_rl.config",
+    "agent_rl.config.base",
+    "agent_rl.config.plugins",
+    "agent_rl.config.experiment",
+    "agent_rl.config.generation",
+    "agent_rl.config.training",
+    "agent_rl.config.loader",
+    "agent_rl.world",
+}
 STAGES = (
     "agent_rl.rollout",
     "agent_rl.reports",
