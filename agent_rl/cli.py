@@ -66,12 +66,12 @@ def _is_lora(model_dir: str) -> bool:
     return (Path(model_dir) / "adapter_config.json").exists()
 
 
-def _load_tokenizer(cfg, model_dir: str):
+def _load_tokenizer(model_cfg, model_dir: str):
     """The model dir's own tokenizer; a checkpoint saved without one uses the run's start model's."""
     from agent_rl.rollout.prompts import load_tokenizer
 
     has_own = (Path(model_dir) / "tokenizer_config.json").exists()
-    return load_tokenizer(model_dir if has_own else (cfg.model.warm_start or cfg.model.path))
+    return load_tokenizer(model_dir if has_own else (model_cfg.warm_start or model_cfg.path))
 
 
 def _load_model(model_dir: str):
@@ -92,7 +92,7 @@ def _loop(cfg, model_path: str, url: str | None):
     from agent_rl.rollout.loop import AgentLoop
     from retriever_server.client import RetrieverClient
 
-    tokenizer = _load_tokenizer(cfg, model_path)
+    tokenizer = _load_tokenizer(cfg.model, model_path)
     vllm = cfg.rollout.resolved_engine() == "vllm"
     if vllm and _is_lora(model_path):
         raise SystemExit(
@@ -329,7 +329,7 @@ def export_model(cfg, src: str, out: Path, merge: bool) -> None:
         else:
             print("exporting the LoRA adapters only (add --merge for a full model)")
     model.save_pretrained(out)
-    _load_tokenizer(cfg, src).save_pretrained(out)
+    _load_tokenizer(cfg.model, src).save_pretrained(out)
 
 
 def cmd_export(args) -> int:

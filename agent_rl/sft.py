@@ -48,7 +48,7 @@ def build_demonstrations(cfg: Config, tokenizer, client: RetrieverClient) -> Dem
     budget = TokenBudget.from_config(cfg.budget)
     tools = build_tools(cfg.rollout.tools, None, cfg.retriever.topk)
     # the prompts, calls, observations and answers of the rollouts' protocol (rollout.protocol)
-    fmt = build_format(cfg, tokenizer, tools)
+    fmt = build_format(cfg.rollout, tokenizer, tools)
     turns = Turns(cast(Engine, None), tokenizer, None, budget, cfg.retriever.topk, tools, fmt)  # nothing generated
     obs = turns.obs
     prompts = turns.admit(load_prompts(cfg.data.train_files, tokenizer, budget))
@@ -163,7 +163,7 @@ def train_sft(cfg: Config) -> Path:
     torch.manual_seed(cfg.run.seed)
     rng = random.Random(cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model.path)
-    model = load_policy(cfg, cfg.model.path, cfg.train.device)
+    model = load_policy(cfg.model, cfg.model.path, cfg.train.device)
     with local_retriever(cfg) as url:
         client = RetrieverClient.from_config(cfg.retriever, url)
         demos = build_demonstrations(cfg, tokenizer, client)

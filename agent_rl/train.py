@@ -134,7 +134,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
         if cfg.rollout.resolved_engine() == "vllm"
         else None
     )
-    policy = load_policy(cfg, start_path, cfg.train.device)
+    policy = load_policy(cfg.model, start_path, cfg.train.device)
     ref = (
         frozen_copy(policy, cfg.train.device, _DTYPES[cfg.model.dtype])
         if cfg.algo.kl_coef > 0 and not cfg.model.lora.enabled
@@ -156,7 +156,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
         engine = engine or build_engine(cfg, policy, tokenizer, seed=engine_seed, own_copy=True)
         for module in (policy, ref, critic):
             if module is not None:
-                dist_lib.shard_model(module, world, cfg)
+                dist_lib.shard_model(module, world, cfg.train)
     trainable = [p for p in policy.parameters() if p.requires_grad]
     optimizer = adamw(trainable, cfg.train.lr, cfg.train.betas, cfg.train.weight_decay)
     if cfg.train.offload_optimizer and not cfg.train.device.startswith("cuda"):

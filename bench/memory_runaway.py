@@ -101,7 +101,7 @@ def point(setting: str, scale: int, args) -> dict:
     )
     predicted = plan(cfg).host_peak_bytes
     start = time.perf_counter()
-    policy = load_policy(cfg, cfg.model.path, "cpu")
+    policy = load_policy(cfg.model, cfg.model.path, "cpu")
     engine = HFEngine(policy, tok, "cpu", batch_size=cfg.rollout.generation_batch_size, seed=0)
     engine.stop_ids, engine.stop_strings = [], []  # a runaway policy: never emits a stop tag
     banned = torch.tensor(tok.all_special_ids)

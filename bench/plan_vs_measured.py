@@ -65,7 +65,7 @@ def measure(config: str, overrides: list[str]) -> dict:
         peaks["rollout_engine"] = peak_rss_bytes()
     from agent_rl.learn.update import prepare_batch, update
 
-    policy = load_policy(cfg, path, "cpu")
+    policy = load_policy(cfg.model, path, "cpu")
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-4)
     if engine is not None:
         engine.sync_weights(policy)

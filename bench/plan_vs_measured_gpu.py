@@ -178,7 +178,7 @@ def measure_case(model_dir: Path, device: str, lora: bool, config: str = "config
 
     torch.cuda.empty_cache()
     start = now()
-    model = load_policy(cfg, str(model_dir), device)
+    model = load_policy(cfg.model, str(model_dir), device)
     model.train()
     params = now() - start
     trained = [p for p in model.parameters() if p.requires_grad]

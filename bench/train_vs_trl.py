@@ -145,7 +145,7 @@ def run_ours(args) -> dict:
     host_allocator = allocator.setup(allocator.for_config(cfg))  # as `train`
     torch.manual_seed(0)
     tok = load_tokenizer(cfg.model.path)
-    policy = load_policy(cfg, cfg.model.path, "cpu")
+    policy = load_policy(cfg.model, cfg.model.path, "cpu")
     opt = adamw(policy.parameters(), cfg.train.lr)  # the trainer's optimizer
     budget = TokenBudget.from_config(cfg.budget)
     prompts = load_prompts(cfg.data.train_files, tok, budget, args.prompts)

@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize(args.device)
 
     torch.manual_seed(0)
-    policy = load_policy(cfg, str(mdir), args.device)
+    policy = load_policy(cfg.model, str(mdir), args.device)
     optimizer = update_mod.adamw([p for p in policy.parameters() if p.requires_grad], cfg.train.lr)
     trajs = trajectories(args.rows * args.microbatches, args.tokens, policy.config.vocab_size, cfg.algo.group_size)
     batch = update_mod.prepare_batch(

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         if cuda:
             torch.cuda.synchronize(args.device)
 
-    model = load_policy(cfg, str(model_dir), args.device)
+    model = load_policy(cfg.model, str(model_dir), args.device)
     model.train()
     counts = parameter_counts(model)
     length = cfg.budget.max_total_tokens

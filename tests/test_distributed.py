@@ -391,9 +391,9 @@ def _rank_main(work: Path) -> None:
         torch.manual_seed(0)
         policy = _load(work / "model")
         ref = frozen_copy(policy, "cpu") if cfg.algo.kl_coef > 0 else None
-        shard_model(policy, dist, cfg)
+        shard_model(policy, dist, cfg.train)
         if ref is not None:
-            shard_model(ref, dist, cfg)
+            shard_model(ref, dist, cfg.train)
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
         batch = prepare_batch(
             cfg.algo,
@@ -443,7 +443,7 @@ def _rank_main(work: Path) -> None:
 
     # iter_full_params on a freshly sharded model: every rank sees the full tensors
     cfg = load_config(None, _scenarios(job["caps"])["seq"])  # no reference model from here on
-    policy = shard_model(_load(work / "model"), dist, cfg)
+    policy = shard_model(_load(work / "model"), dist, cfg.train)
     names, tensors = [], {}
     for n, t in iter_full_params(policy):
         names.append(n)
@@ -513,7 +513,7 @@ def _rank_main(work: Path) -> None:
     by_name = dict(policy.named_parameters())
     saved_exp_avg = {n: opt.state[p]["exp_avg"].full_tensor().clone() for n, p in by_name.items()}
     critic = _critic(work)
-    shard_model(critic, dist, cfg)
+    shard_model(critic, dist, cfg.train)
     critic_opt = _critic_step(critic)
     saved_critic = _full(critic)
     random.seed(99 + dist.rank)

@@ -28,7 +28,7 @@ def test_hf_engine_with_its_own_copy_syncs_through_its_method(tiny_model_dir, to
     not follow an update until `engine.sync_weights(policy)`; after it every tensor equals the
     policy's (plain or LoRA). The same copy takes full tensors through `full_params`, the sharded path."""
     cfg = _cfg(tiny_model_dir, *(["model.lora.enabled=true", "model.lora.rank=4"] if lora else []))
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     engine = build_engine(cfg, policy, tokenizer, own_copy=True)
     assert isinstance(engine, HFEngine) and engine.model is not policy
     assert not any(p.requires_grad for p in engine.model.parameters())
@@ -47,7 +47,7 @@ def test_hf_engine_sharing_the_policy_needs_no_sync_and_refuses_a_sharded_one(ti
     """On the trainer's device the HF engine generates with the policy module itself: its sync is a
     no-op. Given `full_params` (the policy is sharded), sharing is refused with the fix named."""
     cfg = _cfg(tiny_model_dir)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     engine = build_engine(cfg, policy, tokenizer)
     assert engine.model is policy
     engine.sync_weights(policy)
@@ -109,7 +109,7 @@ def test_hf_static_decode_samples_what_the_dynamic_decode_samples(request, model
 
         tok = load_tokenizer(str(model_dir))
     cfg = _cfg(model_dir, "model.lora.enabled=true", "model.lora.rank=4")
-    policy = load_policy(cfg, str(model_dir), "cpu")
+    policy = load_policy(cfg.model, str(model_dir), "cpu")
     _perturb(policy)  # LoRA's B starts at zero: make the adapters count
     texts = ["Question: who wrote Hamlet?\n<think>", "Question: capital of France?\n", "<search> paris </search>"]
     base = [tok(t)["input_ids"] for t in texts]
@@ -140,7 +140,7 @@ def test_hf_decode_choice_and_refusals(tiny_model_dir, tokenizer):
     from agent_rl.config import ConfigError
 
     cfg = _cfg(tiny_model_dir)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     assert build_engine(cfg, policy, tokenizer).decode == "dynamic"
     assert build_engine(_cfg(tiny_model_dir, "rollout.hf_decode=static"), policy, tokenizer).decode == "static"
     with pytest.raises(ValueError, match="rollout.hf_decode = graph needs a CUDA device"):

@@ -41,7 +41,7 @@ def test_rloo_in_prepare_batch_broadcasts_over_trained_tokens_and_drops_excluded
     on the prompt, observations and padding; a row excluded after a failed search (mask all 0) gets 0 and
     leaves its group's baseline (rows 0, 1, 3 of group 0 score 1, 0, 0)."""
     cfg = _cfg(tiny_model_dir, "algo.advantage=rloo")
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     trajs = _trajs(policy.config.vocab_size, [1.0, 0.0, 1.0, 0.0, 2.0, 0.0, 1.0, 0.5], excluded=2)
     batch = prepare_batch(
         cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=False, temperature=cfg.rollout.temperature
@@ -130,7 +130,7 @@ def test_prepare_batch_reinforce_pp_uses_the_k1_kl_of_policy_and_reference(tiny_
     single-pass path too, and the KL changed them; no critic is asked for."""
     cfg = _cfg(tiny_model_dir, "algo.advantage=reinforce_pp", "algo.kl_type=k1", "algo.kl_coef=0.5", "algo.gamma=0.9")
     torch.manual_seed(0)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     ref = frozen_copy(policy, "cpu")
     _drift(policy, 0.05)
     trajs = _trajs(policy.config.vocab_size, [1.0, 0.0, 1.0, 0.0] * 2)
@@ -157,7 +157,7 @@ def test_auto_advantage_and_ppo_clip_are_the_defaults_bit_for_bit(tiny_model_dir
     results = []
     for cfg in configs:
         torch.manual_seed(0)
-        policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+        policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
         trajs = _trajs(policy.config.vocab_size, [1.0, 0.0, 1.0, 0.0] * 2)
         batch = prepare_batch(
             cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=False, temperature=cfg.rollout.temperature
@@ -284,7 +284,7 @@ def test_one_step_raises_positive_and_lowers_negative_advantage_rows(tiny_model_
         tiny_model_dir, "train.lr=1e-3", f"algo.advantage={advantage}", f"algo.policy_loss={policy_loss}", *extra
     )
     torch.manual_seed(0)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     trajs = _trajs(policy.config.vocab_size, [1.0, 0.0, 1.0, 0.0] * 2)
     batch = prepare_batch(
         cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=True, temperature=cfg.rollout.temperature
@@ -321,7 +321,7 @@ def _off_policy_grads(cfg, trajs, shift: float):
     drifted policy and its reference when algo.kl_coef > 0 and the engine's log-probs near the old ones
     (for algo.tis_cap). Returns (the policy's gradients, the update's metrics)."""
     torch.manual_seed(0)
-    policy = load_policy(cfg, cfg.model.path, "cpu")
+    policy = load_policy(cfg.model, cfg.model.path, "cpu")
     ref = None
     if cfg.algo.kl_coef > 0:
         ref = frozen_copy(policy, "cpu")

@@ -174,7 +174,7 @@ def _lora_checkpoint(world, root: Path) -> Path:
         ROOT / "configs" / "tiny_cpu_grpo.yaml",
         [*_overrides(world["cache"], root), f"model.warm_start={world['sft']}", "model.lora.enabled=true"],
     )
-    policy = load_policy(cfg, str(world["sft"]), "cpu")
+    policy = load_policy(cfg.model, str(world["sft"]), "cpu")
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in policy.named_parameters():

@@ -48,7 +48,7 @@ def _one_step(model_dir, overrides, pure_bf16=False):
         [f"model.path={model_dir}", "model.warm_start=", "train.lr=1e-6", "train.max_grad_norm=0", *overrides],
     )
     torch.manual_seed(0)
-    policy = load_policy(cfg, str(model_dir), "cpu")
+    policy = load_policy(cfg.model, str(model_dir), "cpu")
     if pure_bf16:  # what every GPU config did before: bf16 parameters and AdamW state
         policy = policy.to(torch.bfloat16)
     before = {n: p.detach().float().clone() for n, p in policy.named_parameters()}
@@ -155,7 +155,7 @@ def test_hf_engine_samples_in_the_trainers_compute_dtype(tiny_model_dir):
             None, [f"model.path={tiny_model_dir}", f"train.bf16={str(bf16).lower()}", "budget.max_total_tokens=1000"]
         )
         torch.manual_seed(0)
-        policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+        policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
         engine = build_engine(cfg, policy, tok, seed=0)
         assert engine.bf16 is bf16
         trajs = []

@@ -92,7 +92,7 @@ def _count(model_dir: Path, rows: int, path: str, microbatches: int = 1) -> tupl
         ],
     )
     torch.manual_seed(0)
-    policy = load_policy(cfg, str(model_dir), "cpu")
+    policy = load_policy(cfg.model, str(model_dir), "cpu")
     trajs = _trajs(rows, policy.config.vocab_size)
     batch = update_mod.prepare_batch(
         cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=False, temperature=cfg.rollout.temperature

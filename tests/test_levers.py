@@ -39,7 +39,7 @@ def test_lora_trains_adapters_only_and_base_is_reference(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     cfg = _cfg(tiny_model_dir, "model.lora.enabled=true", "model.lora.rank=4", "algo.kl_coef=0.1")
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     trainable = [p for p in policy.parameters() if p.requires_grad]
     total = sum(p.numel() for p in policy.parameters())
     n_train = sum(p.numel() for p in trainable)
@@ -73,7 +73,7 @@ def test_split_devices_sync_weights_explicitly(tiny_model_dir):
     from agent_rl.rollout.prompts import load_tokenizer
 
     tok = load_tokenizer(str(tiny_model_dir))
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     engine = build_engine(cfg, policy, tok)
     assert engine.model is not policy
     same = build_engine(_cfg(tiny_model_dir), policy, tok)
@@ -113,7 +113,7 @@ def test_zero_advantage_rows_skip_the_update_and_leave_the_step_unchanged(tiny_m
         cfg = _cfg(
             tiny_model_dir, f"train.skip_zero_advantage={str(skip).lower()}", "algo.kl_coef=0", "algo.entropy_coef=0"
         )
-        policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+        policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
         opt = torch.optim.SGD(policy.parameters(), lr=0.5, momentum=0.9)
         metrics = []
         for step in range(2):

@@ -335,7 +335,7 @@ def test_observation_tokens_get_zero_gradient_grpo(tiny_model_dir):
         ],
     )
     torch.manual_seed(0)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     ref = frozen_copy(policy, "cpu")
     with torch.no_grad():  # the policy has drifted from the reference, so the KL term has a gradient
         for p in policy.parameters():
@@ -378,7 +378,7 @@ def test_observation_tokens_get_zero_gradient_ppo_policy_and_critic(tiny_model_d
         ],
     )
     torch.manual_seed(0)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     critic = ValueModel(frozen_copy(policy, "cpu"))
     for p in critic.parameters():
         p.requires_grad_(True)
@@ -430,7 +430,7 @@ def test_k1_kl_enters_ppo_token_rewards(tiny_model_dir):
     cfg_kl = load_config(None, [*base, "algo.kl_coef=0.5"])
     cfg_nokl = load_config(None, [*base, "algo.kl_coef=0.0"])
     torch.manual_seed(0)
-    policy = load_policy(cfg_kl, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg_kl.model, str(tiny_model_dir), "cpu")
     ref = frozen_copy(policy, "cpu")
     with torch.no_grad():
         for p in policy.parameters():
@@ -481,7 +481,7 @@ def test_shared_prompt_prefix_equals_the_full_pass(tiny_model_dir):
     ]
     torch.manual_seed(0)
     cfg = load_config(None, base)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     trajs = _trajs(policy.config.vocab_size, groups=3, n=4, prompt_len=40)
     mb = collate(trajs, list(range(len(trajs))), 0)
     weights = torch.rand(mb.loss_mask.shape, generator=torch.Generator().manual_seed(1)) * mb.loss_mask

@@ -568,7 +568,7 @@ if cfg.rollout.engine == "vllm":  # built first, as `train` does, and one step g
     engine.generate([prompt] * rows, [16] * rows, 1.0)
 from agent_rl.learn.policy import load_policy
 from agent_rl.learn.update import prepare_batch, update
-policy = load_policy(cfg, cfg.model.path, "cpu")
+policy = load_policy(cfg.model, cfg.model.path, "cpu")
 opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-4)
 if cfg.run.preflight:  # as `train` does before step 1: the largest micro-batch, unshared, the optimizer stood in for
     from agent_rl.planning.preflight import run_preflight
@@ -826,7 +826,7 @@ def test_preflight_runs_forward_backward_at_the_largest_micro_batch(tiny_model_d
     from agent_rl.planning.preflight import run_preflight
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", *DEMO_BUDGET, "train.max_tokens_per_microbatch=2000"])
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     shapes, grads = [], []
     h1 = policy.model.embed_tokens.register_forward_hook(lambda m, args, out: shapes.append(tuple(args[0].shape)))
     h2 = policy.model.layers[0].mlp.down_proj.weight.register_hook(lambda g: grads.append(float(g.abs().sum())))
@@ -853,7 +853,7 @@ from agent_rl.learn.policy import load_policy
 from agent_rl.planning.preflight import PreflightError, run_preflight
 
 cfg = load_config(None, json.loads(sys.argv[1]))
-policy = load_policy(cfg, cfg.model.path, "cpu")
+policy = load_policy(cfg.model, cfg.model.path, "cpu")
 vms = psutil.Process().memory_info().vms
 resource.setrlimit(resource.RLIMIT_AS, (vms + 2**30, resource.RLIM_INFINITY))  # 1 GiB more address space
 try:

@@ -81,7 +81,7 @@ def test_packed_forward_equals_padded_tiny(tiny_model_dir):
     """Tiny Qwen2: 6 rows run as 5 (two short ones share a row); same log-probs, entropy, gradients."""
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "budget.max_total_tokens=1000"])
     torch.manual_seed(0)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     trajs = _varied(policy.config.vocab_size)
     mb = collate(trajs, list(range(len(trajs))), 0)
     rows_padded, rows_packed = _compare(policy, mb, share=False)
@@ -93,7 +93,7 @@ def test_shared_prefix_or_packing_whichever_runs_fewer_tokens(tiny_model_dir):
     (two passes: prompts, then suffixes); rows with distinct prompts of unequal length: packing."""
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "budget.max_total_tokens=1000"])
     torch.manual_seed(0)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     grouped = _trajs(policy.config.vocab_size, groups=2, n=3, prompt_len=40)
     _, rows = _compare(policy, collate(grouped, list(range(6)), 0), share=True)
     assert rows == [2, 6]  # the two prompts once, then six suffixes
@@ -119,7 +119,7 @@ def test_shared_prefix_responses_of_varied_length_run_in_passes_of_their_own(tin
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "budget.max_total_tokens=1000"])
     torch.manual_seed(0)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     trajs = _trajs(policy.config.vocab_size, groups=2, n=4, prompt_len=60)
     g = torch.Generator().manual_seed(3)
     for i, t in enumerate(trajs):
@@ -155,7 +155,7 @@ def test_update_with_packed_rows_equals_padded_update(tiny_model_dir):
                 "train.skip_zero_advantage=false",
             ],
         )
-        policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+        policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
         initial = {k: v.clone() for k, v in policy.state_dict().items()}
         opt = torch.optim.SGD(policy.parameters(), lr=0.5, momentum=0.9)
         rows: list[int] = []
@@ -180,7 +180,7 @@ def test_update_with_packed_rows_equals_padded_update(tiny_model_dir):
 def test_packed_forward_equals_padded_smollm2(smollm2_dir):
     """The real SmolLM2 (Llama, tied embeddings): the block-diagonal mask holds there too."""
     cfg = load_config(None, [f"model.path={smollm2_dir}", "budget.max_total_tokens=1000"])
-    policy = load_policy(cfg, str(smollm2_dir), "cpu")
+    policy = load_policy(cfg.model, str(smollm2_dir), "cpu")
     trajs = _varied(policy.config.vocab_size)
     rows_padded, rows_packed = _compare(policy, collate(trajs, list(range(len(trajs))), 0), share=False)
     assert rows_padded == [6] and rows_packed == [5]

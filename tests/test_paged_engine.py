@@ -52,7 +52,7 @@ def test_paged_engine_greedy_logprobs_allowances_and_draws(tiny_model_dir, token
     own allowance (0: nothing generated); the draws replay from the same generator state and leave
     torch's process-wide generator as it was; no paged cache outlives its call; per-row seeds are refused."""
     cfg = _cfg(tiny_model_dir)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     engine = build_engine(cfg, policy, tokenizer)
     assert isinstance(engine, PagedEngine) and engine.model is not policy
     assert not any(p.requires_grad for p in engine.model.parameters())
@@ -102,7 +102,7 @@ def test_paged_engine_follows_the_policy_only_through_sync(tiny_model_dir, token
     equal the HF engine's on a LoRA policy (its adapters merged into the copy). A plain policy's tensors,
     and a sharded one's (`full_params`), land in the copy exactly."""
     cfg = _cfg(tiny_model_dir, "model.lora.enabled=true", "model.lora.rank=4")
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     engine = build_engine(cfg, policy, tokenizer)
     prompts = _prompts(tokenizer)
     before = _greedy(engine, prompts)
@@ -112,7 +112,7 @@ def test_paged_engine_follows_the_policy_only_through_sync(tiny_model_dir, token
     engine.sync_weights(policy)
     assert _greedy(engine, prompts) == want
     cfg = _cfg(tiny_model_dir)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     engine = build_engine(cfg, policy, tokenizer)
     for seed, full in ((1, None), (2, lambda dtype: ((n, t.to(dtype)) for n, t in policy.state_dict().items()))):
         _perturb(policy, 0.05, seed)
@@ -138,7 +138,7 @@ def test_paged_sync_loop_trajectories_equal_the_hf_engines(toy_warm_start):
     tok = load_tokenizer(str(sft))
     budget = TokenBudget.from_config(cfg.budget)
     items = load_prompts(cfg.data.test_files, tok, budget, max_samples=8).items
-    policy = load_policy(cfg, str(sft), "cpu")
+    policy = load_policy(cfg.model, str(sft), "cpu")
     paged = build_engine(cfg, policy, tok)
     hf = HFEngine(policy, tok, "cpu", 64, seed=0)
 

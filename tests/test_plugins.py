@@ -331,7 +331,7 @@ def test_one_grpo_step_on_tool_trajectories(tiny_model_dir, tokenizer):
         t.reward = reward(t)
     assert len({t.reward for t in trajs}) == 2  # some right, some wrong: non-zero advantages
     torch.manual_seed(0)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     before = [p.detach().clone() for p in policy.parameters()]
     batch = prepare_batch(
         cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=False, temperature=cfg.rollout.temperature

@@ -48,7 +48,7 @@ def test_selected_head_equals_full_path_tiny(tiny_model_dir, share):
     """Tiny Qwen2, a 4-token chunk (many chunks): same log-probs, entropy and gradients as the full pass."""
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "budget.max_total_tokens=1000", "algo.group_size=3"])
     torch.manual_seed(0)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     trajs = _trajs(policy.config.vocab_size, groups=2, n=3, prompt_len=30)
     _compare(policy, collate(trajs, list(range(len(trajs))), 0), share, chunk=4)
 
@@ -66,7 +66,7 @@ def test_selected_head_equals_full_path_under_lora(tiny_model_dir):
         ],
     )
     torch.manual_seed(0)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if "lora_B" in name:
@@ -81,7 +81,7 @@ def test_selected_head_equals_full_path_smollm2(smollm2_dir):
     keeps one position, its response pass the trained ones); gradients to float32 rounding over
     30 layers (5e-4 relative)."""
     cfg = load_config(None, [f"model.path={smollm2_dir}", "budget.max_total_tokens=1000", "algo.group_size=3"])
-    policy = load_policy(cfg, str(smollm2_dir), "cpu")
+    policy = load_policy(cfg.model, str(smollm2_dir), "cpu")
     assert policy.config.tie_word_embeddings
     trajs = _trajs(policy.config.vocab_size, groups=2, n=2, prompt_len=20)
     mb = collate(trajs, list(range(len(trajs))), 0)

@@ -226,7 +226,7 @@ def test_the_tiny_model_samples_tool_call_turns_within_the_budgets(tiny_model_di
 
     tok = load_tokenizer(str(tiny_model_dir))
     cfg = _cfg(tiny_model_dir)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     engine = build_engine(cfg, policy, tok)
     assert "</tool_call>" in engine.stop_strings.strings
     _, url = server

@@ -95,7 +95,7 @@ def test_grpo_step_raises_positive_and_lowers_negative_advantage_responses(tiny_
     and that of the negative rows falls (on average by more than float noise, and row by row)."""
     cfg = _cfg(tiny_model_dir, "train.lr=1e-3")
     torch.manual_seed(0)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     trajs = _trajs(policy.config.vocab_size, [1.0, 0.0, 1.0, 0.0] * 2)
     batch = prepare_batch(
         cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=False, temperature=cfg.rollout.temperature
@@ -126,7 +126,7 @@ def test_entropy_bonus_raises_entropy_with_zero_advantages(tiny_model_dir):
     algo.entropy_coef > 0: one update raises the mean entropy over the response positions."""
     cfg = _cfg(tiny_model_dir, "train.lr=1e-3", "algo.entropy_coef=0.1")
     torch.manual_seed(0)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     _drift(policy)  # a sharper start than the near-uniform random init, so entropy has room to rise
     trajs = _trajs(policy.config.vocab_size, [1.0] * 4 + [0.0] * 4)
     batch = prepare_batch(
@@ -155,7 +155,7 @@ def test_kl_term_pulls_the_policy_back_to_the_reference(tiny_model_dir):
     frozen reference: one update lowers the KL to the reference over the sampled tokens."""
     cfg = _cfg(tiny_model_dir, "train.lr=1e-3", "algo.kl_coef=0.5")
     torch.manual_seed(0)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     ref = frozen_copy(policy, "cpu")
     _drift(policy)
     trajs = _trajs(policy.config.vocab_size, [1.0] * 4 + [0.0] * 4)
@@ -189,7 +189,7 @@ def _grads(cfg, trajs):
     (PPO) starts from the policy with a nonzero value head. Returns (policy and critic gradients,
     the update's metrics)."""
     torch.manual_seed(0)
-    policy = load_policy(cfg, cfg.model.path, "cpu")
+    policy = load_policy(cfg.model, cfg.model.path, "cpu")
     ref = None
     if cfg.algo.kl_coef > 0:
         ref = frozen_copy(policy, "cpu")
@@ -281,7 +281,7 @@ def test_mini_batch_size_takes_one_optimizer_step_per_mini_batch(tiny_model_dir)
     extra = ["algo.mini_batch_size=4", "algo.ppo_epochs=2", "train.share_prompt_prefix=false", "train.pack_rows=false"]
     cfg = _cfg(tiny_model_dir, *extra)
     torch.manual_seed(0)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     trajs = _trajs(policy.config.vocab_size, [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
     batch = prepare_batch(
         cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=True, temperature=cfg.rollout.temperature
@@ -314,7 +314,7 @@ def test_mini_batch_size_takes_one_optimizer_step_per_mini_batch(tiny_model_dir)
         assert [len(rows) for rows, _, _ in epoch] == [4, 4] and len(set(epoch[0][0]) | set(epoch[1][0])) == 8
     one_pass = _cfg(tiny_model_dir, "train.share_prompt_prefix=false", "train.pack_rows=false")
     for k, (rows, grads, state) in enumerate(steps):
-        model = load_policy(one_pass, str(tiny_model_dir), "cpu")
+        model = load_policy(one_pass.model, str(tiny_model_dir), "cpu")
         model.load_state_dict(state)
         update(
             one_pass.algo,
@@ -358,7 +358,7 @@ def test_tis_cap_reweights_each_token_of_the_update(tiny_model_dir):
     cfg = _cfg(tiny_model_dir, "algo.tis_cap=2.0")
     plain = _cfg(tiny_model_dir)
     torch.manual_seed(0)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     trajs = _trajs(policy.config.vocab_size, [1.0, 0.0, 1.0, 0.0] * 2)
     mb = collate(trajs, list(range(len(trajs))), 0)
     with torch.no_grad():
@@ -422,7 +422,7 @@ def test_gradient_checkpointing_gives_the_plain_update_gradient(tiny_model_dir):
             "train.share_prompt_prefix=false",
         )
         torch.manual_seed(0)
-        policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+        policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
         ref = frozen_copy(policy, "cpu")
         _drift(policy, 0.02)
         trajs = _trajs(policy.config.vocab_size, [1.0, 0.0, 1.0, 0.0] * 2)
@@ -502,7 +502,7 @@ def test_shared_prefix_update_is_bitwise_repeatable(tiny_model_dir):
     prompt, so both threads add into the same prompt's entries at once)."""
     cfg = _cfg(tiny_model_dir, "budget.max_prompt_tokens=256", "budget.max_total_tokens=320")
     torch.manual_seed(0)
-    policy = load_policy(cfg, str(tiny_model_dir), "cpu")
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
     g = torch.Generator().manual_seed(0)
     trajs = []
     prompt = torch.randint(10, policy.config.vocab_size, (192,), generator=g).tolist()

@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from agent_rl.config import Config
+from agent_rl.config import Config, RetrieverConfig
 from retriever_server.jsonl import iter_corpus
 
 
@@ -227,7 +227,7 @@ def prepare(cfg: Config, need_index: bool = True) -> None:
     ensure_toy_world(cfg)
     ensure_model(cfg)
     ensure_qa(cfg)
-    if need_index and not replays_only(cfg):
+    if need_index and not replays_only(cfg.retriever):
         ensure_index(cfg)
 
 
@@ -281,16 +281,16 @@ def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
             proc.wait()
 
 
-def replays_only(cfg: Config) -> bool:
+def replays_only(retriever: RetrieverConfig) -> bool:
     """Every search is answered from `retriever.replay`'s record: no index or server is needed."""
-    return bool(cfg.retriever.replay) and cfg.retriever.replay_miss == "error"
+    return bool(retriever.replay) and retriever.replay_miss == "error"
 
 
 @contextlib.contextmanager
 def local_retriever(cfg: Config, timeout_s: float = 180.0) -> Iterator[str | None]:
     """Yield the retriever URL: `retriever.url` if set, else a server started here and stopped after;
     None when `retriever.replay` answers every search (nothing started)."""
-    if replays_only(cfg):
+    if replays_only(cfg.retriever):
         _log(f"replaying retrieval from {cfg.retriever.replay}: no retriever started (a miss stops the run)")
         yield None
         return

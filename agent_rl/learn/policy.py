@@ -15,7 +15,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from agent_rl.config import PREFIX_MAX_SHARE, AlgoConfig, Config, TrainConfig
+from agent_rl.config import PREFIX_MAX_SHARE, AlgoConfig, ModelConfig, TrainConfig
 from agent_rl.learn.batch import MicroBatch, to_device
 from agent_rl.learn.losses import entropy_from_logits, token_logprobs
 from agent_rl.rollout.padding import distinct, left_pad
@@ -24,7 +24,7 @@ from agent_rl.world import World
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_policy(cfg: Config, path: str, device: str) -> Any:  # a transformers causal LM, or its peft wrapper
+def load_policy(model_cfg: ModelConfig, path: str, device: str) -> Any:  # a transformers causal LM, or its peft wrapper
     """The trained policy. Trained parameters are float32 master weights whatever `model.dtype`
     says: AdamW on bf16 parameters rounds away every update below half a bf16 ulp (at lr 1e-6 an
     Adam step on a 0.02 weight is ~100x smaller), so a bf16 run would silently not learn. With
@@ -32,16 +32,16 @@ def load_policy(cfg: Config, path: str, device: str) -> Any:  # a transformers c
     `train.bf16` (`compute_autocast`)."""
     from transformers import AutoModelForCausalLM
 
-    dtype = _DTYPES[cfg.model.dtype] if cfg.model.lora.enabled else torch.float32
+    dtype = _DTYPES[model_cfg.dtype] if model_cfg.lora.enabled else torch.float32
     model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     model = model.to(device)
-    if cfg.model.gradient_checkpointing:
+    if model_cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
-    if cfg.model.lora.enabled:
+    if model_cfg.lora.enabled:
         from peft import LoraConfig, get_peft_model
 
-        lora = cfg.model.lora
+        lora = model_cfg.lora
         model = get_peft_model(
             model,
             LoraConfig(

@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 from agent_rl.bootstrap.prepare import replays_only
-from agent_rl.config import PREFIX_MAX_SHARE, Config, ModelConfig
+from agent_rl.config import PREFIX_MAX_SHARE, Config, ModelConfig, RetrieverConfig
 from agent_rl.rollout.buffer import TrajectoryBuffer
 from agent_rl.rollout.engines import engine_memory
 from agent_rl.runtime import allocator
@@ -244,13 +244,12 @@ class PlanResult:
         }
 
 
-def retriever_memory(cfg: Config) -> dict:
+def retriever_memory(r: RetrieverConfig) -> dict:
     """The retriever-server a run starts on this machine, as `retriever_server.plan` plans it:
     `planned` true with its RSS at start (`rss_bytes`: index + encoder + the server's baseline) and
     what it serves; else `planned` false and `why` (a server elsewhere, replayed searches, nothing
     to build from yet, or a plan that cannot be made)."""
-    r = cfg.retriever
-    if replays_only(cfg):
+    if replays_only(r):
         return {"planned": False, "why": f"retriever.replay answers every search ({r.replay}): no server starts"}
     if r.url:
         return {
@@ -412,7 +411,7 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
         host[f"import_{imported_package(statement)}"] = _import_cost(statement)
     batch_tokens = cfg.rollout.prompts_per_step * cfg.algo.group_size * cfg.budget.max_total_tokens
     host["trajectory_buffer"] = TrajectoryBuffer.planned_bytes(cfg.buffer.max_tokens, batch_tokens)
-    retriever = retriever_memory(cfg)
+    retriever = retriever_memory(cfg.retriever)
     if retriever["planned"]:  # a process of its own beside the trainer, through both phases
         host["retriever_server"] = retriever["rss_bytes"]
     if cfg.train.offload_params and on_gpu:  # FSDP2 CPU offload: shards, grads and the AdamW step in host RAM
@@ -483,7 +482,7 @@ def plan(
         }
         for name, (g, h) in phases.items()
     }
-    res.retriever = retriever_memory(cfg)
+    res.retriever = retriever_memory(cfg.retriever)
     res.fixes = _fixes(cfg, gpus, gpu_peak, host_peak, gpu_budget, host_budget, bool(gpu_c))
     return res
 
@@ -512,7 +511,7 @@ def _fixes(
                 [("algo", "group_size", max(2, cfg.algo.group_size // 2))],
             )
         )
-    retriever = retriever_memory(cfg)
+    retriever = retriever_memory(cfg.retriever)
     if retriever["planned"] and host_peak > host_budget:
         candidates.append(
             (

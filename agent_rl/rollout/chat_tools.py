@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from agent_rl.config import ConfigError
+from agent_rl.config import ConfigError, RolloutConfig
 from agent_rl.rollout.protocol import (
     ANSWER_CLOSE,
     ANSWER_OPEN,
@@ -269,16 +269,16 @@ class ChatFormat:
         return name, json.dumps(args), None
 
 
-def build_format(cfg, tokenizer, tools: Sequence):
+def build_format(rollout: RolloutConfig, tokenizer, tools: Sequence):
     """The protocol `rollout.protocol` names: `ChatFormat` for tool_calls, Search-R1's `TagFormat` else."""
-    if cfg.rollout.protocol == "tool_calls":
-        return ChatFormat(tokenizer, tools, cfg.rollout.chat_template, cfg.rollout.system_prompt)
+    if rollout.protocol == "tool_calls":
+        return ChatFormat(tokenizer, tools, rollout.chat_template, rollout.system_prompt)
     return TagFormat(tuple(t.name for t in tools))
 
 
-def stop_tags(cfg, tokenizer, tool_names: Sequence[str]) -> tuple[str, ...]:
+def stop_tags(rollout: RolloutConfig, tokenizer, tool_names: Sequence[str]) -> tuple[str, ...]:
     """Where a turn stops: each tool's closing tag and `</answer>` (tags), `</tool_call>` and the template's
     end of turn (tool_calls)."""
-    if cfg.rollout.protocol == "tool_calls":
-        return ChatFormat(tokenizer, [], cfg.rollout.chat_template).stop_tags
+    if rollout.protocol == "tool_calls":
+        return ChatFormat(tokenizer, [], rollout.chat_template).stop_tags
     return close_tags(tool_names)

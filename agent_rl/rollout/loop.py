@@ -48,7 +48,7 @@ class AgentLoop(Turns):
     def from_config(cls, cfg: Config, engine: Engine, tokenizer, client: RetrieverClient | None, budget: TokenBudget):
         """The loop a config describes: `rollout.mode`, `rollout.max_inflight`, `rollout.tools`, `rollout.protocol`."""
         tools = build_tools(cfg.rollout.tools, client, cfg.retriever.topk)
-        fmt = build_format(cfg, tokenizer, tools)
+        fmt = build_format(cfg.rollout, tokenizer, tools)
         return cls(
             engine,
             tokenizer,

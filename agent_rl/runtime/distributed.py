@@ -38,6 +38,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
+from agent_rl.config import TrainConfig
 from agent_rl.runtime.checkpoint import prune_checkpoints, rng_state, set_rng_state
 from agent_rl.world import LocalWorld, World
 
@@ -248,7 +249,7 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return layers
 
 
-def shard_model(model: nn.Module, dist: DistInfo, cfg) -> nn.Module:
+def shard_model(model: nn.Module, dist: DistInfo, train: TrainConfig) -> nn.Module:
     """FSDP2: `fully_shard` each decoder layer, then the root (embeddings, final norm, heads).
 
     Per-layer units bound the memory of one all-gather to one layer's parameters. With
@@ -263,9 +264,9 @@ def shard_model(model: nn.Module, dist: DistInfo, cfg) -> nn.Module:
         raise RuntimeError("nn.DataParallel found: agent-rl shards with FSDP2 and never uses DataParallel")
     kwargs: dict[str, Any] = {"mesh": dist.mesh}
     on_cuda = dist.device.type == "cuda"
-    if cfg.train.bf16:  # fp32 master shards, bf16 compute, fp32 gradient reduction (CPU gloo ranks too)
+    if train.bf16:  # fp32 master shards, bf16 compute, fp32 gradient reduction (CPU gloo ranks too)
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if cfg.train.offload_params:
+    if train.offload_params:
         if on_cuda:
             kwargs["offload_policy"] = CPUOffloadPolicy()
         elif dist.is_main:

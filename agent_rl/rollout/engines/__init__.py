@@ -89,7 +89,7 @@ def build_engine(
     """
     seed = cfg.run.seed if seed is None else seed
     # Search-R1's STOP_TAGS for search alone; </tool_call> and the end of turn in tool_calls
-    stop_tags = protocol_stop_tags(cfg, tokenizer, tool_names(cfg.rollout.tools))
+    stop_tags = protocol_stop_tags(cfg.rollout, tokenizer, tool_names(cfg.rollout.tools))
     if cfg.rollout.resolved_engine() == "vllm":
         if distributed and cfg.rollout.tensor_parallel_size > 1:
             raise ValueError(
