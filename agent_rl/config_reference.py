@@ -14,6 +14,7 @@ import typing
 from pathlib import Path
 
 from agent_rl.config import Config
+from agent_rl.config.base import type_name
 
 COMMAND = "python -m agent_rl.config_reference docs/CONFIG.md"
 
@@ -33,8 +34,9 @@ def _section(cls: type, prefix: str, lines: list[str]) -> None:
         if dataclasses.is_dataclass(hints[f.name]):
             nested.append(f)
             continue
-        type_name = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
-        lines.append(f"- `{prefix}{f.name}` ({type_name}, default `{_default(f)}`): {f.metadata['help']}")
+        lines.append(
+            f"- `{prefix}{f.name}` ({type_name(hints[f.name])}, default `{_default(f)}`): {f.metadata['help']}"
+        )
     for f in nested:
         lines += ["", f"### `{prefix}{f.name}`", "", f.metadata["help"], ""]
         _section(hints[f.name], f"{prefix}{f.name}.", lines)

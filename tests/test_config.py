@@ -186,3 +186,43 @@ def test_top_p_below_one_is_refused_for_training_rollouts():
     with pytest.raises(ConfigError, match=r"rollout.top_p=0.9.*rollout.top_p=1.0.*rollout.temperature"):
         load_config(None, ["rollout.top_p=0.9"])
     assert load_config(None, ["rollout.top_p=1.0"]).rollout.top_p == 1.0
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("run.max_steps=true", "'run.max_steps' expects int, got True"),
+        ("run.max_steps='3'", "'run.max_steps' expects int, got '3'"),
+        ("run.max_steps=3.0", "'run.max_steps' expects int, got 3.0"),
+        ("run.wandb=1", "'run.wandb' expects bool, got 1"),
+        ("train.lr=true", "'train.lr' expects float, got True"),
+        ("train.betas=0.9", "'train.betas' expects list, got 0.9"),
+        ("retriever.url=[a]", "'retriever.url' expects str | None, got ['a']"),
+        ("reward.fn={fn: em}", "'reward.fn' expects str | list, got {'fn': 'em'}"),
+        ("model.lora=3", "model.lora must be a mapping, got int"),
+        (
+            "model.lora.ran=1",
+            "unknown config key 'model.lora.ran'. Valid keys here: alpha, dropout, enabled, rank, "
+            "target_modules. Did you mean model.lora.rank?",
+        ),
+        ("retriever.kind=factory", "retriever.kind=factory needs retriever.factory"),
+    ],
+)
+def test_each_key_is_checked_strictly_with_the_key_named(override, message):
+    """A YAML value of the wrong kind fails naming the dotted key and the type it expects: no bool,
+    string or float for an int, no 1 for a bool, no bool for a float, a list only as a list; a
+    section's own construction check keeps its message."""
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert message in str(err.value)
+
+
+def test_yaml_readings_are_taken_as_meant(tmp_path):
+    """YAML 1.1 reads `1e-5` as a string and a bare `off` as false: a float key takes the number, a
+    str key the word (and a number as its text); an int stands for a float; an empty section holds
+    its defaults."""
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  lr: 1e-5\n  max_grad_norm: 2\nguard:\n  action: off\nmodel:\n  path: 123\nmemory:\n")
+    cfg = load_config(p)
+    assert (cfg.train.lr, cfg.train.max_grad_norm, cfg.guard.action, cfg.model.path) == (1e-5, 2.0, "off", "123")
+    assert isinstance(cfg.train.max_grad_norm, float) and cfg.memory == Config().memory

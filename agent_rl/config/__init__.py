@@ -1,11 +1,12 @@
 """The typed configuration tree, loaded from YAML with `key=value` overrides.
 
 Every field carries its documentation in `field(metadata={"help": ...})`; a test fails when one
-does not. An unknown key, a wrong type or a bad combination fails at load time with a message
-naming the key and the fix; a renamed section (`trainer`, now `run`) is still read, with a warning
-(`migrate_sections`). The sections live by job: `experiment` (run, model, data), `generation`
-(retriever, rollout, budget), `training` (algo, train, reward, buffer, sft, guard, memory); `plugins`
-loads the user's rewards and tools; `loader` holds the root `Config` and `load_config`.
+does not. An unknown key, a wrong type (checked by pydantic against the sections' dataclasses) or a
+bad combination fails at load time with a message naming the key and the fix; a renamed section
+(`trainer`, now `run`) is still read, with a warning (`migrate_sections`). The sections live by job:
+`experiment` (run, model, data), `generation` (retriever, rollout, budget), `training` (algo, train,
+reward, buffer, sft, guard, memory); `plugins` loads the user's rewards and tools; `loader` holds the
+root `Config` and `load_config`.
 """
 
 from agent_rl.config.base import ConfigError

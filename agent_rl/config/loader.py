@@ -1,10 +1,11 @@
 """The root of the config tree and its loader: a YAML file plus `key=value` overrides, old names
-migrated, each key's type checked, then every section's and the cross-section checks."""
+migrated, each key's type checked by pydantic against the sections' dataclasses (the types in
+agent_rl/config/base.py), then every section's own checks and those across sections."""
 
 from __future__ import annotations
 
 import dataclasses
-import types
+import functools
 import typing
 import warnings
 from dataclasses import dataclass, field
@@ -12,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import TypeAdapter, ValidationError, with_config
+from pydantic_core import ErrorDetails
 
-from agent_rl.config.base import ConfigError
+from agent_rl.config.base import ConfigError, Section, type_name
 from agent_rl.config.experiment import DataConfig, ModelConfig, RunConfig
 from agent_rl.config.generation import BudgetConfig, RetrieverConfig, RolloutConfig
 from agent_rl.config.training import (
@@ -27,26 +30,35 @@ from agent_rl.config.training import (
 )
 
 
+@with_config(extra="forbid")
 @dataclass
 class Config:
-    run: RunConfig = field(
+    run: Section[RunConfig] = field(
         default_factory=RunConfig,
         metadata={"help": "Run control: steps, output directory, checkpoints, evaluation, seed (formerly `trainer`)."},
     )
-    model: ModelConfig = field(default_factory=ModelConfig, metadata={"help": "Policy model."})
-    data: DataConfig = field(default_factory=DataConfig, metadata={"help": "Training and test prompts."})
-    retriever: RetrieverConfig = field(
+    model: Section[ModelConfig] = field(default_factory=ModelConfig, metadata={"help": "Policy model."})
+    data: Section[DataConfig] = field(default_factory=DataConfig, metadata={"help": "Training and test prompts."})
+    retriever: Section[RetrieverConfig] = field(
         default_factory=RetrieverConfig, metadata={"help": "Retrieval server and client."}
     )
-    rollout: RolloutConfig = field(default_factory=RolloutConfig, metadata={"help": "Generation engine and sampling."})
-    budget: BudgetConfig = field(default_factory=BudgetConfig, metadata={"help": "Hard token budgets of a trajectory."})
-    algo: AlgoConfig = field(default_factory=AlgoConfig, metadata={"help": "PPO / GRPO."})
-    train: TrainConfig = field(default_factory=TrainConfig, metadata={"help": "Optimisation."})
-    reward: RewardConfig = field(default_factory=RewardConfig, metadata={"help": "Reward function."})
-    buffer: BufferConfig = field(default_factory=BufferConfig, metadata={"help": "Trajectory buffer bounds."})
-    sft: SftConfig = field(default_factory=SftConfig, metadata={"help": "Supervised warm start (`agent-rl sft`)."})
-    guard: GuardConfig = field(default_factory=GuardConfig, metadata={"help": "Collapse guard."})
-    memory: MemoryConfig = field(default_factory=MemoryConfig, metadata={"help": "Memory budgets for the planner."})
+    rollout: Section[RolloutConfig] = field(
+        default_factory=RolloutConfig, metadata={"help": "Generation engine and sampling."}
+    )
+    budget: Section[BudgetConfig] = field(
+        default_factory=BudgetConfig, metadata={"help": "Hard token budgets of a trajectory."}
+    )
+    algo: Section[AlgoConfig] = field(default_factory=AlgoConfig, metadata={"help": "PPO / GRPO."})
+    train: Section[TrainConfig] = field(default_factory=TrainConfig, metadata={"help": "Optimisation."})
+    reward: Section[RewardConfig] = field(default_factory=RewardConfig, metadata={"help": "Reward function."})
+    buffer: Section[BufferConfig] = field(default_factory=BufferConfig, metadata={"help": "Trajectory buffer bounds."})
+    sft: Section[SftConfig] = field(
+        default_factory=SftConfig, metadata={"help": "Supervised warm start (`agent-rl sft`)."}
+    )
+    guard: Section[GuardConfig] = field(default_factory=GuardConfig, metadata={"help": "Collapse guard."})
+    memory: Section[MemoryConfig] = field(
+        default_factory=MemoryConfig, metadata={"help": "Memory budgets for the planner."}
+    )
 
     def validate(self) -> None:
         """Reject bad combinations with the key's name and the fix: each section's own checks, then those
@@ -88,68 +100,45 @@ class Config:
         return dataclasses.asdict(self)
 
 
-def _type_ok(value: Any, hint: Any) -> tuple[bool, Any]:
-    """Check (and gently coerce) a YAML value against a field's type hint."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(hint)
-        if value is None and type(None) in args:
-            return True, None
-        for arg in args:
-            if arg is type(None):
-                continue
-            ok, coerced = _type_ok(value, arg)
-            if ok:
-                return True, coerced
-        return False, value
-    if hint is bool:
-        return isinstance(value, bool), value
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if hint is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return True, float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-5" as a string
-            try:
-                return True, float(value)
-            except ValueError:
-                return False, value
-        return False, value
-    if hint is str:
-        if isinstance(value, bool):  # YAML 1.1 reads a bare off / on (and no / yes) as a bool: `guard.action=off`
-            return True, "on" if value else "off"
-        if isinstance(value, (str, int, float)):
-            return True, str(value)
-        return False, value
-    if hint is list or origin is list:
-        return isinstance(value, list), value
-    return True, value
+@functools.cache
+def _adapter() -> TypeAdapter[Config]:
+    """pydantic's checker of the whole tree, built on first use rather than at import."""
+    return TypeAdapter(Config)
 
 
-def _build(cls: type, data: dict, prefix: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {type(data).__name__}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-        if key not in fields:
-            close = [k for k in fields if k.startswith(key[:3])]
-            hint = f" Did you mean {', '.join(prefix + k for k in close)}?" if close else ""
-            raise ConfigError(
-                f"unknown config key '{prefix}{key}'. Valid keys here: {', '.join(sorted(fields))}.{hint}"
-            )
-        hint_t = hints[key]
-        if isinstance(hint_t, type) and dataclasses.is_dataclass(hint_t):
-            kwargs[key] = _build(hint_t, value or {}, f"{prefix}{key}.")
-            continue
-        ok, coerced = _type_ok(value, hint_t)
-        if not ok:
-            raise ConfigError(
-                f"config key '{prefix}{key}' expects {getattr(hint_t, '__name__', hint_t)}, got {value!r}"
-            )
-        kwargs[key] = coerced
-    return cls(**kwargs)
+def _build(data: dict) -> Config:
+    """`data` as a Config, each key checked against its section's declared type (agent_rl.config.base);
+    pydantic's first error becomes a ConfigError naming the dotted key and what it expects."""
+    try:
+        return _adapter().validate_python(data)
+    except ValidationError as err:
+        raise _config_error(err.errors()[0]) from None
+
+
+def _config_error(error: ErrorDetails) -> ConfigError:
+    cause = error.get("ctx", {}).get("error")
+    if isinstance(cause, ConfigError):  # a section's own __post_init__ check, its message as written
+        return cause
+    # Down pydantic's path to the key: `section` holds it, `hint` is its type. A part past a leaf key
+    # names a member of the key's union (`str | list`), not a key.
+    section: Any = None
+    hint: Any = Config
+    keys: list[str] = []
+    for part in error["loc"]:
+        if not dataclasses.is_dataclass(hint):
+            break
+        section, hint = hint, typing.get_type_hints(hint).get(str(part))
+        keys.append(str(part))
+    key = ".".join(keys)
+    if error["type"] == "unexpected_keyword_argument":
+        fields = [f.name for f in dataclasses.fields(section)]
+        prefix = key.removesuffix(keys[-1])
+        close = [prefix + k for k in fields if k.startswith(keys[-1][:3])]
+        hint_text = f" Did you mean {', '.join(close)}?" if close else ""
+        return ConfigError(f"unknown config key '{key}'. Valid keys here: {', '.join(sorted(fields))}.{hint_text}")
+    if error["type"] == "dataclass_type":
+        return ConfigError(f"{key or 'config'} must be a mapping, got {type(error['input']).__name__}")
+    return ConfigError(f"config key '{key}' expects {type_name(hint)}, got {error['input']!r}")
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -259,7 +248,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
         data = migrate_keys(migrate_sections(data, f"config file {path}"), f"config file {path}")
     extra = migrate_keys(migrate_sections(parse_overrides(overrides or []), "the overrides"), "the overrides")
     data = _merge(data, extra)
-    cfg = _build(Config, data, "")
+    cfg = _build(data)
     lora_keys = sorted(k for k in ((data.get("model") or {}).get("lora") or {}) if k != "enabled")
     if lora_keys and not cfg.model.lora.enabled:
         raise ConfigError(
