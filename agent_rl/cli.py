@@ -34,7 +34,7 @@ def _with_config(p: argparse.ArgumentParser) -> None:
         "overrides",
         nargs="*",
         help=f"section.key=value overrides, e.g. run.max_steps=10 (sections: {sections}; keys documented in "
-        "agent_rl/config.py)",
+        "docs/CONFIG.md)",
     )
 
 

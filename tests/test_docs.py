@@ -36,7 +36,7 @@ def test_config_reference_is_up_to_date():
     """docs/CONFIG.md is exactly what the config dataclasses' help generates."""
     committed = (ROOT / "docs" / "CONFIG.md").read_text()
     assert committed == render(), (
-        "docs/CONFIG.md is out of date with the fields' help in agent_rl/config.py. Regenerate it from the "
+        "docs/CONFIG.md is out of date with the fields' help in agent_rl/config/. Regenerate it from the "
         f"repository root with `.venv/bin/{COMMAND}` and commit it with the config change."
     )
 
