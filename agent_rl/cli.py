@@ -123,7 +123,7 @@ def _engine_model_dir(cfg, model_path: str, world, near: Path) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix=".merged-lora-", dir=near) if world.is_main else nullcontext(None) as tmp:
         if tmp is not None:
             print(f"[agent-rl] {model_path} holds LoRA adapters: merged into {tmp} for vLLM", file=sys.stderr)
-            export_model(cfg, model_path, Path(tmp), merge=True)
+            export_model(cfg.model, model_path, Path(tmp), merge=True)
         yield world.broadcast_object(tmp)
 
 
@@ -143,7 +143,7 @@ def cmd_rollout(args) -> int:
         else (cfg.model.warm_start if cfg.model.warm_start and Path(cfg.model.warm_start).exists() else cfg.model.path)
     )
     out = Path(args.out)
-    with local_retriever(cfg) as url, _engine_model_dir(cfg, model_path, LOCAL, out.parent) as engine_dir:
+    with local_retriever(cfg.retriever) as url, _engine_model_dir(cfg, model_path, LOCAL, out.parent) as engine_dir:
         loop, tokenizer, budget = _loop(cfg, engine_dir, url)
         prompts = loop.admit(load_prompts(cfg.data.train_files, tokenizer, budget, args.num_prompts))
         trajs = loop.run(
@@ -204,7 +204,7 @@ def cmd_eval(args) -> int:
     folder = evaluation.questions_dir(out)
     # A LoRA checkpoint under vLLM: merged into a temporary dir, removed when the evaluation ends.
     with _engine_model_dir(cfg, model_path, world, out.parent) as engine_dir:
-        with local_retriever(cfg) if world.is_main else nullcontext(None) as url:
+        with local_retriever(cfg.retriever) if world.is_main else nullcontext(None) as url:
             url = world.broadcast_object(url)  # the server rank 0 started, or retriever.url
             loop, tokenizer, budget = _loop(cfg, engine_dir, url)
             prompts = evaluation.select(
@@ -319,7 +319,7 @@ def cmd_view(args) -> int:
     return 0
 
 
-def export_model(cfg, src: str, out: Path, merge: bool) -> None:
+def export_model(model_cfg, src: str, out: Path, merge: bool) -> None:
     """Write the model in `src` to `out` as a Hugging Face directory with its tokenizer; LoRA
     adapters folded into the base weights when `merge` (peft's `merge_and_unload`)."""
     model = _load_model(src)
@@ -329,13 +329,13 @@ def export_model(cfg, src: str, out: Path, merge: bool) -> None:
         else:
             print("exporting the LoRA adapters only (add --merge for a full model)")
     model.save_pretrained(out)
-    _load_tokenizer(cfg.model, src).save_pretrained(out)
+    _load_tokenizer(model_cfg, src).save_pretrained(out)
 
 
 def cmd_export(args) -> int:
     """Write a checkpoint's model as a plain Hugging Face directory; LoRA adapters merged with --merge."""
     out = Path(args.out)
-    export_model(_config(args), resolve_model_dir(args.checkpoint), out, args.merge)
+    export_model(_config(args).model, resolve_model_dir(args.checkpoint), out, args.merge)
     print(f"wrote {out}")
     return 0
 
@@ -381,7 +381,7 @@ def cmd_demo(args) -> int:
     prepare(cfg)
     base: dict[str, float] = {}
     if cfg.data.test_files:
-        with local_retriever(cfg) as url:
+        with local_retriever(cfg.retriever) as url:
             loop, tokenizer, budget = _loop(cfg, cfg.model.path, url)
             test_set = loop.admit(load_prompts(cfg.data.test_files, tokenizer, budget, cfg.run.eval_max_samples))
             base = evaluate_all(loop, test_set, cfg.rollout, cfg.run)

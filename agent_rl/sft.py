@@ -164,7 +164,7 @@ def train_sft(cfg: Config) -> Path:
     rng = random.Random(cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model.path)
     model = load_policy(cfg.model, cfg.model.path, cfg.train.device)
-    with local_retriever(cfg) as url:
+    with local_retriever(cfg.retriever) as url:
         client = RetrieverClient.from_config(cfg.retriever, url)
         demos = build_demonstrations(cfg, tokenizer, client)
         client.close()

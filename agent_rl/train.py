@@ -351,7 +351,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
     cfg, world, engine = run.cfg, run.world, run.engine
     last_eval: dict[str, float] = {}
     # The logger closes at the block's end, and as failed (W&B) when an exception leaves it.
-    with local_retriever(cfg) if world.is_main else nullcontext(None) as url, run.logger:
+    with local_retriever(cfg.retriever) if world.is_main else nullcontext(None) as url, run.logger:
         url = world.broadcast_object(url)  # the server rank 0 started, or retriever.url
         client = RetrieverClient.from_config(cfg.retriever, url)
         loop = AgentLoop.from_config(cfg, engine, run.tokenizer, client, run.budget)  # rollout.tools' tools

@@ -123,7 +123,7 @@ def answer_hits(cfg, split: dict) -> dict[str, list[bool]]:
     from retriever_server.client import RetrieverClient
 
     out = {}
-    with local_retriever(cfg) as url:
+    with local_retriever(cfg.retriever) as url:
         client = RetrieverClient.from_config(cfg.retriever, url)
         for name, rows in split.items():
             docs = client.retrieve([r["question"] for r in rows], cfg.retriever.topk)
@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     _log(f"data: {sizes} (seed {args.seed}) in {out / 'data'}")
 
     start = time.perf_counter()
-    ensure_index(cfg)
+    ensure_index(cfg.retriever)
     hits = answer_hits(cfg, split)
     recall = {name: sum(h) / max(1, len(h)) for name, h in hits.items()}
     phases["index"] = {"wall_s": time.perf_counter() - start, "peak_rss_gib": 0.0}

@@ -57,7 +57,7 @@ def throughput(args) -> None:
     budget = TokenBudget.from_config(cfg.budget)
     prompts = load_prompts(cfg.data.train_files, tok, budget, args.prompts)
     torch.set_num_threads(os.cpu_count() or 1)
-    with local_retriever(cfg) as url:
+    with local_retriever(cfg.retriever) as url:
         engine = HFEngine(model, tok, "cpu", batch_size=256, seed=0)
         loop = AgentLoop(engine, tok, RetrieverClient(url), budget)
         loop.run(prompts.items[:4], 1)  # warm-up

@@ -57,11 +57,11 @@ def test_first_use_builds_the_configured_factory_index(tmp_path, capsys):
 
     corpus, index = _corpus(tmp_path, 60), tmp_path / "index"
     overrides = [f"retriever.corpus={corpus}", f"retriever.index_dir={index}"]
-    ensure_index(load_config(None, [*overrides, "retriever.kind=factory", "retriever.factory=IVF2,SQ8"]))
+    ensure_index(load_config(None, [*overrides, "retriever.kind=factory", "retriever.factory=IVF2,SQ8"]).retriever)
     manifest = json.loads((index / "manifest.json").read_text())
     assert (manifest["kind"], manifest["count"], manifest["build"]["factory"]) == ("factory", 60, "IVF2,SQ8")
     capsys.readouterr()
-    ensure_index(load_config(None, [*overrides, "retriever.kind=flat"]))
+    ensure_index(load_config(None, [*overrides, "retriever.kind=flat"]).retriever)
     assert "holds a factory index, retriever.kind is flat" in capsys.readouterr().err
 
 

@@ -227,7 +227,7 @@ def test_config_replay_starts_no_retriever(tmp_path, server):
     RetrieverClient(url, record=RetrievalRecord(tmp_path / "rec")).retrieve(["Inception"])
     missing_index = tmp_path / "no_index"
     cfg = load_config(None, [f"retriever.replay={tmp_path / 'rec'}", f"retriever.index_dir={missing_index}"])
-    with local_retriever(cfg) as got:
+    with local_retriever(cfg.retriever) as got:
         assert got is None
         client = RetrieverClient.from_config(cfg.retriever, got)
         assert client.retrieve(["Inception"])[0] and client.stats["replayed"] == 1

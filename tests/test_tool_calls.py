@@ -257,7 +257,7 @@ def test_sft_demonstrations_are_the_template_over_their_messages(toy_warm_start)
     overrides += ["budget.max_tokens_per_turn=64"]
     cfg = load_config("configs/tiny_cpu_grpo.yaml", overrides)
     tok = load_tokenizer(cfg.model.path)
-    with local_retriever(cfg) as url:
+    with local_retriever(cfg.retriever) as url:
         client = RetrieverClient.from_config(cfg.retriever, url)
         demos = build_demonstrations(cfg, tok, client)
         client.close()

@@ -366,7 +366,7 @@ def test_sft_answer_in_observation_keeps_only_demonstrations_that_read_the_answe
     prepare(cfgs[True])
     tok = load_tokenizer(cfgs[True].model.path)
     demos = {}
-    with local_retriever(cfgs[True]) as url:
+    with local_retriever(cfgs[True].retriever) as url:
         client = RetrieverClient.from_config(cfgs[True].retriever, url)
         for flag, cfg in cfgs.items():
             demos[flag] = build_demonstrations(cfg, tok, client)

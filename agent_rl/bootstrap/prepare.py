@@ -132,27 +132,27 @@ def ensure_model(cfg: Config) -> None:
     os.replace(tmp, path)
 
 
-def ensure_index(cfg: Config) -> None:
+def ensure_index(retriever: RetrieverConfig) -> None:
     """Build `retriever.index_dir` from `retriever.corpus` as `retriever.kind` (and `retriever.factory`)
     when it holds no index; an index already there is served as it was built, whatever its kind."""
-    if cfg.retriever.url:
+    if retriever.url:
         return
-    index = Path(cfg.retriever.index_dir)
+    index = Path(retriever.index_dir)
     if (index / "manifest.json").exists():
         built = json.loads((index / "manifest.json").read_text()).get("kind")
-        if built != cfg.retriever.kind:
+        if built != retriever.kind:
             _log(
-                f"retriever.index_dir {index} holds a {built} index, retriever.kind is {cfg.retriever.kind}: serving "
+                f"retriever.index_dir {index} holds a {built} index, retriever.kind is {retriever.kind}: serving "
                 "the index as built (delete the directory to rebuild it as retriever.kind)"
             )
         return
-    corpus = Path(cfg.retriever.corpus)
+    corpus = Path(retriever.corpus)
     if not corpus.exists():
         raise FileNotFoundError(
             f"retriever.corpus {corpus} does not exist and retriever.index_dir {index} has no index; build one with "
             "retriever-build or set retriever.url"
         )
-    _log(f"building a {cfg.retriever.kind} index of {corpus} in {index}")
+    _log(f"building a {retriever.kind} index of {corpus} in {index}")
     index.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".index_", dir=index.parent))
     cmd = [
@@ -164,10 +164,10 @@ def ensure_index(cfg: Config) -> None:
         "--out",
         str(tmp),
         "--kind",
-        cfg.retriever.kind,
+        retriever.kind,
     ]
-    if cfg.retriever.factory:  # the config allows it with kind=factory only
-        cmd += ["--factory", cfg.retriever.factory]
+    if retriever.factory:  # the config allows it with kind=factory only
+        cmd += ["--factory", retriever.factory]
     subprocess.run(cmd, check=True)
     # The manifest records the corpus path, not the index path, so the rename keeps it valid.
     os.replace(tmp, index)
@@ -228,7 +228,7 @@ def prepare(cfg: Config, need_index: bool = True) -> None:
     ensure_model(cfg)
     ensure_qa(cfg)
     if need_index and not replays_only(cfg.retriever):
-        ensure_index(cfg)
+        ensure_index(cfg.retriever)
 
 
 def spawn_retriever(index_dir: str | Path, ready: Path, log: Path, *extra_args: str) -> subprocess.Popen:
@@ -287,23 +287,23 @@ def replays_only(retriever: RetrieverConfig) -> bool:
 
 
 @contextlib.contextmanager
-def local_retriever(cfg: Config, timeout_s: float = 180.0) -> Iterator[str | None]:
+def local_retriever(retriever: RetrieverConfig, timeout_s: float = 180.0) -> Iterator[str | None]:
     """Yield the retriever URL: `retriever.url` if set, else a server started here and stopped after;
     None when `retriever.replay` answers every search (nothing started)."""
-    if replays_only(cfg.retriever):
-        _log(f"replaying retrieval from {cfg.retriever.replay}: no retriever started (a miss stops the run)")
+    if replays_only(retriever):
+        _log(f"replaying retrieval from {retriever.replay}: no retriever started (a miss stops the run)")
         yield None
         return
-    if cfg.retriever.url:
-        yield cfg.retriever.url
+    if retriever.url:
+        yield retriever.url
         return
-    ensure_index(cfg)
+    ensure_index(retriever)
     work = Path(tempfile.mkdtemp(prefix="retriever_"))
     ready, log = work / "ready.json", work / "server.log"
-    proc = spawn_retriever(cfg.retriever.index_dir, ready, log, "--topk", str(cfg.retriever.topk))
+    proc = spawn_retriever(retriever.index_dir, ready, log, "--topk", str(retriever.topk))
     try:
         url = wait_ready(proc, ready, log, timeout_s)
-        _log(f"retriever listening on {url} (index {cfg.retriever.index_dir})")
+        _log(f"retriever listening on {url} (index {retriever.index_dir})")
         yield url
     finally:
         stop_process(proc)

@@ -83,9 +83,9 @@ CPU_BUFFER_BYTES = int(0.36 * GIB)
 IMPORT = "from vllm import LLM, SamplingParams"  # what `VLLMEngine` imports (vLLM's top level is lazy)
 
 
-def cpu_kv_space_gib(cfg) -> int:
+def cpu_kv_space_gib(rollout) -> int:
     """The KV space vLLM-CPU reserves (VLLM_CPU_KVCACHE_SPACE takes whole GiB, at least 1)."""
-    return max(1, int(round(cfg.rollout.cpu_kv_cache_gib)))
+    return max(1, int(round(rollout.cpu_kv_cache_gib)))
 
 
 def planned_memory(cfg, shape: ModelShape, dtype_bytes: int) -> EngineMemory:
@@ -97,7 +97,7 @@ def planned_memory(cfg, shape: ModelShape, dtype_bytes: int) -> EngineMemory:
         return EngineMemory(held={}, rollout={"vllm_reserved": -1}, on_host=False, imports=(IMPORT,))
     held = {
         "vllm_weights": shape.params() * dtype_bytes,
-        "vllm_kv_cache": cpu_kv_space_gib(cfg) * GIB,
+        "vllm_kv_cache": cpu_kv_space_gib(cfg.rollout) * GIB,
         "vllm_buffers": CPU_BUFFER_BYTES,
     }
     rollout = {}
@@ -186,7 +186,7 @@ class VLLMEngine:
         if cfg.rollout.vllm_in_process:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if on_cpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_space_gib(cfg)))
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_space_gib(cfg.rollout)))
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # else one core of two serves nothing
         # vLLM drops torch to one thread "for serving" unless OMP_NUM_THREADS is set; in-process the
         # trainer would then run on one core.
