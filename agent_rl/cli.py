@@ -15,6 +15,12 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agent_rl.config import ModelConfig
+    from agent_rl.rollout.engines import Engine, EngineSpec
+    from agent_rl.world import World
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -86,36 +92,32 @@ def _load_model(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir)
 
 
-def _loop(cfg, model_path: str, url: str | None):
-    from agent_rl.rollout.budget import TokenBudget
+def _engine(spec: EngineSpec, model_cfg: ModelConfig, model_path: str) -> tuple[Engine, object]:
+    """(engine, tokenizer) for generating with the model in `model_path` as `spec` says."""
     from agent_rl.rollout.engines import build_engine
-    from agent_rl.rollout.loop import AgentLoop
-    from retriever_server.client import RetrieverClient
 
-    tokenizer = _load_tokenizer(cfg.model, model_path)
-    vllm = cfg.rollout.resolved_engine() == "vllm"
+    tokenizer = _load_tokenizer(model_cfg, model_path)
+    vllm = spec.engine == "vllm"
     if vllm and _is_lora(model_path):
         raise SystemExit(
             f"{model_path} holds LoRA adapters; vLLM here serves plain weights. Merge them first: "
             f"agent-rl export CONFIG --checkpoint {model_path} --out DIR --merge, then pass --checkpoint DIR"
         )
     # vLLM loads the weights itself; the HF engine generates with the model moved onto rollout.device.
-    model = None if vllm else _load_model(model_path).to(cfg.rollout.device)
-    engine = build_engine(cfg, model, tokenizer, model_path=model_path)
-    client = RetrieverClient.from_config(cfg.retriever, url)
-    budget = TokenBudget.from_config(cfg.budget)
-    loop = AgentLoop.from_config(cfg, engine, tokenizer, client, budget)
-    return loop, tokenizer, budget
+    model = None if vllm else _load_model(model_path).to(spec.device)
+    return build_engine(spec, model, tokenizer, model_path=model_path), tokenizer
 
 
 @contextmanager
-def _engine_model_dir(cfg, model_path: str, world, near: Path) -> Iterator[str]:
+def _engine_model_dir(
+    spec: EngineSpec, model_cfg: ModelConfig, model_path: str, world: World, near: Path
+) -> Iterator[str]:
     """The model dir every rank's rollout engine loads: `model_path`, or for LoRA adapters under vLLM
     (which serves plain weights) the adapters merged into their base as `agent-rl export --merge`
     writes them. Rank 0 merges once into a temporary directory in `near` (the evaluation's output
     folder, which every rank shares) and removes it on exit, error or not; the caller keeps rank 0
     inside until every rank has loaded its engine."""
-    if cfg.rollout.resolved_engine() != "vllm" or not _is_lora(model_path):
+    if spec.engine != "vllm" or not _is_lora(model_path):
         yield model_path
         return
     if world.is_main:
@@ -123,16 +125,18 @@ def _engine_model_dir(cfg, model_path: str, world, near: Path) -> Iterator[str]:
     with tempfile.TemporaryDirectory(prefix=".merged-lora-", dir=near) if world.is_main else nullcontext(None) as tmp:
         if tmp is not None:
             print(f"[agent-rl] {model_path} holds LoRA adapters: merged into {tmp} for vLLM", file=sys.stderr)
-            export_model(cfg.model, model_path, Path(tmp), merge=True)
+            export_model(model_cfg, model_path, Path(tmp), merge=True)
         yield world.broadcast_object(tmp)
 
 
 def cmd_rollout(args) -> int:
-    from agent_rl.bootstrap.prepare import local_retriever, prepare
+    from agent_rl.bootstrap.prepare import prepare
+    from agent_rl.rollout.engines import EngineSpec
     from agent_rl.rollout.loop import rollout_metrics
     from agent_rl.rollout.prompts import load_prompts
     from agent_rl.rollout.rewards import Reward
     from agent_rl.rollout.trajectory import write_trajectories
+    from agent_rl.run import open_loop
     from agent_rl.world import LOCAL
 
     cfg = _config(args)
@@ -143,15 +147,17 @@ def cmd_rollout(args) -> int:
         else (cfg.model.warm_start if cfg.model.warm_start and Path(cfg.model.warm_start).exists() else cfg.model.path)
     )
     out = Path(args.out)
-    with local_retriever(cfg.retriever) as url, _engine_model_dir(cfg, model_path, LOCAL, out.parent) as engine_dir:
-        loop, tokenizer, budget = _loop(cfg, engine_dir, url)
-        prompts = loop.admit(load_prompts(cfg.data.train_files, tokenizer, budget, args.num_prompts))
-        trajs = loop.run(
-            prompts.items,
-            cfg.algo.group_size if args.group_size is None else args.group_size,
-            cfg.rollout.temperature,
-            cfg.rollout.top_p,
-        )
+    spec = EngineSpec.from_config(cfg)
+    with _engine_model_dir(spec, cfg.model, model_path, LOCAL, out.parent) as engine_dir:
+        engine, tokenizer = _engine(spec, cfg.model, engine_dir)
+        with open_loop(cfg, engine, tokenizer) as loop:
+            prompts = loop.admit(load_prompts(cfg.data.train_files, tokenizer, loop.budget, args.num_prompts))
+            trajs = loop.run(
+                prompts.items,
+                cfg.algo.group_size if args.group_size is None else args.group_size,
+                cfg.rollout.temperature,
+                cfg.rollout.top_p,
+            )
     reward = Reward(cfg.reward)
     for t in trajs:
         t.reward = reward(t)
@@ -167,9 +173,11 @@ def cmd_eval(args) -> int:
     intervals), searches, response tokens and end reasons, and the unweighted mean over datasets.
     Resumable, and sharded over torchrun ranks or `--shard i/n` processes (agent_rl/evaluation.py)."""
     from agent_rl import evaluation
-    from agent_rl.bootstrap.prepare import local_retriever, prepare
+    from agent_rl.bootstrap.prepare import prepare
+    from agent_rl.rollout.engines import EngineSpec
     from agent_rl.rollout.prompts import load_prompts
     from agent_rl.rollout.rewards import Reward, answer_scores
+    from agent_rl.run import open_loop
 
     cfg = _config(args)
     if args.retriever_url:
@@ -203,12 +211,13 @@ def cmd_eval(args) -> int:
     out = Path(args.out or Path(cfg.run.output_dir) / "eval.json")
     folder = evaluation.questions_dir(out)
     # A LoRA checkpoint under vLLM: merged into a temporary dir, removed when the evaluation ends.
-    with _engine_model_dir(cfg, model_path, world, out.parent) as engine_dir:
-        with local_retriever(cfg.retriever) if world.is_main else nullcontext(None) as url:
-            url = world.broadcast_object(url)  # the server rank 0 started, or retriever.url
-            loop, tokenizer, budget = _loop(cfg, engine_dir, url)
+    engine_spec = EngineSpec.from_config(cfg)
+    with _engine_model_dir(engine_spec, cfg.model, model_path, world, out.parent) as engine_dir:
+        engine, tokenizer = _engine(engine_spec, cfg.model, engine_dir)
+        with open_loop(cfg, engine, tokenizer, world) as loop:
+            assert loop.client is not None  # open_loop's
             prompts = evaluation.select(
-                loop.admit(load_prompts(data, tokenizer, budget, args.max_samples)), args.per_source, cfg.run.seed
+                loop.admit(load_prompts(data, tokenizer, loop.budget, args.max_samples)), args.per_source, cfg.run.seed
             )
             spec = evaluation.make_spec(
                 cfg.rollout,
@@ -260,7 +269,6 @@ def cmd_eval(args) -> int:
             )
             # Every rank's share is in before rank 0 merges the parts, stops the retriever, removes a merged model.
             world.barrier()
-        loop.client.close()
         loop.engine.close()  # before the process group: vLLM's own groups are built on it
     world.close()
     if traj_path is not None:
@@ -371,19 +379,21 @@ def _print_stage_table(stages: list[tuple[str, dict[str, float]]], temperature: 
 def cmd_demo(args) -> int:
     """The embedded default end to end: prepare, evaluate the base model, SFT warm start, GRPO,
     evaluate, plot, and print test EM at each stage."""
-    from agent_rl.bootstrap.prepare import local_retriever, prepare
+    from agent_rl.bootstrap.prepare import prepare
     from agent_rl.evaluation import evaluate_all
     from agent_rl.reports.plot import plot_run
+    from agent_rl.rollout.engines import EngineSpec
     from agent_rl.rollout.prompts import load_prompts
+    from agent_rl.run import open_loop
     from agent_rl.train import train
 
     cfg = _config(args)
     prepare(cfg)
     base: dict[str, float] = {}
     if cfg.data.test_files:
-        with local_retriever(cfg.retriever) as url:
-            loop, tokenizer, budget = _loop(cfg, cfg.model.path, url)
-            test_set = loop.admit(load_prompts(cfg.data.test_files, tokenizer, budget, cfg.run.eval_max_samples))
+        engine, tokenizer = _engine(EngineSpec.from_config(cfg), cfg.model, cfg.model.path)
+        with open_loop(cfg, engine, tokenizer) as loop:
+            test_set = loop.admit(load_prompts(cfg.data.test_files, tokenizer, loop.budget, cfg.run.eval_max_samples))
             base = evaluate_all(loop, test_set, cfg.rollout, cfg.run)
     final = train(cfg)
     out = Path(cfg.run.output_dir)

@@ -1,6 +1,7 @@
 """One training run's live state between steps (`Run`) and what it does to itself: checkpoint, restore, resume,
 the collapse guard's rollback and signals, evaluation, a clean exit. `agent_rl.train` builds a `Run` (`setup`) and
-drives it step by step (`train`).
+drives it step by step (`train`). `open_loop` assembles the agent loop over the run's retriever, for training, the
+SFT's demonstrations and the CLI's rollout, eval and demo alike.
 
 A rollback departs from Search-R1 (which has none): it returns to the last healthy checkpoint with a lower learning
 rate, a stronger KL anchored to that checkpoint's policy and a weaker entropy bonus, all saved with the checkpoints
@@ -14,12 +15,15 @@ import math
 import random
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from agent_rl.bootstrap.prepare import local_retriever
 from agent_rl.config import Config
 from agent_rl.evaluation import evaluate_step
 from agent_rl.guard.collapse import CollapseGuard
@@ -44,8 +48,24 @@ from agent_rl.runtime.checkpoint import (
 )
 from agent_rl.runtime.logger import MetricsLogger
 from agent_rl.runtime.run_state import RunState, load_state, save_state
-from agent_rl.world import World
+from agent_rl.world import LOCAL, World
 from retriever_server.client import RetrieverClient
+
+
+@contextmanager
+def open_loop(
+    cfg: Config, engine: Engine, tokenizer, world: World = LOCAL, budget: TokenBudget | None = None
+) -> Iterator[AgentLoop]:
+    """The agent loop `cfg` describes (`AgentLoop.from_config`: rollout.mode, tools, protocol) over `engine`, its
+    client on the retriever the run searches: `retriever.url`, a server rank 0 starts here and stops on exit, or none
+    when `retriever.replay` answers every search; every rank gets rank 0's URL. The client closes on exit."""
+    with local_retriever(cfg.retriever) if world.is_main else nullcontext(None) as url:
+        url = world.broadcast_object(url)
+        client = RetrieverClient.from_config(cfg.retriever, url)
+        try:
+            yield AgentLoop.from_config(cfg, engine, tokenizer, client, budget or TokenBudget.from_config(cfg.budget))
+        finally:
+            client.close()
 
 
 @dataclass

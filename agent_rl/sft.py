@@ -31,26 +31,21 @@ import torch
 from agent_rl.config import Config
 from agent_rl.learn.batch import collate, pack_microbatches
 from agent_rl.learn.policy import forward_logprobs, load_policy
-from agent_rl.rollout.budget import TokenBudget
-from agent_rl.rollout.chat_tools import build_format
 from agent_rl.rollout.engines import Engine
 from agent_rl.rollout.prompts import load_prompts, load_tokenizer
 from agent_rl.rollout.retriever import format_documents
-from agent_rl.rollout.tools import build_tools
 from agent_rl.rollout.trajectory import Trajectory
 from agent_rl.rollout.turns import Turns
+from agent_rl.run import open_loop
 from retriever_server.answers import contains_answer
-from retriever_server.client import RetrieverClient
 
 
-def build_demonstrations(cfg: Config, tokenizer, client: RetrieverClient) -> Demonstrations:
-    """The scripted prefix of every demonstration (prompt, searches, observations) and the answer pool."""
-    budget = TokenBudget.from_config(cfg.budget)
-    tools = build_tools(cfg.rollout.tools, None, cfg.retriever.topk)
-    # the prompts, calls, observations and answers of the rollouts' protocol (rollout.protocol)
-    fmt = build_format(cfg.rollout, tokenizer, tools)
-    turns = Turns(cast(Engine, None), tokenizer, None, budget, cfg.retriever.topk, tools, fmt)  # nothing generated
-    obs = turns.obs
+def build_demonstrations(cfg: Config, turns: Turns) -> Demonstrations:
+    """The scripted prefix of every demonstration (prompt, searches, observations) and the answer pool, in the
+    protocol of `turns` (a loop `open_loop` assembled: its tokenizer, budget, format and retriever client);
+    nothing is generated."""
+    tokenizer, budget, fmt, obs, client = turns.tok, turns.budget, turns.format, turns.obs, turns.client
+    assert client is not None  # the demonstrations' observations are real searches
     prompts = turns.admit(load_prompts(cfg.data.train_files, tokenizer, budget))
     answers_pool = sorted({a for it in prompts.items for a in it.golden_answers[:1]})
     rows = [(it, meta) for it, meta in zip(prompts.items, prompts.metadata) if meta.get("queries")]
@@ -148,7 +143,7 @@ def sft(cfg: Config) -> Path:
     from agent_rl.bootstrap.prepare import prepare
     from agent_rl.runtime import allocator
 
-    host_allocator = allocator.setup(allocator.for_config(cfg))
+    host_allocator = allocator.setup(allocator.mmap_threshold_mib(cfg.train, cfg.rollout))
     print(f"[sft] host allocator: {host_allocator}", file=sys.stderr)
     prepare(cfg)
     return train_sft(cfg)
@@ -157,17 +152,13 @@ def sft(cfg: Config) -> Path:
 def train_sft(cfg: Config) -> Path:
     """Train on scripted demonstrations; save to `model.warm_start` (or OUTPUT_DIR/sft). What the config
     names must exist (`prepare`): `sft` and the trainer's setup, which has prepared it, call this."""
-    from agent_rl.bootstrap.prepare import local_retriever
-
     out = Path(cfg.model.warm_start or Path(cfg.run.output_dir) / "sft")
     torch.manual_seed(cfg.run.seed)
     rng = random.Random(cfg.run.seed)
     tokenizer = load_tokenizer(cfg.model.path)
     model = load_policy(cfg.model, cfg.model.path, cfg.train.device)
-    with local_retriever(cfg.retriever) as url:
-        client = RetrieverClient.from_config(cfg.retriever, url)
-        demos = build_demonstrations(cfg, tokenizer, client)
-        client.close()
+    with open_loop(cfg, cast(Engine, None), tokenizer) as loop:  # the loop's turns; nothing generated
+        demos = build_demonstrations(cfg, loop)
     print(
         f"[sft] {len(demos)} scripted demonstrations; {cfg.sft.steps} steps of batch {cfg.sft.batch_size}",
         file=sys.stderr,

@@ -16,13 +16,12 @@ import os
 import random
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from agent_rl.bootstrap.prepare import local_retriever, prepare
+from agent_rl.bootstrap.prepare import prepare
 from agent_rl.config import Config, TrainConfig
 from agent_rl.guard.collapse import CollapseGuard
 from agent_rl.guard.signals import ReplaySet
@@ -32,12 +31,12 @@ from agent_rl.learn.update import adamw, prepare_batch, update
 from agent_rl.planning.preflight import run_preflight
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.buffer import TrajectoryBuffer
-from agent_rl.rollout.engines import build_engine
+from agent_rl.rollout.engines import EngineSpec, build_engine
 from agent_rl.rollout.loop import AgentLoop, rollout_metrics
 from agent_rl.rollout.prompts import load_prompts, load_tokenizer
 from agent_rl.rollout.rewards import Reward, answer_scores
 from agent_rl.rollout.trajectory import Trajectory
-from agent_rl.run import PromptStream, Run
+from agent_rl.run import PromptStream, Run, open_loop
 from agent_rl.runtime import allocator
 from agent_rl.runtime import distributed as dist_lib
 from agent_rl.runtime.checkpoint import install_signal_handlers
@@ -113,7 +112,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     world = dist_lib.init_distributed(cfg)
     # Same seed everywhere for data order and model init; each rank samples its own rollouts.
     seed_everything(cfg.run.seed, cfg.run.deterministic)
-    host_allocator = allocator.setup(allocator.for_config(cfg))
+    host_allocator = allocator.setup(allocator.mmap_threshold_mib(cfg.train, cfg.rollout))
     out_dir = Path(cfg.run.output_dir)
     if world.is_main:
         print(f"[train] host allocator: {host_allocator}", file=sys.stderr)
@@ -128,10 +127,11 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     start_path = cfg.model.warm_start or cfg.model.path
     tokenizer = load_tokenizer(start_path)
     engine_seed = cfg.run.seed + world.rank
+    spec = EngineSpec.from_config(cfg)  # after init_distributed placed rollout.device on this rank's device
     # vLLM first, before the trainer's modules take device memory (its reservation is a fraction of what is free).
     engine = (
-        build_engine(cfg, None, tokenizer, seed=engine_seed, distributed=world.sharded)
-        if cfg.rollout.resolved_engine() == "vllm"
+        build_engine(spec, None, tokenizer, seed=engine_seed, distributed=world.sharded)
+        if spec.engine == "vllm"
         else None
     )
     policy = load_policy(cfg.model, start_path, cfg.train.device)
@@ -153,7 +153,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
             )
         # The HF engine generates with its own unsharded copy: ranks sample different lengths,
         # and a sharded forward would wait on the other ranks' all-gathers.
-        engine = engine or build_engine(cfg, policy, tokenizer, seed=engine_seed, own_copy=True)
+        engine = engine or build_engine(spec, policy, tokenizer, seed=engine_seed, own_copy=True)
         for module in (policy, ref, critic):
             if module is not None:
                 dist_lib.shard_model(module, world, cfg.train)
@@ -172,7 +172,7 @@ def setup(cfg: Config, resume: bool = False) -> Run:
         world=world,
         out_dir=out_dir,
         tokenizer=tokenizer,
-        engine=engine or build_engine(cfg, policy, tokenizer, seed=engine_seed),
+        engine=engine or build_engine(spec, policy, tokenizer, seed=engine_seed),
         policy=policy,
         ref=ref,
         critic=critic,
@@ -351,10 +351,9 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
     cfg, world, engine = run.cfg, run.world, run.engine
     last_eval: dict[str, float] = {}
     # The logger closes at the block's end, and as failed (W&B) when an exception leaves it.
-    with local_retriever(cfg.retriever) if world.is_main else nullcontext(None) as url, run.logger:
-        url = world.broadcast_object(url)  # the server rank 0 started, or retriever.url
-        client = RetrieverClient.from_config(cfg.retriever, url)
-        loop = AgentLoop.from_config(cfg, engine, run.tokenizer, client, run.budget)  # rollout.tools' tools
+    with open_loop(cfg, engine, run.tokenizer, world, run.budget) as loop, run.logger:
+        client = loop.client
+        assert client is not None  # open_loop's
         reward = Reward(cfg.reward)  # reward.fn: built-ins or the user's functions
         for prompts in (run.train_set, run.test_set):  # what the tools' note pushes past the prompt budget
             if prompts is not None:
@@ -438,7 +437,6 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             last_eval = run.evaluate(loop)
             run.logger.log(run.step, last_eval)
             run.logger.progress(run.step, cfg.run.max_steps, last_eval)
-        client.close()
     engine.close()  # before the process group: vLLM's own groups are built on it
     world.close()
     return last_eval

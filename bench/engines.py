@@ -130,7 +130,7 @@ def worker(args) -> None:
     prompts = _prompts(tok, rows)
     start = time.perf_counter()
     if args.worker == "vllm":
-        from agent_rl.rollout.engines import VLLMEngine
+        from agent_rl.rollout.engines import EngineSpec, VLLMEngine
 
         cfg = load_config(
             ROOT / "configs" / "tiny_cpu_grpo.yaml",
@@ -144,11 +144,11 @@ def worker(args) -> None:
                 f"rollout.max_num_seqs={max(64, rows)}",
             ],
         )
-        engine = VLLMEngine(args.model, tok, cfg, seed=0)
+        engine = VLLMEngine(args.model, tok, EngineSpec.from_config(cfg), seed=0)
     elif args.worker in HF_DECODES:
         from transformers import AutoModelForCausalLM
 
-        from agent_rl.rollout.engines import HFEngine
+        from agent_rl.rollout.engines import EngineSpec, HFEngine
 
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).to(args.device)
         decode = HF_DECODES[args.worker]
@@ -156,7 +156,7 @@ def worker(args) -> None:
     elif args.worker == "paged":
         from transformers import AutoModelForCausalLM
 
-        from agent_rl.rollout.engines import build_engine
+        from agent_rl.rollout.engines import EngineSpec, build_engine
 
         cfg = load_config(
             None,
@@ -174,7 +174,9 @@ def worker(args) -> None:
             ],
         )
         model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device)
-        engine = build_engine(cfg, model, tok, seed=0)  # its own copy in the compute dtype, as in training
+        engine = build_engine(
+            EngineSpec.from_config(cfg), model, tok, seed=0
+        )  # its own copy in the compute dtype, as in training
     else:
         engine = _LibraryGenerate(
             args.model, tok, static=args.worker == "generate-static", compile=args.worker == "generate-compile"

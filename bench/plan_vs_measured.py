@@ -42,21 +42,21 @@ def measure(config: str, overrides: list[str]) -> dict:
 
     from agent_rl.config import load_config
     from agent_rl.learn.policy import load_policy
-    from agent_rl.rollout.engines import VLLMEngine
+    from agent_rl.rollout.engines import EngineSpec, VLLMEngine
     from agent_rl.rollout.prompts import load_tokenizer
     from agent_rl.rollout.trajectory import Trajectory
     from agent_rl.runtime import allocator
     from agent_rl.runtime.memory import peak_rss_bytes
 
     cfg = load_config(config, overrides)
-    allocator.setup(allocator.for_config(cfg))  # as `train` does
+    allocator.setup(allocator.mmap_threshold_mib(cfg.train, cfg.rollout))  # as `train` does
     path = cfg.model.path
     tok = load_tokenizer(path)
     peaks = {}
     rows = cfg.rollout.prompts_per_step * cfg.algo.group_size
     engine = None
     if cfg.rollout.resolved_engine() == "vllm":
-        engine = VLLMEngine(path, tok, cfg, seed=0)
+        engine = VLLMEngine(path, tok, EngineSpec.from_config(cfg), seed=0)
         prompt = tok("Question: who wrote the novel that the film was based on?\n", add_special_tokens=False)[
             "input_ids"
         ]

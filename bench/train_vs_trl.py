@@ -136,20 +136,22 @@ def run_ours(args) -> dict:
     from agent_rl.learn.policy import load_policy
     from agent_rl.learn.update import adamw, prepare_batch, update
     from agent_rl.rollout.budget import TokenBudget
-    from agent_rl.rollout.engines import build_engine
+    from agent_rl.rollout.engines import EngineSpec, build_engine
     from agent_rl.rollout.loop import AgentLoop
     from agent_rl.rollout.prompts import load_prompts, load_tokenizer
     from agent_rl.runtime import allocator
 
     cfg = _cfg(args)
-    host_allocator = allocator.setup(allocator.for_config(cfg))  # as `train`
+    host_allocator = allocator.setup(allocator.mmap_threshold_mib(cfg.train, cfg.rollout))  # as `train`
     torch.manual_seed(0)
     tok = load_tokenizer(cfg.model.path)
     policy = load_policy(cfg.model, cfg.model.path, "cpu")
     opt = adamw(policy.parameters(), cfg.train.lr)  # the trainer's optimizer
     budget = TokenBudget.from_config(cfg.budget)
     prompts = load_prompts(cfg.data.train_files, tok, budget, args.prompts)
-    engine = build_engine(cfg, policy, tok, seed=0)  # the trainer's: the HF engine over the policy module
+    engine = build_engine(
+        EngineSpec.from_config(cfg), policy, tok, seed=0
+    )  # the trainer's: the HF engine over the policy module
     loop = AgentLoop(engine, tok, None, budget)
     clock = Clock()
     _optimizer_clock(clock)

@@ -111,8 +111,8 @@ def test_a_cuda_run_gets_no_mallopt(monkeypatch):
     monkeypatch.setattr(allocator, "in_use", lambda: "glibc")
     for devices in (["train.device=cuda", "rollout.device=cuda"], ["train.device=cuda"], ["rollout.device=cuda:0"]):
         cfg = load_config(None, ["train.host_mmap_threshold_mib=1", *devices])
-        assert allocator.for_config(cfg) == 0.0
-        assert allocator.setup(allocator.for_config(cfg)) == "glibc, default mmap threshold"
+        assert allocator.mmap_threshold_mib(cfg.train, cfg.rollout) == 0.0
+        assert allocator.setup(allocator.mmap_threshold_mib(cfg.train, cfg.rollout)) == "glibc, default mmap threshold"
     assert calls == []
     cpu = load_config(None, ["train.host_mmap_threshold_mib=1"])
-    assert allocator.for_config(cpu) == 1.0
+    assert allocator.mmap_threshold_mib(cpu.train, cpu.rollout) == 1.0

@@ -300,13 +300,15 @@ def test_world_size_checks_name_the_fix(monkeypatch):
     from agent_rl.config import load_config
     from agent_rl.runtime.distributed import check_world_size, init_distributed
 
+    def check(overrides: list[str], world: int) -> None:
+        cfg = load_config(None, overrides)
+        check_world_size(cfg.rollout, cfg.algo, world)
+
     with pytest.raises(ValueError, match=r"rollout.prompts_per_step=6"):
-        check_world_size(load_config(None, ["rollout.prompts_per_step=4", "algo.group_size=2"]), 3)
+        check(["rollout.prompts_per_step=4", "algo.group_size=2"], 3)
     with pytest.raises(ValueError, match=r"algo.mini_batch_size \(6\)"):
-        check_world_size(
-            load_config(None, ["rollout.prompts_per_step=4", "algo.group_size=3", "algo.mini_batch_size=6"]), 4
-        )
-    check_world_size(load_config(None, ["rollout.prompts_per_step=4", "algo.group_size=2"]), 4)
+        check(["rollout.prompts_per_step=4", "algo.group_size=3", "algo.mini_batch_size=6"], 4)
+    check(["rollout.prompts_per_step=4", "algo.group_size=2"], 4)
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

@@ -7,7 +7,7 @@ import torch
 
 from agent_rl.config import load_config
 from agent_rl.learn.policy import load_policy
-from agent_rl.rollout.engines import HFEngine, build_engine
+from agent_rl.rollout.engines import EngineSpec, HFEngine, build_engine
 
 
 def _cfg(model_dir, *extra):
@@ -29,7 +29,7 @@ def test_hf_engine_with_its_own_copy_syncs_through_its_method(tiny_model_dir, to
     policy's (plain or LoRA). The same copy takes full tensors through `full_params`, the sharded path."""
     cfg = _cfg(tiny_model_dir, *(["model.lora.enabled=true", "model.lora.rank=4"] if lora else []))
     policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
-    engine = build_engine(cfg, policy, tokenizer, own_copy=True)
+    engine = build_engine(EngineSpec.from_config(cfg), policy, tokenizer, own_copy=True)
     assert isinstance(engine, HFEngine) and engine.model is not policy
     assert not any(p.requires_grad for p in engine.model.parameters())
     _perturb(policy)
@@ -48,7 +48,7 @@ def test_hf_engine_sharing_the_policy_needs_no_sync_and_refuses_a_sharded_one(ti
     no-op. Given `full_params` (the policy is sharded), sharing is refused with the fix named."""
     cfg = _cfg(tiny_model_dir)
     policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
-    engine = build_engine(cfg, policy, tokenizer)
+    engine = build_engine(EngineSpec.from_config(cfg), policy, tokenizer)
     assert engine.model is policy
     engine.sync_weights(policy)
     with pytest.raises(RuntimeError, match="own_copy=True"):
@@ -141,8 +141,11 @@ def test_hf_decode_choice_and_refusals(tiny_model_dir, tokenizer):
 
     cfg = _cfg(tiny_model_dir)
     policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
-    assert build_engine(cfg, policy, tokenizer).decode == "dynamic"
-    assert build_engine(_cfg(tiny_model_dir, "rollout.hf_decode=static"), policy, tokenizer).decode == "static"
+    assert build_engine(EngineSpec.from_config(cfg), policy, tokenizer).decode == "dynamic"
+    assert (
+        build_engine(EngineSpec.from_config(_cfg(tiny_model_dir, "rollout.hf_decode=static")), policy, tokenizer).decode
+        == "static"
+    )
     with pytest.raises(ValueError, match="rollout.hf_decode = graph needs a CUDA device"):
         HFEngine(policy, tokenizer, "cpu", decode="graph")
     policy.config._attn_implementation = "eager"

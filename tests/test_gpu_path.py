@@ -144,7 +144,7 @@ def test_hf_engine_samples_in_the_trainers_compute_dtype(tiny_model_dir):
     Without it, engine and float32 trainer agree to float32 rounding."""
     from agent_rl.learn.batch import collate
     from agent_rl.learn.policy import compute_autocast, forward_logprobs, load_policy
-    from agent_rl.rollout.engines import build_engine
+    from agent_rl.rollout.engines import EngineSpec, build_engine
     from agent_rl.rollout.prompts import load_tokenizer
     from agent_rl.rollout.trajectory import Trajectory
 
@@ -156,7 +156,7 @@ def test_hf_engine_samples_in_the_trainers_compute_dtype(tiny_model_dir):
         )
         torch.manual_seed(0)
         policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
-        engine = build_engine(cfg, policy, tok, seed=0)
+        engine = build_engine(EngineSpec.from_config(cfg), policy, tok, seed=0)
         assert engine.bf16 is bf16
         trajs = []
         for g in engine.generate([prompt] * 4, [24] * 4, 1.0):
@@ -182,11 +182,11 @@ def test_vllm_arguments_follow_the_rollout_device():
     """vLLM's arguments: on CPU the vLLM-CPU workarounds (eager, whole prefills in one step); on CUDA
     vLLM's own defaults (CUDA graphs, its chunked prefill and batched-token budget); a value the
     config sets wins on either device. Built without starting vLLM."""
-    from agent_rl.rollout.engines import vllm_engine_kwargs
+    from agent_rl.rollout.engines import EngineSpec, vllm_engine_kwargs
 
     def kwargs(*overrides):
         cfg = load_config(ROOT / "configs" / "tiny_cpu_grpo.yaml", ["rollout.engine=vllm", *overrides])
-        return vllm_engine_kwargs("m", cfg, seed=0, sleep_mode=False, distributed=False)
+        return vllm_engine_kwargs("m", EngineSpec.from_config(cfg), seed=0, sleep_mode=False, distributed=False)
 
     cpu = kwargs("rollout.device=cpu")
     assert cpu["enforce_eager"] is True and cpu["enable_chunked_prefill"] is False

@@ -9,7 +9,7 @@ from agent_rl.config import load_config
 from agent_rl.learn.batch import collate
 from agent_rl.learn.policy import assert_no_data_parallel, forward_logprobs, load_policy, reference_mode
 from agent_rl.learn.update import prepare_batch, update
-from agent_rl.rollout.engines import build_engine
+from agent_rl.rollout.engines import EngineSpec, build_engine
 from agent_rl.rollout.trajectory import Trajectory
 from agent_rl.run import sync_weights
 
@@ -74,9 +74,9 @@ def test_split_devices_sync_weights_explicitly(tiny_model_dir):
 
     tok = load_tokenizer(str(tiny_model_dir))
     policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
-    engine = build_engine(cfg, policy, tok)
+    engine = build_engine(EngineSpec.from_config(cfg), policy, tok)
     assert engine.model is not policy
-    same = build_engine(_cfg(tiny_model_dir), policy, tok)
+    same = build_engine(EngineSpec.from_config(_cfg(tiny_model_dir)), policy, tok)
     assert same.model is policy  # one device: shared module, nothing to sync
     opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
     trajs = _batch(policy.config.vocab_size)

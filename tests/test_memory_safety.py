@@ -258,7 +258,7 @@ class ExplodingPolicy:
         pass  # generates with the policy module itself
 
     def generate(self, prompts, max_new_tokens, temperature, top_p=1.0, seeds=None):
-        from agent_rl.rollout.engines import Generation
+        from agent_rl.rollout.engines import EngineSpec, Generation
 
         self.calls += 1
         think = "<think>" + " the" * 60 + "</think>" if self.explode(self.calls) else ""
@@ -556,13 +556,14 @@ from agent_rl.runtime.memory import peak_rss_bytes
 from agent_rl.rollout.trajectory import Trajectory
 
 cfg = load_config(None, json.loads(sys.argv[1]))
-allocator.setup(allocator.for_config(cfg))  # as `train` does
+allocator.setup(allocator.mmap_threshold_mib(cfg.train, cfg.rollout))  # as `train` does
 tok = load_tokenizer(cfg.model.path)
 engine = None
 rows = cfg.rollout.prompts_per_step * cfg.algo.group_size
 if cfg.rollout.engine == "vllm":  # built first, as `train` does, and one step generated: vLLM allocates its
-    from agent_rl.rollout.engines import VLLMEngine  # KV cache whole at start, so a short step peaks as a
-    engine = VLLMEngine(cfg.model.path, tok, cfg, seed=0)  # full-length one (SmolLM2: the same VmHWM to 0.01%)
+    from agent_rl.rollout.engines import EngineSpec, VLLMEngine  # KV cache whole at start, so a short step peaks as a
+    # full-length one (SmolLM2: the same VmHWM to 0.01%)
+    engine = VLLMEngine(cfg.model.path, tok, EngineSpec.from_config(cfg), seed=0)
     engine.stop_ids = []
     prompt = tok("Question: who wrote the novel the film was based on?", add_special_tokens=False)["input_ids"]
     engine.generate([prompt] * rows, [16] * rows, 1.0)
@@ -644,7 +645,7 @@ def test_the_planner_takes_the_engines_figures_from_the_engines(tiny_model_dir, 
     in the planner), adds the measured import of what the engine and LoRA load, and places a CPU
     engine beside GPU training in host RAM."""
     from agent_rl.planning import plan as planner
-    from agent_rl.rollout.engines import engine_memory
+    from agent_rl.rollout.engines import EngineSpec, engine_memory
 
     monkeypatch.setattr(planner, "import_cost_bytes", lambda statement: 1000 if "vllm" in statement else 10)
     model = f"model.path={tiny_model_dir}"
@@ -653,7 +654,7 @@ def test_the_planner_takes_the_engines_figures_from_the_engines(tiny_model_dir, 
         [model, "rollout.engine=vllm", "rollout.device=cpu", "rollout.cpu_kv_cache_gib=0.4", "model.lora.enabled=true"],
     )
     arch = planner.config_arch(vllm_cpu.model)
-    own = engine_memory(vllm_cpu, arch, 4)
+    own = engine_memory(EngineSpec.from_config(vllm_cpu), arch, 4)
     assert own.on_host and own.held["vllm_kv_cache"] == 2**30  # vLLM-CPU reserves whole GiB, at least one
     assert own.held["vllm_weights"] == arch.params() * 4 and "weight_sync_merged" in own.rollout
     res = planner.plan(vllm_cpu)
@@ -665,13 +666,13 @@ def test_the_planner_takes_the_engines_figures_from_the_engines(tiny_model_dir, 
     assert "host/weight_sync_merged" not in update and update["host/vllm_kv_cache"] == 2**30
 
     hf_other_device = load_config(None, [model, "rollout.engine=hf", "rollout.device=cpu", "train.device=cuda"])
-    own = engine_memory(hf_other_device, arch, 4)
+    own = engine_memory(EngineSpec.from_config(hf_other_device), arch, 4)
     assert own.on_host and set(own.held) == {"rollout_copy"} and set(own.rollout) == {"kv_cache"}
     res = planner.plan(hf_other_device)
     comps = res.phases["rollout"]["components"]
     assert comps["host/rollout_copy"] == own.held["rollout_copy"] and "gpu/kv_cache" not in comps
     vllm_gpu = load_config(None, [model, "rollout.engine=vllm", "rollout.device=cuda", "train.device=cuda"])
-    assert engine_memory(vllm_gpu, arch, 2).rollout == {"vllm_reserved": -1}
+    assert engine_memory(EngineSpec.from_config(vllm_gpu), arch, 2).rollout == {"vllm_reserved": -1}
     gpu = planner.plan(vllm_gpu, gpu_mem_gib=80).phases["rollout"]["components"]
     assert gpu["gpu/vllm_reserved"] == int(vllm_gpu.rollout.gpu_memory_utilization * 80 * 2**30)
 

@@ -19,7 +19,7 @@ from agent_fixtures import start_server, toy_world_overrides
 
 from agent_rl.config import ConfigError, load_config
 from agent_rl.learn.policy import load_policy
-from agent_rl.rollout.engines import HFEngine, PagedEngine, build_engine, engine_memory
+from agent_rl.rollout.engines import EngineSpec, HFEngine, PagedEngine, build_engine, engine_memory
 from agent_rl.rollout.engines.paged import PAGE_TOKENS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def test_paged_engine_greedy_logprobs_allowances_and_draws(tiny_model_dir, token
     torch's process-wide generator as it was; no paged cache outlives its call; per-row seeds are refused."""
     cfg = _cfg(tiny_model_dir)
     policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
-    engine = build_engine(cfg, policy, tokenizer)
+    engine = build_engine(EngineSpec.from_config(cfg), policy, tokenizer)
     assert isinstance(engine, PagedEngine) and engine.model is not policy
     assert not any(p.requires_grad for p in engine.model.parameters())
     prompts = _prompts(tokenizer)
@@ -103,7 +103,7 @@ def test_paged_engine_follows_the_policy_only_through_sync(tiny_model_dir, token
     and a sharded one's (`full_params`), land in the copy exactly."""
     cfg = _cfg(tiny_model_dir, "model.lora.enabled=true", "model.lora.rank=4")
     policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
-    engine = build_engine(cfg, policy, tokenizer)
+    engine = build_engine(EngineSpec.from_config(cfg), policy, tokenizer)
     prompts = _prompts(tokenizer)
     before = _greedy(engine, prompts)
     _perturb(policy, 0.5, 0)
@@ -113,7 +113,7 @@ def test_paged_engine_follows_the_policy_only_through_sync(tiny_model_dir, token
     assert _greedy(engine, prompts) == want
     cfg = _cfg(tiny_model_dir)
     policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
-    engine = build_engine(cfg, policy, tokenizer)
+    engine = build_engine(EngineSpec.from_config(cfg), policy, tokenizer)
     for seed, full in ((1, None), (2, lambda dtype: ((n, t.to(dtype)) for n, t in policy.state_dict().items()))):
         _perturb(policy, 0.05, seed)
         assert not all(torch.equal(t, policy.state_dict()[n]) for n, t in engine.model.state_dict().items())
@@ -139,7 +139,7 @@ def test_paged_sync_loop_trajectories_equal_the_hf_engines(toy_warm_start):
     budget = TokenBudget.from_config(cfg.budget)
     items = load_prompts(cfg.data.test_files, tok, budget, max_samples=8).items
     policy = load_policy(cfg.model, str(sft), "cpu")
-    paged = build_engine(cfg, policy, tok)
+    paged = build_engine(EngineSpec.from_config(cfg), policy, tok)
     hf = HFEngine(policy, tok, "cpu", 64, seed=0)
 
     def record(t):
@@ -181,11 +181,11 @@ def test_paged_config_auto_and_planned_memory(monkeypatch):
 
     arch = Arch(hidden=192, layers=3, heads=3, kv_heads=1, intermediate=512, vocab=1536, tied=True)
     cfg = _cfg("unused", "rollout.prompts_per_step=4", "algo.group_size=2")
-    mem = engine_memory(cfg, arch, 4)
+    mem = engine_memory(EngineSpec.from_config(cfg), arch, 4)
     blocks = 8 * -(-1000 // PAGE_TOKENS)
     assert mem.on_host and mem.held == {"rollout_copy": arch.params() * 4}
     assert mem.rollout["paged_kv_cache"] == blocks * PAGE_TOKENS * 2 * arch.layers * arch.kv_heads * arch.head_dim * 4
-    bf16 = engine_memory(_cfg("unused", "train.bf16=true", "rollout.device=cuda"), arch, 4)
+    bf16 = engine_memory(EngineSpec.from_config(_cfg("unused", "train.bf16=true", "rollout.device=cuda")), arch, 4)
     assert not bf16.on_host and bf16.held == {"rollout_copy": arch.params() * 2}
 
 
@@ -245,7 +245,7 @@ def test_real_model_paged_stops_at_merged_tags_like_hf(smollm2_dir):
 
     tok = load_tokenizer(str(smollm2_dir))
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    engine = build_engine(_cfg(smollm2_dir, "budget.max_total_tokens=1024"), model, tok)
+    engine = build_engine(EngineSpec.from_config(_cfg(smollm2_dir, "budget.max_total_tokens=1024")), model, tok)
     hf = HFEngine(model, tok, "cpu", 16, seed=0)
     assert engine.stop_strings == ["</search>", "</answer>"]
     search = (

@@ -22,7 +22,7 @@ from agent_fixtures import ROOT, toy_world_overrides
 from agent_rl.config import ConfigError, load_config
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.chat_tools import CHATML_TOOLS, TOOL_SYSTEM, ChatFormat, tool_schema
-from agent_rl.rollout.engines import Generation
+from agent_rl.rollout.engines import EngineSpec, Generation
 from agent_rl.rollout.loop import AgentLoop
 from agent_rl.rollout.prompts import PromptSet, load_tokenizer
 from agent_rl.rollout.protocol import CHAT_INVALID_MESSAGE
@@ -222,12 +222,12 @@ def test_the_tiny_model_samples_tool_call_turns_within_the_budgets(tiny_model_di
     allowance, every trajectory ends within the budget with a reason, and the loss mask is 1 exactly on the
     sampled tokens."""
     from agent_rl.learn.policy import load_policy
-    from agent_rl.rollout.engines import build_engine
+    from agent_rl.rollout.engines import EngineSpec, build_engine
 
     tok = load_tokenizer(str(tiny_model_dir))
     cfg = _cfg(tiny_model_dir)
     policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
-    engine = build_engine(cfg, policy, tok)
+    engine = build_engine(EngineSpec.from_config(cfg), policy, tok)
     assert "</tool_call>" in engine.stop_strings.strings
     _, url = server
     budget = TokenBudget(
@@ -248,7 +248,7 @@ def test_the_tiny_model_samples_tool_call_turns_within_the_budgets(tiny_model_di
 def test_sft_demonstrations_are_the_template_over_their_messages(toy_warm_start):
     """Under tool_calls `agent-rl sft`'s scripted demonstrations are the chat template over system, question,
     the calls, the tool messages and the answer, token for token, as RL's trajectories are."""
-    from agent_rl.bootstrap.prepare import local_retriever
+    from agent_rl.run import open_loop
     from agent_rl.sft import build_demonstrations
 
     cache = toy_warm_start["cache"]
@@ -257,10 +257,8 @@ def test_sft_demonstrations_are_the_template_over_their_messages(toy_warm_start)
     overrides += ["budget.max_tokens_per_turn=64"]
     cfg = load_config("configs/tiny_cpu_grpo.yaml", overrides)
     tok = load_tokenizer(cfg.model.path)
-    with local_retriever(cfg.retriever) as url:
-        client = RetrieverClient.from_config(cfg.retriever, url)
-        demos = build_demonstrations(cfg, tok, client)
-        client.close()
+    with open_loop(cfg, None, tok) as loop:
+        demos = build_demonstrations(cfg, loop)
     fmt = ChatFormat(tok, [SearchTool(None, 1)], "chatml_tools")
     rng = random.Random(0)
     for index in range(0, len(demos), max(1, len(demos) // 5)):

@@ -351,12 +351,12 @@ def test_sft_answer_in_observation_keeps_only_demonstrations_that_read_the_answe
     """sft.answer_in_observation: of the toy world's scripted demonstrations (top-1 search, so some
     observations miss the fact), only those whose observation holds a gold answer are kept, and
     the count is said; off, every demonstration is kept."""
-    from agent_rl.bootstrap.prepare import local_retriever, prepare
+    from agent_rl.bootstrap.prepare import prepare
     from agent_rl.config import load_config
     from agent_rl.rollout.prompts import load_tokenizer
+    from agent_rl.run import open_loop
     from agent_rl.sft import build_demonstrations, observed_text
     from retriever_server.answers import contains_answer
-    from retriever_server.client import RetrieverClient
 
     base = _overrides(cache, tmp_path / "run", 1, ["retriever.topk=1"])
     cfgs = {
@@ -366,11 +366,9 @@ def test_sft_answer_in_observation_keeps_only_demonstrations_that_read_the_answe
     prepare(cfgs[True])
     tok = load_tokenizer(cfgs[True].model.path)
     demos = {}
-    with local_retriever(cfgs[True].retriever) as url:
-        client = RetrieverClient.from_config(cfgs[True].retriever, url)
-        for flag, cfg in cfgs.items():
-            demos[flag] = build_demonstrations(cfg, tok, client)
-        client.close()
+    for flag, cfg in cfgs.items():
+        with open_loop(cfg, None, tok) as loop:
+            demos[flag] = build_demonstrations(cfg, loop)
     kept, every = demos[True], demos[False]
     assert 0 < len(kept) < len(every)
     for prefix in kept.prefixes:

@@ -26,7 +26,7 @@ pytest.importorskip(
 
 
 from agent_rl.config import load_config  # noqa: E402
-from agent_rl.rollout.engines import HFEngine, VLLMEngine, hf_named_weights  # noqa: E402
+from agent_rl.rollout.engines import EngineSpec, HFEngine, VLLMEngine, hf_named_weights  # noqa: E402
 from agent_rl.rollout.prompts import load_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -56,7 +56,7 @@ def _hf_model(model_dir):
 @pytest.fixture(scope="module")
 def tiny_vllm(tiny_model_dir):
     tok = load_tokenizer(str(tiny_model_dir))
-    return VLLMEngine(str(tiny_model_dir), tok, _cfg(tiny_model_dir), seed=0), tok
+    return VLLMEngine(str(tiny_model_dir), tok, EngineSpec.from_config(_cfg(tiny_model_dir)), seed=0), tok
 
 
 def _prompts(tok):
@@ -303,7 +303,7 @@ def test_real_model_both_engines_stop_at_merged_tags_and_agree(smollm2_dir):
     stop at the length limit, and produce the same greedy ids for the same fp32 weights."""
     tok = load_tokenizer(str(smollm2_dir))
     cfg = _cfg(smollm2_dir, "budget.max_total_tokens=1024")
-    engine = VLLMEngine(str(smollm2_dir), tok, cfg, seed=0)
+    engine = VLLMEngine(str(smollm2_dir), tok, EngineSpec.from_config(cfg), seed=0)
     hf = HFEngine(_hf_model(smollm2_dir), tok, "cpu", 16, seed=0)
     # A repeated pattern the model copies greedily; the tag's last token merges with what follows.
     search = (

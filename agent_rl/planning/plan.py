@@ -62,7 +62,7 @@ from typing import Any
 from agent_rl.bootstrap.prepare import replays_only
 from agent_rl.config import PREFIX_MAX_SHARE, Config, ModelConfig, RetrieverConfig
 from agent_rl.rollout.buffer import TrajectoryBuffer
-from agent_rl.rollout.engines import engine_memory
+from agent_rl.rollout.engines import EngineSpec, engine_memory
 from agent_rl.runtime import allocator
 from agent_rl.runtime.memory import import_baseline_bytes, import_cost_bytes, imported_package
 
@@ -406,7 +406,8 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
     host: dict[str, int] = {"baseline": import_baseline_bytes() or BASELINE_HOST_BYTES}
     if allocator.in_use() == "mimalloc":  # `plan` runs under the launcher's setting, as the job does
         host["mimalloc"] = MIMALLOC_HOST_BYTES
-    engine = engine_memory(cfg, arch, b)  # the engine `build_engine` builds, as it reports itself
+    # the engine `build_engine` builds, as it reports itself
+    engine = engine_memory(EngineSpec.from_config(cfg), arch, b)
     for statement in (PEFT_IMPORT,) * lora + engine.imports:
         host[f"import_{imported_package(statement)}"] = _import_cost(statement)
     batch_tokens = cfg.rollout.prompts_per_step * cfg.algo.group_size * cfg.budget.max_total_tokens

@@ -3,7 +3,7 @@
 A CPU update allocates and frees its activations every micro-batch, most of them larger than a
 MiB. glibc's default (an mmap threshold that rises as tensors are freed) reuses that memory but
 leaves freed activations as holes in the heap, and peak RSS grows past what is held. Two CPU-only
-levers, neither of which touches a CUDA run (`for_config`):
+levers, neither of which touches a CUDA run (`mmap_threshold_mib`):
 
 - `train.host_mmap_threshold_mib` (glibc's public `mallopt`, set once at start): allocations from
   that size up get their own mapping, unmapped when freed, so RSS follows what is held (what the
@@ -21,15 +21,17 @@ import functools
 import os
 import sys
 
+from agent_rl.config import RolloutConfig, TrainConfig
+
 PRELOADED = ("mimalloc", "tcmalloc", "jemalloc")  # allocators that replace glibc's malloc when preloaded
 
 
-def for_config(cfg) -> float:
-    """`train.host_mmap_threshold_mib` as it applies to this config's process: 0 (glibc's defaults)
+def mmap_threshold_mib(train: TrainConfig, rollout: RolloutConfig) -> float:
+    """`train.host_mmap_threshold_mib` as it applies to this run's process: 0 (glibc's defaults)
     when train.device or rollout.device is CUDA, where the activations live on the GPU."""
-    if str(cfg.train.device).startswith("cuda") or str(cfg.rollout.device).startswith("cuda"):
+    if str(train.device).startswith("cuda") or str(rollout.device).startswith("cuda"):
         return 0.0
-    return cfg.train.host_mmap_threshold_mib
+    return train.host_mmap_threshold_mib
 
 
 def mimalloc_library() -> str | None:

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as torch_dist
 from torch import nn
 
-from agent_rl.config import TrainConfig
+from agent_rl.config import AlgoConfig, RolloutConfig, TrainConfig
 from agent_rl.runtime.checkpoint import prune_checkpoints, rng_state, set_rng_state
 from agent_rl.world import LocalWorld, World
 
@@ -139,19 +139,19 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def check_world_size(cfg, world: int) -> None:
+def check_world_size(rollout: RolloutConfig, algo: AlgoConfig, world: int) -> None:
     """Reject configs whose per-step work cannot be split evenly over `world` ranks."""
-    if cfg.rollout.prompts_per_step % world:
-        fix = math.ceil(cfg.rollout.prompts_per_step / world) * world
+    if rollout.prompts_per_step % world:
+        fix = math.ceil(rollout.prompts_per_step / world) * world
         raise ValueError(
-            f"rollout.prompts_per_step ({cfg.rollout.prompts_per_step}) must be divisible by the number of ranks "
+            f"rollout.prompts_per_step ({rollout.prompts_per_step}) must be divisible by the number of ranks "
             f"({world}): "
             f"each rank rolls out the same number of whole GRPO groups. Set rollout.prompts_per_step={fix} "
             f"or launch with --nproc-per-node dividing it"
         )
-    if cfg.algo.mini_batch_size and cfg.algo.mini_batch_size % world:
+    if algo.mini_batch_size and algo.mini_batch_size % world:
         raise ValueError(
-            f"algo.mini_batch_size ({cfg.algo.mini_batch_size}) must be divisible by the number of ranks ({world}): "
+            f"algo.mini_batch_size ({algo.mini_batch_size}) must be divisible by the number of ranks ({world}): "
             f"each rank takes mini_batch_size / world trajectories per optimizer step"
         )
 
@@ -169,7 +169,7 @@ def init_distributed(cfg) -> DistInfo | LocalWorld:
         return LocalWorld()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local = int(os.environ.get("LOCAL_RANK", rank))
-    check_world_size(cfg, world)
+    check_world_size(cfg.rollout, cfg.algo, world)
     if not cfg.retriever.url and world != int(os.environ.get("LOCAL_WORLD_SIZE", world)):
         raise ValueError(
             "retriever.url is unset on a multi-node run: a retriever started on 127.0.0.1 by rank 0 is not reachable "

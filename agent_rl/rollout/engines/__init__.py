@@ -2,8 +2,9 @@
 
 `base` holds the `Engine` protocol and what the engines share, `hf` the transformers engine (our loop
 over the model's forward), `paged` transformers' continuous batching, `vllm` the vLLM adapter (vLLM
-itself is imported only when that engine is built). `build_engine` is the one place a config becomes
-an engine, for the trainer and for `agent-rl rollout` / `eval`.
+itself is imported only when that engine is built). `build_engine` is the one place an `EngineSpec`
+(what the engines read of a config) becomes an engine, for the trainer and for `agent-rl rollout` /
+`eval`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from agent_rl.rollout.engines import vllm as _vllm
 from agent_rl.rollout.engines.base import (
     Engine,
     EngineMemory,
+    EngineSpec,
     FullParams,
     Generation,
     ModelShape,
@@ -23,12 +25,13 @@ from agent_rl.rollout.engines.base import (
 )
 from agent_rl.rollout.engines.hf import HFEngine, rollout_copy
 from agent_rl.rollout.engines.paged import PagedEngine, engine_dtype, paged_sizes, plain_copy
-from agent_rl.rollout.engines.vllm import VLLMEngine, VLLMWeightSync, hf_named_weights, vllm_dtype, vllm_engine_kwargs
+from agent_rl.rollout.engines.vllm import VLLMEngine, VLLMWeightSync, hf_named_weights, vllm_engine_kwargs
 from agent_rl.rollout.tools import tool_names
 
 __all__ = [
     "Engine",
     "EngineMemory",
+    "EngineSpec",
     "FullParams",
     "Generation",
     "HFEngine",
@@ -41,20 +44,18 @@ __all__ = [
     "hf_named_weights",
     "sample_tokens",
     "stop_token_ids",
-    "vllm_dtype",
     "vllm_engine_kwargs",
 ]
 
 
-def engine_memory(cfg, shape: ModelShape, dtype_bytes: int) -> EngineMemory:
-    """The memory figures of the engine `build_engine` would build for `cfg`, as that engine reports
+def engine_memory(spec: EngineSpec, shape: ModelShape, dtype_bytes: int) -> EngineMemory:
+    """The memory figures of the engine `build_engine` would build for `spec`, as that engine reports
     them (for `agent-rl plan`); `dtype_bytes`: bytes per weight of `model.dtype`."""
-    engine = cfg.rollout.resolved_engine()
-    if engine == "vllm":
-        return _vllm.planned_memory(cfg, shape, dtype_bytes)
-    if engine == "paged":
-        return PagedEngine.planned_memory(cfg, shape, dtype_bytes)
-    return HFEngine.planned_memory(cfg, shape, dtype_bytes)
+    if spec.engine == "vllm":
+        return _vllm.planned_memory(spec, shape, dtype_bytes)
+    if spec.engine == "paged":
+        return PagedEngine.planned_memory(spec, shape, dtype_bytes)
+    return HFEngine.planned_memory(spec, shape, dtype_bytes)
 
 
 def _sits_on(module: torch.nn.Module, device: str) -> bool:
@@ -66,7 +67,7 @@ def _sits_on(module: torch.nn.Module, device: str) -> bool:
 
 
 def build_engine(
-    cfg,
+    spec: EngineSpec,
     policy: torch.nn.Module | None,
     tokenizer,
     seed: int | None = None,
@@ -78,7 +79,7 @@ def build_engine(
     `rollout.device`.
 
     vLLM loads its start weights itself from `model_path` (default: the run's start model,
-    `model.warm_start` or `model.path`), so `policy` may be None: build it before the trainer's
+    `spec.start_model`), so `policy` may be None: build it before the trainer's
     modules take device memory (its reservation is a fraction of what is free). `distributed`: one
     engine per torchrun rank, on the rank's device.
 
@@ -87,24 +88,25 @@ def build_engine(
     unsharded copy), with a frozen copy moved there that `sync_weights` refreshes. The paged engine
     always runs a frozen copy of its own (`plain_copy`), in the trainer's compute dtype.
     """
-    seed = cfg.run.seed if seed is None else seed
+    seed = spec.seed if seed is None else seed
+    rollout = spec.rollout
     # Search-R1's STOP_TAGS for search alone; </tool_call> and the end of turn in tool_calls
-    stop_tags = protocol_stop_tags(cfg.rollout, tokenizer, tool_names(cfg.rollout.tools))
-    if cfg.rollout.resolved_engine() == "vllm":
-        if distributed and cfg.rollout.tensor_parallel_size > 1:
+    stop_tags = protocol_stop_tags(rollout, tokenizer, tool_names(rollout.tools))
+    if spec.engine == "vllm":
+        if distributed and rollout.tensor_parallel_size > 1:
             raise ValueError(
                 "rollout.tensor_parallel_size > 1 under torchrun is not supported yet: each rank runs its own engine "
                 "(set it to 1)"
             )
-        path = model_path or cfg.model.warm_start or cfg.model.path
-        return VLLMEngine(path, tokenizer, cfg, seed=seed, distributed=distributed, stop_tags=stop_tags)
+        path = model_path or spec.start_model
+        return VLLMEngine(path, tokenizer, spec, seed=seed, distributed=distributed, stop_tags=stop_tags)
     if policy is None:
         raise ValueError("the HF and paged rollout engines generate with the policy's weights: pass the loaded model")
-    device = cfg.rollout.device
-    if cfg.rollout.resolved_engine() == "paged":
-        seqs, blocks, batch_tokens = paged_sizes(cfg)
+    device = rollout.device
+    if spec.engine == "paged":
+        seqs, blocks, batch_tokens = paged_sizes(spec)
         return PagedEngine(
-            plain_copy(policy, device, engine_dtype(cfg)),
+            plain_copy(policy, device, engine_dtype(spec)),
             tokenizer,
             device=device,
             max_sequences=seqs,
@@ -118,9 +120,9 @@ def build_engine(
         module,
         tokenizer,
         device=device,
-        batch_size=cfg.rollout.generation_batch_size,
+        batch_size=rollout.generation_batch_size,
         seed=seed,
-        bf16=cfg.train.bf16,
+        bf16=spec.bf16,
         stop_tags=stop_tags,
-        decode=cfg.rollout.hf_decode,
+        decode=rollout.hf_decode,
     )

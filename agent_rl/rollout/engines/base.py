@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from agent_rl.config import RolloutConfig
 from agent_rl.rollout.protocol import STOP_TAGS
+
+if TYPE_CHECKING:
+    from agent_rl.config import Config
 
 # `full_params(dtype)`: (name, full tensor) for every entry of a sharded policy's state dict, one
 # tensor at a time, named as the unsharded model's; a collective every rank runs in step.
@@ -34,6 +38,53 @@ class ModelShape(Protocol):
     def head_dim(self) -> int: ...
 
     def params(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What the engines read of a run's config: the rollout section, the budget's total, and the few
+    keys of other sections that set an engine's dtype, its copy, its size and its start weights.
+    `from_config` is the one place they are read; `build_engine`, the engines and their memory figures
+    take this."""
+
+    rollout: RolloutConfig
+    max_total_tokens: int  # budget.max_total_tokens: the longest trajectory
+    trajectories_per_step: int  # rollout.prompts_per_step x algo.group_size
+    train_device: str
+    compute_dtype: str  # the trainer's compute dtype: bfloat16 under train.bf16, else model.dtype
+    bf16: bool  # train.bf16: the HF engine computes under bf16 autocast, as the trainer does
+    lora: bool  # model.lora.enabled: the weights an engine is handed are merged adapters
+    start_model: str  # model.warm_start, else model.path: what vLLM loads
+    seed: int  # run.seed
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> EngineSpec:
+        return cls(
+            rollout=cfg.rollout,
+            max_total_tokens=cfg.budget.max_total_tokens,
+            trajectories_per_step=cfg.rollout.prompts_per_step * cfg.algo.group_size,
+            train_device=str(cfg.train.device),
+            compute_dtype="bfloat16" if cfg.model.dtype == "bfloat16" or cfg.train.bf16 else cfg.model.dtype,
+            bf16=cfg.train.bf16,
+            lora=cfg.model.lora.enabled,
+            start_model=cfg.model.warm_start or cfg.model.path,
+            seed=cfg.run.seed,
+        )
+
+    @property
+    def engine(self) -> str:
+        """`rollout.engine` with `auto` resolved."""
+        return self.rollout.resolved_engine()
+
+    @property
+    def device(self) -> str:
+        return str(self.rollout.device)
+
+    @property
+    def sequences(self) -> int:
+        """The most sequences one rollout batch holds: rollout.generation_batch_size, at most a step's
+        trajectories."""
+        return min(self.rollout.generation_batch_size, self.trajectories_per_step)
 
 
 @dataclass

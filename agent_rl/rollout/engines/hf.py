@@ -36,6 +36,7 @@ from transformers import StaticCache
 
 from agent_rl.rollout.engines.base import (
     EngineMemory,
+    EngineSpec,
     FullParams,
     Generation,
     ModelShape,
@@ -134,17 +135,17 @@ class HFEngine:
     """Batched sampling with a KV cache over a transformers causal LM."""
 
     @staticmethod
-    def planned_memory(cfg, shape: ModelShape, dtype_bytes: int) -> EngineMemory:
+    def planned_memory(spec: EngineSpec, shape: ModelShape, dtype_bytes: int) -> EngineMemory:
         """A frozen copy of the weights where it does not generate with the trained module (another
         device), and during the rollout the KV cache of its largest batch at the longest trajectory
         plus two float32 rows of logits per sequence (the step's logits and their log-softmax)."""
         held = {}
-        if str(cfg.rollout.device) != str(cfg.train.device):
+        if spec.device != spec.train_device:
             held["rollout_copy"] = shape.params() * dtype_bytes
         kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * dtype_bytes
-        seqs = min(cfg.rollout.generation_batch_size, cfg.rollout.prompts_per_step * cfg.algo.group_size)
-        kv = seqs * cfg.budget.max_total_tokens * kv_per_token + seqs * shape.vocab * 4 * 2
-        return EngineMemory(held=held, rollout={"kv_cache": kv}, on_host=str(cfg.rollout.device) == "cpu")
+        seqs = spec.sequences
+        kv = seqs * spec.max_total_tokens * kv_per_token + seqs * shape.vocab * 4 * 2
+        return EngineMemory(held=held, rollout={"kv_cache": kv}, on_host=spec.device == "cpu")
 
     def __init__(
         self,

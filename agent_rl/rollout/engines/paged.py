@@ -35,6 +35,7 @@ import torch
 
 from agent_rl.rollout.engines.base import (
     EngineMemory,
+    EngineSpec,
     FullParams,
     Generation,
     ModelShape,
@@ -42,7 +43,7 @@ from agent_rl.rollout.engines.base import (
     copy_weights,
     stop_token_ids,
 )
-from agent_rl.rollout.engines.vllm import hf_named_weights, vllm_dtype
+from agent_rl.rollout.engines.vllm import hf_named_weights
 from agent_rl.rollout.protocol import STOP_TAGS
 
 # Tokens per page of the paged cache (transformers' default; `ContinuousBatchingConfig.block_size` in
@@ -50,20 +51,20 @@ from agent_rl.rollout.protocol import STOP_TAGS
 PAGE_TOKENS = 256
 
 
-def engine_dtype(cfg) -> torch.dtype:
-    """The dtype of the engine's copy: the trainer's compute dtype (`vllm_dtype`), so engine and
-    trainer log-probs come from the same arithmetic."""
-    return getattr(torch, vllm_dtype(cfg))
+def engine_dtype(spec: EngineSpec) -> torch.dtype:
+    """The dtype of the engine's copy: the trainer's compute dtype, so engine and trainer log-probs
+    come from the same arithmetic."""
+    return getattr(torch, spec.compute_dtype)
 
 
-def paged_sizes(cfg) -> tuple[int, int, int]:
-    """(sequences, cache blocks, batch tokens) for `cfg`: room in the paged cache for the KV of
+def paged_sizes(spec: EngineSpec) -> tuple[int, int, int]:
+    """(sequences, cache blocks, batch tokens): room in the paged cache for the KV of
     min(rollout.generation_batch_size, one step's trajectories) sequences at budget.max_total_tokens
     each, and up to max(budget.max_total_tokens, 2048) tokens in one forward step, so a whole prefill
     fits one step."""
-    seqs = min(cfg.rollout.generation_batch_size, cfg.rollout.prompts_per_step * cfg.algo.group_size)
-    blocks = seqs * math.ceil(cfg.budget.max_total_tokens / PAGE_TOKENS)
-    return seqs, blocks, max(cfg.budget.max_total_tokens, 2048)
+    seqs = spec.sequences
+    blocks = seqs * math.ceil(spec.max_total_tokens / PAGE_TOKENS)
+    return seqs, blocks, max(spec.max_total_tokens, 2048)
 
 
 def plain_copy(policy: torch.nn.Module, device: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -85,12 +86,12 @@ class PagedEngine:
     batch_size = 0  # every waiting request in one call; the manager's scheduler sizes its own batches
 
     @staticmethod
-    def planned_memory(cfg, shape: ModelShape, dtype_bytes: int) -> EngineMemory:
+    def planned_memory(spec: EngineSpec, shape: ModelShape, dtype_bytes: int) -> EngineMemory:
         """Its copy of the weights through both phases; during the rollout its paged KV cache
         (`paged_sizes`), the attention mask eager / SDPA attention reads over the whole cache (flash
         attention needs none: an upper bound there), and two float32 rows of logits per sequence."""
-        act = torch.tensor([], dtype=engine_dtype(cfg)).element_size()
-        seqs, blocks, batch_tokens = paged_sizes(cfg)
+        act = torch.tensor([], dtype=engine_dtype(spec)).element_size()
+        seqs, blocks, batch_tokens = paged_sizes(spec)
         cache_tokens = blocks * PAGE_TOKENS
         kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * act
         return EngineMemory(
@@ -100,7 +101,7 @@ class PagedEngine:
                 "paged_attention_mask": batch_tokens * (cache_tokens + batch_tokens) * act,
                 "paged_logits": seqs * shape.vocab * 4 * 2,
             },
-            on_host=str(cfg.rollout.device) == "cpu",
+            on_host=spec.device == "cpu",
         )
 
     def __init__(

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from agent_rl.rollout.engines.base import EngineMemory, FullParams, Generation, ModelShape, stop_token_ids
+from agent_rl.rollout.engines.base import EngineMemory, EngineSpec, FullParams, Generation, ModelShape, stop_token_ids
 from agent_rl.rollout.protocol import STOP_TAGS
 
 
@@ -88,45 +88,38 @@ def cpu_kv_space_gib(rollout) -> int:
     return max(1, int(round(rollout.cpu_kv_cache_gib)))
 
 
-def planned_memory(cfg, shape: ModelShape, dtype_bytes: int) -> EngineMemory:
+def planned_memory(spec: EngineSpec, shape: ModelShape, dtype_bytes: int) -> EngineMemory:
     """vLLM's memory for `agent-rl plan`. On CUDA its reservation, a share of each device
     (`rollout.gpu_memory_utilization`) taken at the wake and given back asleep. On CPU, where it
     cannot sleep: its weights, its KV space and its buffers through both phases, and during the
     weight sync the merged copies of LoRA-adapted weights it is handed (`hf_named_weights`)."""
-    if str(cfg.rollout.device) != "cpu":
+    if spec.device != "cpu":
         return EngineMemory(held={}, rollout={"vllm_reserved": -1}, on_host=False, imports=(IMPORT,))
     held = {
         "vllm_weights": shape.params() * dtype_bytes,
-        "vllm_kv_cache": cpu_kv_space_gib(cfg.rollout) * GIB,
+        "vllm_kv_cache": cpu_kv_space_gib(spec.rollout) * GIB,
         "vllm_buffers": CPU_BUFFER_BYTES,
     }
     rollout = {}
-    if cfg.model.lora.enabled:  # every adapted linear merged in float32: all but the embeddings
+    if spec.lora:  # every adapted linear merged in float32: all but the embeddings
         rollout["weight_sync_merged"] = (shape.params() - shape.vocab * shape.hidden * (1 if shape.tied else 2)) * 4
     return EngineMemory(held=held, rollout=rollout, on_host=True, imports=(IMPORT,))
 
 
-def vllm_dtype(cfg) -> str:
-    """The dtype vLLM computes in: the trainer's compute dtype, so engine and trainer log-probs agree."""
-    if cfg.model.dtype == "bfloat16" or cfg.train.bf16:
-        return "bfloat16"
-    return cfg.model.dtype
-
-
-def vllm_engine_kwargs(model_path: str, cfg, seed: int, sleep_mode: bool, distributed: bool) -> dict:
+def vllm_engine_kwargs(model_path: str, spec: EngineSpec, seed: int, sleep_mode: bool, distributed: bool) -> dict:
     """The keyword arguments of `vllm.LLM` for this config (pure: starts nothing).
 
     On CPU the vLLM-CPU workarounds: eager mode (the compiled start takes minutes) and whole prefills
     in one step, since a seeded request (every request here) breaks when its prefill is split across
     steps there ("CPU Generator does not use offset"). On CUDA vLLM's own defaults: CUDA graphs,
     chunked prefill and its batched-token budget. A value set in `rollout.*` wins on either device."""
-    on_cpu = str(cfg.rollout.device) == "cpu"
-    r = cfg.rollout
+    on_cpu = spec.device == "cpu"
+    r = spec.rollout
     kwargs: dict = dict(
         model=model_path,
         tokenizer=model_path,
-        dtype=vllm_dtype(cfg),
-        max_model_len=cfg.budget.max_total_tokens,
+        dtype=spec.compute_dtype,
+        max_model_len=spec.max_total_tokens,
         max_num_seqs=r.max_num_seqs,
         enforce_eager=on_cpu if r.enforce_eager is None else r.enforce_eager,
         enable_sleep_mode=sleep_mode,
@@ -137,7 +130,7 @@ def vllm_engine_kwargs(model_path: str, cfg, seed: int, sleep_mode: bool, distri
     chunked = False if on_cpu and r.enable_chunked_prefill is None else r.enable_chunked_prefill
     if chunked is not None:
         kwargs["enable_chunked_prefill"] = chunked
-    batched = r.max_num_batched_tokens or (max(cfg.budget.max_total_tokens, 2048) if on_cpu else 0)
+    batched = r.max_num_batched_tokens or (max(spec.max_total_tokens, 2048) if on_cpu else 0)
     if batched:
         kwargs["max_num_batched_tokens"] = batched
     if not on_cpu:
@@ -159,7 +152,8 @@ class VLLMEngine:
       KV would otherwise come from the old weights.
     - Log-probs are vLLM's `processed_logprobs` (after temperature), the distribution the token was
       drawn from, as the trainer scores it; a missing one is an error, never a zero.
-    - The dtype is explicit (`vllm_dtype`), never vLLM's "auto".
+    - The dtype is explicit (the trainer's compute dtype, `EngineSpec.compute_dtype`), never vLLM's
+      "auto".
     - Sleep/wake (weights offloaded, KV cache freed during the update) where the platform has sleep
       mode (CUDA); elsewhere the engine stays resident, and says so once.
     - Each request gets its own seed drawn from `self.generator`, so the draws are checkpointed with
@@ -174,19 +168,19 @@ class VLLMEngine:
         self,
         model_path: str,
         tokenizer,
-        cfg,
+        spec: EngineSpec,
         seed: int = 0,
         distributed: bool = False,
         stop_tags: Sequence[str] = STOP_TAGS,
     ):
         import os
 
-        device = str(cfg.rollout.device)
+        device = spec.device
         on_cpu = device == "cpu"
-        if cfg.rollout.vllm_in_process:
+        if spec.rollout.vllm_in_process:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if on_cpu:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_space_gib(cfg.rollout)))
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_space_gib(spec.rollout)))
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # else one core of two serves nothing
         # vLLM drops torch to one thread "for serving" unless OMP_NUM_THREADS is set; in-process the
         # trainer would then run on one core.
@@ -210,8 +204,8 @@ class VLLMEngine:
         self._sampling_cls, self._prompt_cls = SamplingParams, TokensPrompt
         self.tokenizer = tokenizer
         self.supports_sleep = bool(current_platform.is_sleep_mode_available())
-        self.dtype = vllm_dtype(cfg)
-        kwargs = vllm_engine_kwargs(model_path, cfg, seed, self.supports_sleep, distributed)
+        self.dtype = spec.compute_dtype
+        kwargs = vllm_engine_kwargs(model_path, spec, seed, self.supports_sleep, distributed)
         self.llm = LLM(**kwargs)
         torch.set_num_threads = set_num_threads  # vLLM's CPU worker replaces it process-wide
         # Tensors may be handed over only when the workers share this process: not with tensor
