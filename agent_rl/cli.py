@@ -376,8 +376,15 @@ def _print_stage_table(stages: list[tuple[str, dict[str, float]]], temperature: 
         print(f"{name:<16}" + "".join(cells))
 
 
+def _estimator(algo) -> str:
+    """The RL run's name in the demo's table: its advantage estimator (and policy loss when not PPO's clip)."""
+    names = {"grpo": "GRPO", "gae": "PPO", "rloo": "RLOO", "reinforce_pp": "REINFORCE++"}
+    name = names.get(algo.resolved_advantage(), algo.resolved_advantage())
+    return name if algo.policy_loss == "ppo_clip" else f"{name} ({algo.policy_loss})"
+
+
 def cmd_demo(args) -> int:
-    """The embedded default end to end: prepare, evaluate the base model, SFT warm start, GRPO,
+    """The embedded default end to end: prepare, evaluate the base model, SFT warm start, RL,
     evaluate, plot, and print test EM at each stage."""
     from agent_rl.bootstrap.prepare import prepare
     from agent_rl.evaluation import evaluate_all
@@ -402,14 +409,18 @@ def cmd_demo(args) -> int:
     rewards = [m["reward/mean"] for m in metrics if "reward/mean" in m]
     plots = plot_run(out)
     print("\n=== agent-rl demo finished ===")
-    stages = [("base model", base), ("SFT warm start", evals[0] if evals else {}), ("after GRPO", final)]
+    stages = [
+        ("base model", base),
+        ("SFT warm start", evals[0] if evals else {}),
+        (f"after {_estimator(cfg.algo)}", final),
+    ]
     _print_stage_table(stages, cfg.rollout.temperature)
     for key, what in (("eval/em", "greedy"), ("eval_sampled/em", f"one sample at T={cfg.rollout.temperature:g}")):
         if evals and key in evals[0]:
             line = [f"base model {base[key]:.3f}"] if key in base else []
             line += [
                 f"after the SFT warm start {evals[0][key]:.3f}",
-                f"after GRPO {final.get(key, evals[-1][key]):.3f}",
+                f"after {_estimator(cfg.algo)} {final.get(key, evals[-1][key]):.3f}",
             ]
             print(f"test EM ({what}): " + " -> ".join(line))
     if len(rewards) >= 10:
