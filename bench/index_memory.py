@@ -7,6 +7,8 @@ Usage: .venv/bin/python bench/index_memory.py [--sizes 20000,100000] [--kinds fl
        .venv/bin/python bench/index_memory.py --base FLAT_INDEX_DIR [--data DIR] --sizes 1000000
        [--train-size 262144] [--mmap] ...
        .venv/bin/python bench/index_memory.py --recall FLAT_INDEX_DIR --data ../shared/data/wiki18_nq_triviaqa
+       .venv/bin/python bench/index_memory.py --build-ram ../shared/data/wiki18_nq_triviaqa/corpus.jsonl
+       [--sizes 20000,100000] [--kinds flat,hnsw_sq8,ivf_pq] [--forward-rows 256] [--out FILE]
 
 Each index is built as `retriever-build` builds it (the same `faiss_index` over a float32 file of
 vectors mapped from disk, the same store and encoder files), over synthetic data and a corpus of
@@ -33,6 +35,16 @@ it, at its default search settings), and for the questions of --data's nq_1000.j
 triviaqa_1000.jsonl: recall@10 against the flat index's top-10, the share with the same top-1, and
 answer recall@1/3/10 (a gold answer in one of the top k passages, as retriever-eval counts it) beside
 flat's.
+
+With `--build-ram`: the whole build's peak anonymous RSS against `plan_build`'s `build_rss_bytes`. Each
+size is the given corpus's real passages cycled (new ids), built in a child process by retriever-build's
+own `build_index` at its defaults (store, ONNX encoder, 8,192-passage chunks tokenised in full, the
+mapped float32 file, `faiss_index` with the 262,144-row training sample), except that the encoder's
+forward runs on each chunk's `--forward-rows` longest passages only (0: all of them, as retriever-build
+does; on 2 cores that is ~20 passages/s) and the vectors are random unit vectors. The parent samples
+the child's RssAnon every 0.1 s, split at the start of the index phase; the child resets its VmHWM
+there (clear_refs 5) and reports VmHWM less its mapped pages (the vector file's, all resident by then)
+as the index phase's exact peak, which a sample would miss (a growth copy lasts milliseconds).
 """
 
 from __future__ import annotations
@@ -192,6 +204,138 @@ def build(work: Path, n: int, kind: str, dim: int, train_size: int, vectors: Pat
     os.replace(out / "manifest.json.built", out / "manifest.json")
     done.write_text(json.dumps(info))
     return out, info
+
+
+def write_passages(path: Path, source: Path, n: int) -> None:
+    """n passages: `source`'s lines (a real corpus JSONL) cycled, each with a new id."""
+    lines = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+    with path.open("w") as f:
+        for i in range(n):
+            rec = lines[i % len(lines)]
+            contents = rec["contents"] if "contents" in rec else f"{rec.get('title', '')}\n{rec.get('text', '')}"
+            f.write(json.dumps({"id": str(i), "contents": contents}) + "\n")
+
+
+def build_ram_child(out: Path, corpus: Path, kind: str, forward_rows: int) -> None:
+    """In a child process: `retriever-build --corpus corpus --out out --kind kind` (`build_index` at its
+    defaults), except that each chunk's vectors are random unit vectors and the encoder's forward runs
+    on the chunk's `forward_rows` longest passages only (batches of 16: ONNX Runtime's arena at its
+    largest), after the whole chunk is tokenised as `Encoder.encode` tokenises it. The store, the
+    encoder, the mapped float32 file, the sample and batches `faiss_index` copies and the index are
+    the real build's. Prints the child's /proc status at the end of the store, of the encoder's load
+    and of the encoding, and the index phase's peak anonymous RSS: VmHWM, reset (clear_refs 5) when
+    `faiss_index` starts, less the mapped pages (RssFile, which stays put: the vector file's pages
+    are all resident once written)."""
+    import retriever_server.build as rb
+    from retriever_server.encoders import Encoder
+
+    os.environ.pop("TOKENIZERS_PARALLELISM", None)  # this module sets it; retriever-build tokenises in parallel
+    marks: dict[str, dict[str, int]] = {}
+    rng = np.random.default_rng(0)
+    write_store, faiss_index, init = rb.write_store, rb.faiss_index, Encoder.__init__
+
+    def store(*args, **kwargs):
+        n = write_store(*args, **kwargs)
+        marks["store"] = status(os.getpid())
+        return n
+
+    def load(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        marks["encoder"] = status(os.getpid())
+
+    def encode_passages(self, passages: list[str], batch_size: int = 64) -> np.ndarray:
+        # held while the forwards run, as Encoder.encode holds them: the output, the token ids and types
+        x = rng.standard_normal((len(passages), self.dim), dtype=np.float32)
+        ids, types = self.tokenize([self.passage_prefix + p for p in passages])
+        longest = np.argsort([len(i) for i in ids], kind="stable")[-forward_rows:]
+        self.encode([self.passage_prefix + passages[i] for i in longest], batch_size)
+        faiss.normalize_L2(x)
+        del ids, types
+        return x
+
+    def index_phase(*args, **kwargs):
+        marks["encoded"] = status(os.getpid())
+        (out / "index-phase").touch()
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here: the index phase's peak
+        got = faiss_index(*args, **kwargs)
+        marks["indexed"] = status(os.getpid())
+        return got
+
+    rb.write_store, rb.faiss_index = store, index_phase
+    Encoder.__init__ = load  # type: ignore[method-assign]
+    if forward_rows > 0:
+        Encoder.encode_passages = encode_passages  # type: ignore[method-assign]
+    manifest = rb.build_index(corpus, out, kind)
+    end = marks["indexed"]
+    index_peak = end["VmHWM"] - end["RssFile"] - end.get("RssShmem", 0)
+    print(json.dumps({"marks": marks, "index_peak_anon": index_peak, "build": manifest["build"]}))
+
+
+def build_ram(work: Path, n: int, kind: str, passages: Path, forward_rows: int) -> dict:
+    """Run `build_ram_child` for n passages of `passages` and sample its RssAnon every 0.1 s, split
+    at the start of the index phase; with the child's own figures."""
+    import shutil
+
+    corpus = work / f"passages{n}.jsonl"
+    if not corpus.exists():
+        write_passages(corpus, passages, n)
+    out = work / f"build-ram-{kind}{n}"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    t = time.time()
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--build-ram-child", str(out), "--corpus", str(corpus), "--kinds", kind,
+         "--forward-rows", str(forward_rows)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    peak = {"encode": 0, "index": 0}
+    while proc.poll() is None:
+        phase = "index" if (out / "index-phase").exists() else "encode"
+        try:
+            peak[phase] = max(peak[phase], status(proc.pid).get("RssAnon", 0))
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.1)
+    if proc.returncode:
+        raise RuntimeError(f"building {out} failed ({proc.returncode})")
+    info = json.loads(proc.stdout.read().strip().splitlines()[-1])
+    info |= {"sampled_encode_anon": peak["encode"], "sampled_index_anon": peak["index"],
+             "wall_s": round(time.time() - t, 1)}  # fmt: skip
+    shutil.rmtree(out, ignore_errors=True)
+    return info
+
+
+def build_ram_rows(work: Path, n: int, kind: str, passages: Path, forward_rows: int) -> dict:
+    """One row: the plan of building n passages of `passages` as `kind` against `build_ram`'s figures."""
+    from retriever_server.plan import plan_build
+
+    info = build_ram(work, n, kind, passages, forward_rows)
+    plan = plan_build(work / f"passages{n}.jsonl", kind)
+    marks = info.pop("marks")
+    measured = max(info["sampled_encode_anon"], info["sampled_index_anon"], info["index_peak_anon"])
+    row = {
+        "n": n,
+        "kind": kind,
+        "factory": plan.factory,
+        "measured_peak_anon": measured,
+        "plan_build_rss": plan.build_rss_bytes,
+        "plan_build_parts": plan.build_parts,
+        **info,
+        "anon_after_store": marks["store"]["RssAnon"],
+        "anon_after_encoder_load": marks["encoder"]["RssAnon"],
+        "anon_after_encoding": marks["encoded"]["RssAnon"],
+        "mapped_after_encoding": marks["encoded"]["RssFile"],
+        "anon_after_index": marks["indexed"]["RssAnon"],
+    }
+    parts = plan.build_parts
+    phase = max(parts["encode_chunk"], parts["index_train"], parts["index_add"])
+    row["plan_kept"] = plan.build_rss_bytes - phase
+    row["plan_index_phase"] = max(parts["index_train"], parts["index_add"])
+    row["measured_index_phase"] = info["index_peak_anon"] - row["anon_after_encoding"]
+    row["plan_mapped"] = plan.build_mapped_bytes
+    row["err"] = round(plan.build_rss_bytes / measured - 1, 4)
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def rollup(pid: int) -> dict[str, int]:
@@ -380,11 +524,30 @@ def main() -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--recall", type=Path, help="a flat index directory: recall of --kinds against it")
     p.add_argument("--data", type=Path, help="a directory with nq_1000.jsonl and triviaqa_1000.jsonl")
+    p.add_argument(
+        "--build-ram",
+        type=Path,
+        help="a corpus JSONL of real passages: the build's peak RAM at each of --sizes (its passages cycled) and "
+        "--kinds against the plan's",
+    )
+    p.add_argument("--forward-rows", type=int, default=16, help="with --build-ram: passages a chunk the encoder runs")
     p.add_argument("--build-child", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--build-ram-child", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--corpus", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--vectors", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.build_child:
         build_child(a.build_child, a.vectors, a.train_size)
+        return 0
+    if a.build_ram_child:
+        build_ram_child(a.build_ram_child, a.corpus, a.kinds, a.forward_rows)
+        return 0
+    if a.build_ram:
+        a.work.mkdir(parents=True, exist_ok=True)
+        rows = [build_ram_rows(a.work, int(n), kind, a.build_ram, a.forward_rows) for n in a.sizes.split(",")
+                for kind in a.kinds.split(",")]  # fmt: skip
+        if a.out:
+            a.out.write_text(json.dumps(rows, indent=1))
         return 0
     if a.recall:
         rows = recall(a.recall, a.data, [k for k in a.kinds.split(",") if k != "flat"])

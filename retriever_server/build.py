@@ -21,10 +21,16 @@ from pathlib import Path
 import numpy as np
 
 from retriever_server.jsonl import iter_corpus
-from retriever_server.plan import DEFAULT_NPROBE, KINDS, factory_string, plan_build
+from retriever_server.plan import (
+    ADD_BATCH,
+    DEFAULT_NPROBE,
+    DEFAULT_TRAIN_SIZE,
+    ENCODE_CHUNK,
+    KINDS,
+    factory_string,
+    plan_build,
+)
 from retriever_server.store import file_sha256, write_store
-
-DEFAULT_TRAIN_SIZE = 262_144
 
 
 def build_index(
@@ -40,7 +46,7 @@ def build_index(
     ef_construction: int = 200,
     ef_search: int = 128,
     batch_size: int | None = None,
-    chunk: int = 8192,
+    chunk: int = ENCODE_CHUNK,
     k1: float = 0.9,
     b: float = 0.4,
     encoder_runtime: str = "auto",
@@ -174,8 +180,8 @@ def faiss_index(spec: str, vectors: np.ndarray, ef_construction: int = 200, trai
         rows = np.sort(np.random.default_rng(0).choice(n, size=min(n, train_size), replace=False))
         index.train(np.ascontiguousarray(vectors[rows]))
         build["train_size"] = len(rows)
-    for lo in range(0, n, 65536):
-        index.add(np.ascontiguousarray(vectors[lo : lo + 65536]))
+    for lo in range(0, n, ADD_BATCH):
+        index.add(np.ascontiguousarray(vectors[lo : lo + ADD_BATCH]))
     return index, build
 
 
@@ -185,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         prog="retriever-build",
         description="Build a dense (FAISS) or BM25 index from a corpus JSONL ({id, contents: 'Title\\ntext'}).\n\n"
         f"kinds (RAM a passage at the encoder's dim; recall against exact search):\n{kinds}\n\n"
-        "Run with --plan first: it prints the index's RAM and disk and the server's RSS for the corpus, "
-        "before anything is encoded.",
+        "Run with --plan first: it prints the index's RAM and disk, the build's peak RAM and the server's RSS "
+        "for the corpus, before anything is encoded.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--corpus", required=True, help="corpus JSONL")
@@ -199,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--plan",
         action="store_true",
-        help="print the planned RAM and disk of the index and the server's RSS, build nothing",
+        help="print the planned RAM and disk of the index, the build's peak RAM and the server's RSS, build nothing",
     )
     p.add_argument("--json", action="store_true", help="with --plan: print the plan as JSON")
     p.add_argument(
@@ -246,7 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.plan:
         try:
-            plan = plan_build(Path(a.corpus), a.kind, a.encoder, a.hnsw_m, a.factory, a.int8, a.plan_count, a.plan_dim)
+            plan = plan_build(
+                Path(a.corpus), a.kind, a.encoder, a.hnsw_m, a.factory, a.int8, a.plan_count, a.plan_dim, a.train_size
+            )
         except (FileNotFoundError, ValueError) as err:
             print(f"retriever-build: error: {err}", file=sys.stderr)
             return 2

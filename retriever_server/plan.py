@@ -19,6 +19,31 @@ adds the store, whose mapped pages the kernel reads ahead, so they approach the 
 after start. Store pages are clean page cache the kernel can drop, so the fit check
 (`check_fits`) asks MemAvailable for "at start" only. `python -m retriever_server.plan --index DIR
 [--json]` prints the plan of serving a built index (the trainer's `agent-rl plan` asks it so).
+
+The build (`retriever-build`, one process) is planned too: its peak anonymous RSS, the larger of
+its two phases, over what it keeps from start to end. Kept through both phases:
+- baseline: Python, NumPy, pyarrow, FAISS, ONNX Runtime and tokenizers loaded (a measured constant);
+- store: what writing docs.arrow leaves on the heap, a batch of `STORE_BATCH` passages as Python
+  strings and an Arrow batch (per docs.arrow byte, measured);
+- encoder: the ONNX session's weights (the file's size, as the server's);
+- encoder arena: ONNX Runtime's arena once batches of 16 passages up to 256 tokens have run (measured
+  with the shipped encoder; a corpus of short passages only holds less);
+- chunk tokens: the heap a chunk of `ENCODE_CHUNK` tokenised passages leaves (per token, measured;
+  tokens from docs.arrow's bytes a passage), reused by the next chunk, not returned.
+Encoding phase: + what a chunk holds while it is encoded: its float32 vectors (written to the mapped
+file after), its texts and its token types (an 8-byte list slot a token).
+Index phase (`build.faiss_index` over the mapped float32 file, in the same process), the larger of:
+- training (kinds that train: IVF centroids, PQ codebooks, SQ ranges): the sample `faiss_index`
+  copies out of the file (min(count, train_size) rows) + what FAISS copies from it: IVF k-means's
+  own subsample above 256 rows a list, the encoder's training subsample
+  (`train_encoder_num_vectors`, 65,536 rows for 8-bit PQ) and its residuals, one inner-product
+  block (4,096 x min(nlist, 1,024) floats) and BLAS's buffers (measured);
+- adding (`ADD_BATCH` rows at a time): the index as it grows, with the moment a contiguous array
+  (flat codes, an HNSW's storage codes and neighbour lists) outgrows its capacity and is copied into
+  one twice its size, old and new both resident (std::vector's growth), and IVF's per-batch buffers
+  (list assignments; IVF-PQ's residuals and codes, 32,768 rows at a time).
+The mapped float32 file (`build_mapped_bytes`) is page cache, not anonymous memory: resident while
+the build reads it, dropped by the kernel under pressure. BM25 builds are not planned (Lucene's JVM).
 """
 
 from __future__ import annotations
@@ -51,6 +76,24 @@ def server_baseline_bytes(env: dict[str, str] | None = None) -> int:
 ENCODER_RSS_PER_FILE_BYTE = 1.0
 # The share of an fp32 encoder's weights a dynamic int8 export keeps (int8 MatMul weights, fp32 rest).
 INT8_FILE_SHARE = 0.27
+
+# The build (retriever_server.build reads these): passages encoded a chunk, vectors added to FAISS a
+# call, rows drawn to train, passages written to docs.arrow a batch (retriever_server.store.write_store),
+# and the tokens the encoder keeps of a passage (Encoder's max_length).
+ENCODE_CHUNK = 8192
+ADD_BATCH = 65536
+DEFAULT_TRAIN_SIZE = 262_144
+STORE_BATCH = 50_000
+MAX_TOKENS = 256
+# Measured (bench/index_memory.py --build-ram, bench/RESULTS.md), retriever-build's anonymous RSS under
+# glibc's malloc: the process with its modules and ONNX Runtime session loaded, less the weights; the
+# heap writing docs.arrow leaves per byte of its batch; ONNX Runtime's arena after batches of 16
+# passages up to 256 tokens; the heap a tokenised chunk leaves per token; docs.arrow bytes a token.
+BUILD_BASELINE_BYTES = 100 * 2**20
+STORE_HEAP_PER_BYTE = 4.6
+ENCODE_ARENA_BYTES = 197 * 2**20
+TOKEN_HEAP_BYTES = 128
+STORE_BYTES_PER_TOKEN = 4.4
 
 # Named kinds: factory string (from d and n), one line on memory and recall, default search settings.
 KINDS: dict[str, str] = {
@@ -160,6 +203,140 @@ def _trained_bytes(index, d: int) -> float:
     return 0.0
 
 
+# FAISS's inner-product blocks (distance_compute_blas_query_bs x _database_bs floats): one is live in a
+# k-means step or a list assignment, and the heap keeps it.
+BLAS_BLOCK_ROWS, BLAS_BLOCK_COLS = 4096, 1024
+# IndexIVFPQ adds in blocks of this many rows (index_ivfpq_add_core_o_bs): residuals and codes a block.
+IVFPQ_ADD_BLOCK = 32768
+# Measured (bench/RESULTS.md): what IVF training holds beyond its arrays (BLAS's and k-means's buffers).
+IVF_TRAIN_BUFFERS_BYTES = 4 * 2**20
+
+
+def _ivf_of(index):
+    import faiss
+
+    try:
+        return faiss.extract_index_ivf(index)
+    except RuntimeError:  # not an IVF index
+        return None
+
+
+def _block_bytes(nlist: int) -> int:
+    return 4 * BLAS_BLOCK_ROWS * min(nlist, BLAS_BLOCK_COLS)
+
+
+def train_bytes(index, count: int, train_size: int = DEFAULT_TRAIN_SIZE) -> int:
+    """Peak bytes of training the untrained FAISS `index` as `faiss_index` does: the sample it copies
+    out of the mapped file (min(count, train_size) rows of 4 d bytes) and, on top, for IVF its
+    centroids, `IVF_TRAIN_BUFFERS_BYTES` and the larger of its k-means step (its own subsample above
+    `max_points_per_centroid` rows a list, an assignment and a distance a row, one inner-product
+    block) and its encoder's training (the `train_encoder_num_vectors` subsample, copied where
+    smaller than the sample, the residuals and assignments of it, one block); for a PQ outside IVF
+    the sub-vectors of the sample and of its k-means subsample. 0 for an index that needs no
+    training (flat, HNSW over flat vectors)."""
+    import faiss
+
+    if index.is_trained:
+        return 0
+    d = index.d
+    rows = min(count, train_size)
+    sample = 4 * d * rows
+    ivf = _ivf_of(index)
+    if ivf is not None:
+        block = _block_bytes(ivf.nlist)
+        k_rows = min(rows, ivf.nlist * ivf.cp.max_points_per_centroid)
+        kmeans = (4 * d * k_rows if k_rows < rows else 0) + 12 * k_rows + block
+        e_rows = min(rows, ivf.train_encoder_num_vectors() or rows)
+        encoder = (4 * d * e_rows if e_rows < rows else 0) + block
+        if ivf.by_residual:
+            encoder += (4 * d + 8) * e_rows
+        return sample + 4 * ivf.nlist * d + max(kmeans, encoder) + IVF_TRAIN_BUFFERS_BYTES
+    inner = faiss.downcast_index(index)
+    storage = faiss.downcast_index(inner.storage) if isinstance(inner, faiss.IndexHNSW) else inner
+    if hasattr(storage, "pq"):
+        pq = storage.pq
+        return sample + 4 * pq.dsub * (rows + min(rows, pq.cp.max_points_per_centroid * pq.ksub))
+    return sample
+
+
+def add_bytes(index, lay: Layout, count: int) -> int:
+    """Peak bytes of adding `count` vectors to the trained `index` `ADD_BATCH` at a time: after each
+    call the index holds its fixed part and `lay.per_vector` bytes a vector added so far; the
+    contiguous arrays (a flat index's codes; an HNSW's storage codes, then its neighbour lists)
+    grow as std::vector does, to max(2 x size, new size) when the new size exceeds the capacity,
+    the old array resident until the new one is filled; IVF lists grow a little at a time (no
+    copy counted), beside the call's list assignments and, for IVF-PQ, a block's residuals and
+    codes, and one inner-product block."""
+    import faiss
+
+    inner = faiss.downcast_index(index)
+    grown: list[float] = []  # bytes a vector of each contiguous array, in the order an add grows them
+    buffers = 0
+    if isinstance(inner, faiss.IndexHNSW):
+        storage = faiss.downcast_index(inner.storage)
+        if isinstance(storage, faiss.IndexFlatCodes):
+            grown.append(float(storage.code_size))
+        grown.append(lay.parts.get("graph", 0.0) - 12)  # neighbours; levels and offsets grow by push_back
+    elif isinstance(inner, faiss.IndexFlatCodes):
+        grown.append(float(inner.code_size))
+    ivf = _ivf_of(index)
+    if ivf is not None:
+        rows = min(count, ADD_BATCH)
+        buffers = 8 * rows + _block_bytes(ivf.nlist)
+        if isinstance(faiss.downcast_index(ivf), faiss.IndexIVFPQ) and ivf.by_residual:
+            buffers += (4 * ivf.d + ivf.code_size) * min(rows, IVFPQ_ADD_BLOCK)
+    other = lay.per_vector - sum(grown)
+    sizes, caps = [0.0] * len(grown), [0.0] * len(grown)
+    peak = 0.0
+    for added in range(min(count, ADD_BATCH), count + ADD_BATCH, ADD_BATCH):
+        added = min(added, count)
+        held = lay.fixed + other * added + buffers
+        for i, per in enumerate(grown):
+            new = per * added
+            if new > caps[i]:
+                peak = max(peak, held + sum(sizes) + new)  # the old array and the new one, filled
+                caps[i] = max(2 * sizes[i], new)
+            sizes[i] = new
+        peak = max(peak, held + sum(sizes))
+        if added == count:
+            break
+    return int(peak)
+
+
+def build_parts(
+    index,
+    lay: Layout,
+    count: int,
+    dim: int,
+    store: int,
+    encoder_bytes: int,
+    train_size: int = DEFAULT_TRAIN_SIZE,
+) -> dict[str, int]:
+    """retriever-build's anonymous memory by term (see the module docstring): the five kept through
+    the build, `encode_chunk` (encoding phase only), `index_train` and `index_add` (index
+    phase: the larger counts)."""
+    per_passage = store / max(1, count)
+    tokens = min(float(MAX_TOKENS), per_passage / STORE_BYTES_PER_TOKEN)
+    chunk = min(count, ENCODE_CHUNK)
+    return {
+        "baseline": BUILD_BASELINE_BYTES,
+        "store_batch": int(STORE_HEAP_PER_BYTE * per_passage * min(count, STORE_BATCH)),
+        "encoder": int(encoder_bytes * ENCODER_RSS_PER_FILE_BYTE),
+        "encoder_arena": ENCODE_ARENA_BYTES,
+        "chunk_tokens": int(TOKEN_HEAP_BYTES * tokens * chunk),
+        "encode_chunk": int(chunk * (4 * dim + per_passage + 8 * tokens)),
+        "index_train": train_bytes(index, count, train_size),
+        "index_add": add_bytes(index, lay, count),
+    }
+
+
+def build_peak(parts: dict[str, int]) -> int:
+    """The build's peak anonymous RSS: what it keeps + the larger phase (encoding's chunk, or the index
+    phase's larger of training and adding)."""
+    kept = sum(v for k, v in parts.items() if k not in ("encode_chunk", "index_train", "index_add"))
+    return kept + max(parts["encode_chunk"], parts["index_train"], parts["index_add"])
+
+
 def count_lines(path: Path, chunk: int = 1 << 24) -> int:
     """Lines in a file (newlines, plus a last line without one), read in 16 MiB blocks."""
     n, last = 0, b"\n"
@@ -241,6 +418,9 @@ class Plan:
     server_rss_start_bytes: int  # a started server: baseline + encoder + index
     server_rss_max_bytes: int  # ... once every store page has been read
     baseline_bytes: int = field(default_factory=server_baseline_bytes)
+    build_rss_bytes: int = 0  # retriever-build's peak anonymous RSS (`build_peak` of build_parts; 0: bm25)
+    build_parts: dict[str, int] = field(default_factory=dict)  # its terms by phase (`build_parts`)
+    build_mapped_bytes: int = 0  # the mapped float32 vectors' pages it reads meanwhile (page cache)
 
     def table(self) -> str:
         rows = [
@@ -253,6 +433,17 @@ class Plan:
             ("server RSS at start (+ Python/FAISS/ORT baseline)", self.server_rss_start_bytes),
             ("server RSS, every store page read", self.server_rss_max_bytes),
         ]
+        if self.build_rss_bytes:
+            p = self.build_parts
+            kept = self.build_rss_bytes - max(p["encode_chunk"], p["index_train"], p["index_add"])
+            rows += [
+                ("build RAM, peak anonymous (the larger phase)", self.build_rss_bytes),
+                ("  kept (baseline, store, encoder, arena, tokens)", kept),
+                ("  encoding phase: + a chunk's vectors, texts, tokens", p["encode_chunk"]),
+                ("  index phase: + training sample and copies", p["index_train"]),
+                ("  index phase: + index while adding", p["index_add"]),
+                ("build RAM: mapped vectors (page cache, reclaimable)", self.build_mapped_bytes),
+            ]
         head = f"{self.count:,} passages" + (f" x {self.dim} dims" if self.dim else "")
         return "\n".join([head] + [f"{name:<52} {human(v):>11}" for name, v in rows])
 
@@ -271,8 +462,10 @@ def plan_index(
     encoder_source: str = "",
     hnsw_m: int = 64,
     factory: str | None = None,
+    train_size: int = DEFAULT_TRAIN_SIZE,
 ) -> Plan:
-    """Plan for `count` passages of dimension `dim` (None for bm25), `store` bytes of docs.arrow."""
+    """Plan for `count` passages of dimension `dim` (None for bm25), `store` bytes of docs.arrow;
+    `train_size` is the build's (`retriever-build --train-size`)."""
     if kind == "bm25":
         base = server_baseline_bytes()
         return Plan(kind, None, count, None, 0, {}, store, 0, "", 0, store, base, base + store)  # fmt: skip
@@ -281,14 +474,16 @@ def plan_index(
     assert dim is not None
     spec = factory_string(kind, dim, count, hnsw_m, factory)
     try:
-        lay = layout(faiss.index_factory(dim, spec, faiss.METRIC_INNER_PRODUCT))
+        untrained = faiss.index_factory(dim, spec, faiss.METRIC_INNER_PRODUCT)
     except RuntimeError as err:
         raise ValueError(f"FAISS does not read the factory string {spec!r}: {err}") from err
+    lay = layout(untrained)
     parts = {k: int(v * count) for k, v in lay.parts.items()}
     parts["fixed"] = int(lay.fixed)
     index = int(lay.per_vector * count + lay.fixed)
     encoder_rss = int(encoder_bytes * ENCODER_RSS_PER_FILE_BYTE)
     start = server_baseline_bytes() + encoder_rss + index
+    build = build_parts(untrained, lay, count, dim, store, encoder_bytes, train_size)
     return Plan(
         kind=kind,
         factory=spec,
@@ -303,6 +498,9 @@ def plan_index(
         disk_bytes=index + store + encoder_bytes,
         server_rss_start_bytes=start,
         server_rss_max_bytes=start + store,
+        build_rss_bytes=build_peak(build),
+        build_parts=build,
+        build_mapped_bytes=4 * dim * count + 128,
     )
 
 
@@ -315,6 +513,7 @@ def plan_build(
     int8: bool = False,
     count: int | None = None,
     dim: int | None = None,
+    train_size: int = DEFAULT_TRAIN_SIZE,
 ) -> Plan:
     """The plan of `retriever-build --corpus corpus --kind kind`, from the corpus's line count and
     size and the encoder's config, before anything is encoded. `count` and `dim` project it to
@@ -327,7 +526,7 @@ def plan_build(
     if kind == "bm25":
         return plan_index(count, None, kind, store)
     enc, source = encoder_file_bytes(encoder, None, int8)
-    return plan_index(count, dim or encoder_dim(encoder), kind, store, enc, source, hnsw_m, factory)
+    return plan_index(count, dim or encoder_dim(encoder), kind, store, enc, source, hnsw_m, factory, train_size)
 
 
 def plan_served(index_dir: Path, manifest: dict, int8: bool = False) -> Plan:
@@ -340,7 +539,15 @@ def plan_served(index_dir: Path, manifest: dict, int8: bool = False) -> Plan:
     build = manifest.get("build", {})
     enc, source = encoder_file_bytes(manifest.get("encoder"), index_dir, int8)
     return plan_index(
-        manifest["count"], manifest["dim"], kind, store, enc, source, build.get("hnsw_m", 64), build.get("factory")
+        manifest["count"],
+        manifest["dim"],
+        kind,
+        store,
+        enc,
+        source,
+        build.get("hnsw_m", 64),
+        build.get("factory"),
+        build.get("train_size", DEFAULT_TRAIN_SIZE),
     )
 
 
