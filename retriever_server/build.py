@@ -180,8 +180,14 @@ def faiss_index(spec: str, vectors: np.ndarray, ef_construction: int = 200, trai
         rows = np.sort(np.random.default_rng(0).choice(n, size=min(n, train_size), replace=False))
         index.train(np.ascontiguousarray(vectors[rows]))
         build["train_size"] = len(rows)
-    for lo in range(0, n, ADD_BATCH):
-        index.add(np.ascontiguousarray(vectors[lo : lo + ADD_BATCH]))
+    if "nlist" in build:  # IVF: FAISS assigns a whole call's rows at once (8 bytes a row): in batches
+        for lo in range(0, n, ADD_BATCH):
+            index.add(np.ascontiguousarray(vectors[lo : lo + ADD_BATCH]))
+    else:
+        # One call: each contiguous array (flat codes; an HNSW's storage codes and neighbour lists) is sized once,
+        # to its final size. In batches std::vector's growth copies it with the old one still resident: up to twice
+        # the index at the last growth. `vectors` is the mapped file, which this does not copy.
+        index.add(np.ascontiguousarray(vectors))
     return index, build
 
 

@@ -38,10 +38,12 @@ Index phase (`build.faiss_index` over the mapped float32 file, in the same proce
   own subsample above 256 rows a list, the encoder's training subsample
   (`train_encoder_num_vectors`, 65,536 rows for 8-bit PQ) and its residuals, one inner-product
   block (4,096 x min(nlist, 1,024) floats) and BLAS's buffers (measured);
-- adding (`ADD_BATCH` rows at a time): the index as it grows, with the moment a contiguous array
-  (flat codes, an HNSW's storage codes and neighbour lists) outgrows its capacity and is copied into
-  one twice its size, old and new both resident (std::vector's growth), and IVF's per-batch buffers
-  (list assignments; IVF-PQ's residuals and codes, 32,768 rows at a time).
+- adding: a flat or HNSW index in one call, each contiguous array (flat codes, an HNSW's storage
+  codes and neighbour lists) sized once to its final size, plus HNSW's per-vector work arrays (the
+  insertion order, a lock and a visited mark a thread); an IVF index `ADD_BATCH` rows at a time, its
+  lists growing a little at a time, beside the batch's buffers (list assignments; IVF-PQ's residuals
+  and codes, 32,768 rows at a time). (Added in batches, a flat or HNSW index's arrays would grow as
+  std::vector does, the old array resident beside its copy: up to twice the index.)
 The mapped float32 file (`build_mapped_bytes`) is page cache, not anonymous memory: resident while
 the build reads it, dropped by the kernel under pressure. BM25 builds are not planned (Lucene's JVM).
 """
@@ -77,11 +79,14 @@ ENCODER_RSS_PER_FILE_BYTE = 1.0
 # The share of an fp32 encoder's weights a dynamic int8 export keeps (int8 MatMul weights, fp32 rest).
 INT8_FILE_SHARE = 0.27
 
-# The build (retriever_server.build reads these): passages encoded a chunk, vectors added to FAISS a
+# The build (retriever_server.build reads these): passages encoded a chunk, vectors added to an IVF index a
 # call, rows drawn to train, passages written to docs.arrow a batch (retriever_server.store.write_store),
 # and the tokens the encoder keeps of a passage (Encoder's max_length).
 ENCODE_CHUNK = 8192
 ADD_BATCH = 65536
+# Bytes a vector of an HNSW add's work arrays: the insertion order (int32), a lock (omp_lock_t, at most 8) and
+# each thread's visited mark (1 a thread, counted for 4 threads).
+HNSW_ADD_WORK = 4 + 8 + 4
 DEFAULT_TRAIN_SIZE = 262_144
 STORE_BATCH = 50_000
 MAX_TOKENS = 256
@@ -260,47 +265,23 @@ def train_bytes(index, count: int, train_size: int = DEFAULT_TRAIN_SIZE) -> int:
 
 
 def add_bytes(index, lay: Layout, count: int) -> int:
-    """Peak bytes of adding `count` vectors to the trained `index` `ADD_BATCH` at a time: after each
-    call the index holds its fixed part and `lay.per_vector` bytes a vector added so far; the
-    contiguous arrays (a flat index's codes; an HNSW's storage codes, then its neighbour lists)
-    grow as std::vector does, to max(2 x size, new size) when the new size exceeds the capacity,
-    the old array resident until the new one is filled; IVF lists grow a little at a time (no
-    copy counted), beside the call's list assignments and, for IVF-PQ, a block's residuals and
-    codes, and one inner-product block."""
+    """Peak bytes of adding `count` vectors to the trained `index` as `build.faiss_index` does. A flat
+    or HNSW index in one call: its fixed part and `lay.per_vector` bytes a vector, each contiguous
+    array sized once, plus for HNSW `HNSW_ADD_WORK` bytes a vector (the insertion order, the locks,
+    the threads' visited marks). An IVF index `ADD_BATCH` rows at a time: the lists grow a little at a
+    time (no copy counted), beside the call's list assignments and, for IVF-PQ, a block's residuals
+    and codes, and one inner-product block."""
     import faiss
 
-    inner = faiss.downcast_index(index)
-    grown: list[float] = []  # bytes a vector of each contiguous array, in the order an add grows them
-    buffers = 0
-    if isinstance(inner, faiss.IndexHNSW):
-        storage = faiss.downcast_index(inner.storage)
-        if isinstance(storage, faiss.IndexFlatCodes):
-            grown.append(float(storage.code_size))
-        grown.append(lay.parts.get("graph", 0.0) - 12)  # neighbours; levels and offsets grow by push_back
-    elif isinstance(inner, faiss.IndexFlatCodes):
-        grown.append(float(inner.code_size))
     ivf = _ivf_of(index)
-    if ivf is not None:
-        rows = min(count, ADD_BATCH)
-        buffers = 8 * rows + _block_bytes(ivf.nlist)
-        if isinstance(faiss.downcast_index(ivf), faiss.IndexIVFPQ) and ivf.by_residual:
-            buffers += (4 * ivf.d + ivf.code_size) * min(rows, IVFPQ_ADD_BLOCK)
-    other = lay.per_vector - sum(grown)
-    sizes, caps = [0.0] * len(grown), [0.0] * len(grown)
-    peak = 0.0
-    for added in range(min(count, ADD_BATCH), count + ADD_BATCH, ADD_BATCH):
-        added = min(added, count)
-        held = lay.fixed + other * added + buffers
-        for i, per in enumerate(grown):
-            new = per * added
-            if new > caps[i]:
-                peak = max(peak, held + sum(sizes) + new)  # the old array and the new one, filled
-                caps[i] = max(2 * sizes[i], new)
-            sizes[i] = new
-        peak = max(peak, held + sum(sizes))
-        if added == count:
-            break
-    return int(peak)
+    if ivf is None:
+        work = HNSW_ADD_WORK * count if isinstance(faiss.downcast_index(index), faiss.IndexHNSW) else 0
+        return int(lay.fixed + lay.per_vector * count + work)
+    rows = min(count, ADD_BATCH)
+    buffers = 8 * rows + _block_bytes(ivf.nlist)
+    if isinstance(faiss.downcast_index(ivf), faiss.IndexIVFPQ) and ivf.by_residual:
+        buffers += (4 * ivf.d + ivf.code_size) * min(rows, IVFPQ_ADD_BLOCK)
+    return int(lay.fixed + lay.per_vector * count + buffers)
 
 
 def build_parts(
