@@ -93,6 +93,7 @@ def test_ppo_critic_under_fsdp2_bf16_on_two_gloo_ranks(toy_warm_start, tmp_path)
         *torchrun_cmd(2, "-m", "agent_rl", "train", "configs/tiny_cpu_grpo.yaml"),
         *_overrides(cache, out, 1),
         "algo.name=ppo",
+        "algo.advantage=auto",  # GAE, not the demo config's REINFORCE++
         "algo.kl_coef=0.01",
         "algo.kl_type=k1",
         "train.bf16=true",

@@ -77,7 +77,9 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 def test_train_two_steps_changes_parameters(cache, tmp_path, algo):
     """Two GRPO / PPO steps on the toy world: parameters change and step_2 checkpoint exists."""
     out = tmp_path / "run"
-    extra = ["algo.name=ppo", "algo.kl_coef=0.01", "algo.kl_type=k1"] if algo == "ppo" else ["algo.kl_coef=0.01"]
+    # PPO: the demo config's REINFORCE++ advantage (algo.advantage) back to auto, GAE over the critic
+    ppo = ["algo.name=ppo", "algo.advantage=auto", "algo.kl_coef=0.01", "algo.kl_type=k1"]
+    extra = ppo if algo == "ppo" else ["algo.kl_coef=0.01"]
     res = _run(["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, 2, extra)], timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     # the launcher's allocator, inherited from this process (`make test` preloads mimalloc where it is installed)
