@@ -28,6 +28,7 @@ from retriever_server.plan import (
     ENCODE_CHUNK,
     KINDS,
     factory_string,
+    ivf_of,
     plan_build,
 )
 from retriever_server.store import file_sha256, write_store
@@ -172,15 +173,14 @@ def faiss_index(spec: str, vectors: np.ndarray, ef_construction: int = 200, trai
     if hnsw is not None:
         hnsw.efConstruction = ef_construction
         build["ef_construction"] = ef_construction
-    try:
-        build["nlist"] = faiss.extract_index_ivf(index).nlist
-    except RuntimeError:  # not an IVF index
-        pass
+    ivf = ivf_of(index)
+    if ivf is not None:
+        build["nlist"] = ivf.nlist
     if not index.is_trained:
         rows = np.sort(np.random.default_rng(0).choice(n, size=min(n, train_size), replace=False))
         index.train(np.ascontiguousarray(vectors[rows]))
         build["train_size"] = len(rows)
-    if "nlist" in build:  # IVF: FAISS assigns a whole call's rows at once (8 bytes a row): in batches
+    if ivf is not None:  # IVF: FAISS assigns a whole call's rows at once (8 bytes a row): in batches
         for lo in range(0, n, ADD_BATCH):
             index.add(np.ascontiguousarray(vectors[lo : lo + ADD_BATCH]))
     else:

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from retriever_server.encoders import Encoder
+from retriever_server.plan import ivf_of
 from retriever_server.store import DocStore
 
 
@@ -114,7 +115,7 @@ class DenseIndex:
         if hnsw is not None:
             self.ef_search = ef_search or build.get("ef_search", 128)
             hnsw.efSearch = self.ef_search
-        ivf = _ivf_of(index)
+        ivf = ivf_of(index)
         if ivf is not None:
             self.nprobe = min(nprobe or build.get("nprobe", 64), ivf.nlist)
             ivf.nprobe = self.nprobe
@@ -154,15 +155,6 @@ def hnsw_of(index):
     if isinstance(index, faiss.IndexPreTransform):
         return hnsw_of(index.index)
     return index.hnsw if isinstance(index, faiss.IndexHNSW) else None
-
-
-def _ivf_of(index):
-    import faiss
-
-    try:
-        return faiss.extract_index_ivf(index)
-    except RuntimeError:  # not an IVF index
-        return None
 
 
 def _need_cuda(flag: str) -> None:

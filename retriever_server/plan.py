@@ -111,7 +111,6 @@ KINDS: dict[str, str] = {
     "factory": "any FAISS index_factory string given with --factory (e.g. 'IVF4096,PQ64'), planned the same way",
     "bm25": "Lucene BM25 through pyserini; no vectors, no encoder",
 }
-DENSE_KINDS = ("flat", "hnsw", "hnsw_sq8", "ivf_pq", "factory")
 DEFAULT_NPROBE = 64
 
 
@@ -217,7 +216,8 @@ IVFPQ_ADD_BLOCK = 32768
 IVF_TRAIN_BUFFERS_BYTES = 4 * 2**20
 
 
-def _ivf_of(index):
+def ivf_of(index):
+    """The IVF index inside `index` (for its nlist / nprobe), or None when it is not an IVF index."""
     import faiss
 
     try:
@@ -246,7 +246,7 @@ def train_bytes(index, count: int, train_size: int = DEFAULT_TRAIN_SIZE) -> int:
     d = index.d
     rows = min(count, train_size)
     sample = 4 * d * rows
-    ivf = _ivf_of(index)
+    ivf = ivf_of(index)
     if ivf is not None:
         block = _block_bytes(ivf.nlist)
         k_rows = min(rows, ivf.nlist * ivf.cp.max_points_per_centroid)
@@ -273,7 +273,7 @@ def add_bytes(index, lay: Layout, count: int) -> int:
     and codes, and one inner-product block."""
     import faiss
 
-    ivf = _ivf_of(index)
+    ivf = ivf_of(index)
     if ivf is None:
         work = HNSW_ADD_WORK * count if isinstance(faiss.downcast_index(index), faiss.IndexHNSW) else 0
         return int(lay.fixed + lay.per_vector * count + work)
