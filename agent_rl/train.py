@@ -359,7 +359,7 @@ def train(cfg: Config, resume: bool = False) -> dict[str, float]:
             if prompts is not None:
                 loop.admit(prompts)
         run.stream.size = len(run.train_set.items)  # the order is drawn on first use, over what is left
-        if run.test_set is not None and run.step == 0:
+        if run.test_set is not None and run.step == 0 and cfg.run.eval_at_start:
             last_eval = run.evaluate(loop)
             run.logger.log(0, last_eval)
             run.logger.progress(0, cfg.run.max_steps, last_eval)

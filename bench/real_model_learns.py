@@ -1,7 +1,8 @@
 """Does a real model learn on real questions? SmolLM2 + GRPO on NQ, held-out NQ and TriviaQA.
 
 Usage: .venv/bin/python bench/real_model_learns.py --data DIR [--out runs/real_nq] [--config CONFIG]
-       [--seed 0] [--nq-test 500] [--triviaqa-test 300] [--train-triviaqa] [--rl-unsolved] [key=value ...]
+       [--seed 0] [--nq-test 500] [--triviaqa-test 300] [--train-triviaqa] [--rl-unsolved]
+       [--run-name grpo] [--sft-equal [--sft-equal-steps N]] [--skip-train] [key=value ...]
 
 DIR is a folder in FlashRAG layout: `corpus.jsonl` (`id`, `contents` = "Title\\ntext"), `nq_1000.jsonl`
 and `triviaqa_1000.jsonl` (`id`, `question`, `golden_answers`), e.g. ../shared/data/wiki18_nq_triviaqa.
@@ -19,13 +20,20 @@ Nothing is copied from it but the derived prompt files. One command runs every p
 3. sft: `agent-rl sft`, the warm start, on the training questions only (OUT/sft);
 4. train: `agent-rl train`: greedy evaluation of the warm start on both held-out sets (step 0), GRPO,
    greedy evaluation after (OUT/grpo, per-question scores in eval/step_N.jsonl);
-5. report: EM per set before and after with a 95% paired bootstrap interval of the difference,
+5. with --sft-equal, the same compute spent on SFT: a fresh LoRA on the warm start trained on the same
+   demonstrations for as many seconds as the RL steps took (N more SFT steps at the warm start's own seconds
+   per step, or --sft-equal-steps N), evaluated greedily on both held-out sets by `agent-rl eval`
+   (OUT/sft_equal, OUT/sft_equal_eval); the report pairs it with the warm start and with RL;
+6. report: EM per set before and after with a 95% paired bootstrap interval of the difference,
    searches per trajectory, the reward curve, engine-trainer log-prob difference, wall time per phase,
    peak RSS per phase against `agent-rl plan`, and `agent-rl view` reports of a few held-out
    trajectories before and after: OUT/results.json and OUT/results.md.
 
 A phase whose output exists is reused (data with the same split, index, warm start); training
-starts afresh in OUT/grpo, or with --resume continues OUT/grpo's last checkpoint up to run.max_steps
+starts afresh in OUT/grpo (OUT/NAME with --run-name NAME), or with --resume continues its last checkpoint up to
+run.max_steps, or with --skip-train is taken as it is (to add --sft-equal to a finished run). Runs of several
+estimators from one warm start: `--run-name rloo algo.advantage=rloo` and so on, in the same OUT; the later ones
+reuse the first one's evaluation of the warm start (the same greedy answers, so every run pairs with them).
 (e.g. `--resume run.max_steps=60` after a 30-step run: with a constant learning rate and exact resume,
 the same weights a 60-step run reaches; the held-out comparison is still step 0 against the last step).
 """
@@ -37,6 +45,7 @@ import json
 import os
 import platform
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -190,6 +199,51 @@ def run_phase(name: str, cmd: list[str], log: Path) -> dict:
     return {"wall_s": wall, "peak_rss_gib": usage.ru_maxrss / 2**20}  # ru_maxrss is in KiB
 
 
+def reuse_start_eval(out: Path, run_name: str) -> Path | None:
+    """Another RL run in OUT (a sibling folder of `run_name`) that evaluated this warm start at step 0, or None.
+    Each run records the warm start it started from (a fingerprint of OUT/sft's files); only a match counts."""
+    from agent_rl.evaluation import files_fingerprint
+
+    want = files_fingerprint(out / "sft")
+    for run in sorted(p for p in out.iterdir() if p.is_dir() and p.name != run_name):
+        marker = run / "warm_start.json"
+        if (
+            (run / "eval" / "step_0.jsonl").exists()
+            and (run / "eval_trajectories" / "step_0.jsonl").exists()
+            and marker.exists()
+            and json.loads(marker.read_text()).get("fingerprint") == want
+        ):
+            return run
+    return None
+
+
+def sft_seconds_per_step(log: Path) -> float:
+    """The warm start's seconds per SFT step, from its log's last `[sft] step N/M loss L (Ts)` line (the
+    training loop's own time: start-up and saving excluded, as the RL steps' `timing/step_s` exclude them)."""
+    found = re.findall(r"\[sft\] step (\d+)/\d+ loss \S+ \((\d+)s\)", log.read_text() if log.exists() else "")
+    if not found:
+        raise SystemExit(f"--sft-equal: no `[sft] step` line in {log}; give --sft-equal-steps N")
+    step, seconds = map(int, found[-1])
+    return max(seconds, 1) / step
+
+
+def sft_equal(agent_rl: list[str], config: str, overrides: list[str], out: Path, steps: int) -> dict:
+    """The same compute spent on SFT: a fresh LoRA on the warm start (OUT/sft, the weights RL starts from),
+    `steps` more steps of the warm start's recipe on the same demonstrations, saved merged to OUT/sft_equal;
+    then `agent-rl eval` of both held-out sets, greedy, as the trainer evaluates them. Returns the two phases'
+    wall time and peak RSS, the SFT loop's own seconds and the per-question score rows."""
+    model = out / "sft_equal"
+    sft_cmd = [*agent_rl, "sft", config, *overrides, f"model.path={out / 'sft'}", f"model.warm_start={model}"]
+    phases = {"sft_equal": run_phase("sft_equal", [*sft_cmd, f"sft.steps={steps}"], out / "logs" / "sft_equal.log")}
+    report = out / "sft_equal_eval" / "eval.json"
+    eval_cmd = [*agent_rl, "eval", config, *overrides, "--checkpoint", str(model), "--out", str(report), "--fresh"]
+    phases["sft_equal_eval"] = run_phase("sft_equal_eval", eval_cmd, out / "logs" / "sft_equal_eval.log")
+    folder = report.with_name(report.stem + "_questions")
+    rows = [json.loads(line) for part in sorted(folder.glob("part-*.jsonl")) for line in part.read_text().splitlines()]
+    loop_s = re.findall(r"\[sft\] step \d+/\d+ loss \S+ \((\d+)s\)", (out / "logs" / "sft_equal.log").read_text())
+    return {"phases": phases, "sft_loop_s": float(loop_s[-1]) if loop_s else 0.0, "rows": rows}
+
+
 def compare(before: list[dict], after: list[dict], found: dict[str, bool] | None = None) -> dict:
     """Greedy EM, F1 and searches per data source before and after, with the 95% paired bootstrap
     interval of the EM difference over the same questions. With `found` (prompt id -> does the
@@ -287,17 +341,29 @@ def summarise(
     split_sizes: dict,
     reward_fn: str = "em",
     found: dict[str, bool] | None = None,
+    sft_more: dict | None = None,
+    run_name: str = "grpo",
 ) -> dict:
-    run_dir = out / "grpo"
+    run_dir = out / run_name
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "reward/mean" in m]
     evals = [m for m in metrics if "eval/em" in m]
     last = max(int(p.stem.split("_")[1]) for p in (run_dir / "eval").glob("step_*.jsonl"))
     load = lambda s: [json.loads(x) for x in (run_dir / "eval" / f"step_{s}.jsonl").read_text().splitlines()]  # noqa: E731
     em = compare(load(0), load(last), found)
+    equal = None
+    if sft_more is not None:
+        equal = {
+            "steps": sft_more["steps"],
+            "sft_loop_s": sft_more["sft_loop_s"],
+            "warm_start_s_per_step": sft_more["per_step"],
+            "vs_warm_start": compare(load(0), sft_more["rows"], found),
+            "rl_vs_sft": compare(sft_more["rows"], load(last), found),
+        }
     plot_curve(steps, out / "reward_curve.png", reward_fn)
     k = max(1, len(steps) // 4)
-    eval_s = [m["timing/eval_s"] for m in evals if "timing/eval_s" in m]
+    eval_s = [m["timing/eval_s"] for m in evals if "timing/eval_s" in m and m["step"] > 0]
+    start_s = [m["timing/eval_s"] for m in evals if "timing/eval_s" in m and m["step"] == 0]  # none when reused
     n_eval = sum(split_sizes[s] for s in SETS)
     step_s = [m["timing/step_s"] for m in steps]
     train_rss = max([m["memory/peak_rss_gib"] for m in steps], default=0.0)
@@ -330,9 +396,9 @@ def summarise(
         },
         "time_s": {
             **{name: p["wall_s"] for name, p in phases.items()},
-            "eval_warm_start": eval_s[0] if eval_s else None,
-            "eval_after": eval_s[-1] if len(eval_s) > 1 else None,
-            "eval_per_question": _mean(eval_s) / max(1, n_eval),
+            "eval_warm_start": start_s[0] if start_s else None,
+            "eval_after": eval_s[-1] if eval_s else None,
+            "eval_per_question": _mean(start_s + eval_s) / max(1, n_eval),
             "grpo_steps": sum(step_s),
             "total": sum(p["wall_s"] for p in phases.values()),
         },
@@ -344,15 +410,19 @@ def summarise(
         },
         "views": write_views(run_dir, last, out / "view", per_set=4),
         "last_step": last,
+        **({"sft_equal": equal} if equal is not None else {}),
     }
 
 
 def render(res: dict, header: str) -> str:
     t, mem, tr = res["time_s"], res["memory_gib"], res["training"]
-    lines = [header, "", "## Greedy EM on the held-out sets: warm start -> after GRPO", ""]
+    estimator = res.get("estimator", "grpo")  # algo.advantage: the section names say which RL ran
+    rl = "GRPO" if estimator == "grpo" else f"RL ({estimator})"
+    lines = [header, "", f"## Greedy EM on the held-out sets: warm start -> after {rl}", ""]
     lines += [
-        "| set | n | EM warm start | EM after GRPO | difference [95% paired bootstrap] | right->wrong / wrong->right | "
-        "F1 before -> after | searches per trajectory before -> after | top-k answer recall |",
+        f"| set | n | EM warm start | EM after {rl} | difference [95% paired bootstrap] | "
+        "right->wrong / wrong->right | F1 before -> after | searches per trajectory before -> after | "
+        "top-k answer recall |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for source, r in res["held_out"].items():
@@ -370,7 +440,7 @@ def render(res: dict, header: str) -> str:
             "By whether the question's own search (top-k, the question as the query) finds a gold answer: where it "
             "does, a gain is better reading; where it does not, only a better query or the model's memory can gain.",
             "",
-            "| set | search | n | EM warm start -> after GRPO | difference [95% paired bootstrap] |",
+            f"| set | search | n | EM warm start -> after {rl} | difference [95% paired bootstrap] |",
             "|---|---|---|---|---|",
         ]
         for source, parts in split_rows:
@@ -381,7 +451,7 @@ def render(res: dict, header: str) -> str:
                     f"{r['em_diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] |"
                 )
     recall_train = res["retrieval_answer_recall_at_topk"].get("train", float("nan"))
-    rl = res["split"].get("train_rl")
+    rl_pool = res["split"].get("train_rl")
     lines += [
         "",
         f"Training questions: {res['split']['train']}"
@@ -393,14 +463,14 @@ def render(res: dict, header: str) -> str:
         + f"; a scripted demonstration's observation holds a gold answer "
         f"for {recall_train:.3f} of them (with sft.answer_in_observation, the warm start learns from those only; "
         "otherwise the rest teach answering from memory)."
-        + (f" GRPO samples from those {rl} (--rl-answerable)." if rl else " GRPO samples from all of them.")
+        + (f" RL samples from those {rl_pool} (--rl-answerable)." if rl_pool else " RL samples from all of them.")
         + (
             f" Of those, the {unsolved} the warm start answers wrong greedily (--rl-unsolved)."
             if (unsolved := res["split"].get("train_rl_unsolved"))
             else ""
         ),
         "",
-        "## GRPO",
+        f"## {rl}",
         "",
         f"- steps: {tr['steps']} of {tr['trajectories_per_step']:.0f} trajectories; reward "
         f"({tr.get('reward_fn', 'em')} of the samples) "
@@ -415,18 +485,40 @@ def render(res: dict, header: str) -> str:
         f"- seconds per step: {tr['step_s_mean']:.1f} (rollout {tr['rollout_s_mean']:.1f}, update "
         f"{tr['update_s_mean']:.1f}, weight sync {tr['weight_sync_s_mean']:.2f})",
         "",
+    ]
+    if eq := res.get("sft_equal"):
+        lines += [
+            "## The same compute spent on SFT",
+            "",
+            f"The warm start trained on for {eq['steps']} more SFT steps (a fresh LoRA, its own recipe and "
+            f"demonstrations): {eq['sft_loop_s']:.0f} s of SFT steps against {t['grpo_steps']:.0f} s of RL steps "
+            f"(the warm start's {eq['warm_start_s_per_step']:.1f} s per SFT step). Greedy EM, 95% paired bootstrap "
+            "intervals over the same questions.",
+            "",
+            "| set | n | warm start | SFT + more steps | after RL | SFT - warm start | RL - SFT |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for source, r in eq["vs_warm_start"].items():
+            q = eq["rl_vs_sft"][source]
+            (lo, hi), (lo2, hi2) = r["em_diff_ci95"], q["em_diff_ci95"]
+            lines.append(
+                f"| {source} | {r['n']} | {r['em_before']:.3f} | {r['em_after']:.3f} | {q['em_after']:.3f} | "
+                f"{r['em_diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] | {q['em_diff']:+.3f} [{lo2:+.3f}, {hi2:+.3f}] |"
+            )
+        lines.append("")
+    lines += [
         "## Wall time and memory",
         "",
         "| phase | wall s | peak RSS GiB |",
         "|---|---|---|",
     ]
-    for name in ("data", "index", "sft", "train"):
+    for name in ("data", "index", "sft", "train", "sft_equal", "sft_equal_eval"):
         if name in t:
             lines.append(f"| {name} | {t[name]:.0f} | {mem.get(name, float('nan')):.2f} |")
     lines += [
         f"| total | {t['total']:.0f} | |",
         "",
-        f"Inside train: evaluation of the warm start {t['eval_warm_start'] or 0:.0f} s, GRPO steps "
+        f"Inside train: evaluation of the warm start {t['eval_warm_start'] or 0:.0f} s, {rl} steps "
         f"{t['grpo_steps']:.0f} s, evaluation after {t['eval_after'] or 0:.0f} s "
         f"({t['eval_per_question']:.3f} s per held-out question); the rest is start-up and checkpoints.",
         f"Peak RSS of training (memory/peak_rss_gib) {mem['train_peak_rss_logged']:.2f} GiB; `agent-rl plan` "
@@ -475,6 +567,30 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="continue OUT/grpo from its last checkpoint (to run.max_steps) instead of starting afresh",
     )
+    parser.add_argument(
+        "--run-name",
+        default="grpo",
+        help="the RL run's folder in OUT: runs of several estimators (algo.advantage=...) share OUT's data, index "
+        "and warm start, and a later one reuses an earlier one's evaluation of the warm start "
+        "(run.eval_at_start=false), so that all are paired with the same warm-start answers",
+    )
+    parser.add_argument(
+        "--skip-train",
+        action="store_true",
+        help="take OUT/grpo as it is (a finished run) instead of training: to add --sft-equal to it",
+    )
+    parser.add_argument(
+        "--sft-equal",
+        action="store_true",
+        help="then the same compute spent on SFT: the warm start trained on for as many seconds as the RL steps "
+        "took (OUT/sft_equal), evaluated on both held-out sets and paired with the warm start and with RL",
+    )
+    parser.add_argument(
+        "--sft-equal-steps",
+        type=int,
+        default=0,
+        help="--sft-equal's SFT steps (0 = the RL steps' seconds over the warm start's seconds per SFT step)",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides for every agent-rl command (key=value)")
     args = parser.parse_args(argv)
     from agent_rl.bootstrap.prepare import ensure_index, ensure_model
@@ -485,8 +601,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / "data").mkdir(parents=True, exist_ok=True)
     (out / "logs").mkdir(exist_ok=True)
     tests = [out / "data" / f"{s}_test.parquet" for s in SETS]
+    run_dir = out / args.run_name
     overrides = [
-        f"run.output_dir={out / 'grpo'}",
+        f"run.output_dir={run_dir}",
         f"model.warm_start={out / 'sft'}",
         f"data.train_files=[{out / 'data' / 'train.parquet'}]",
         f"data.test_files=[{', '.join(map(str, tests))}]",
@@ -546,19 +663,45 @@ def main(argv: list[str] | None = None) -> int:
         train_overrides = [*overrides, f"data.train_files=[{out / 'data' / 'train_rl_unsolved.parquet'}]"]
         _log(f"data: GRPO trains on the {sizes['train_rl_unsolved']} of them the warm start answers wrong greedily")
     train_cmd = [*agent_rl, "train", config, *train_overrides]
-    if args.resume:
-        if not (out / "grpo" / "checkpoints").is_dir():
-            raise SystemExit(f"--resume: no checkpoint under {out / 'grpo' / 'checkpoints'}")
+    reused = None
+    if args.skip_train:
+        if not (run_dir / "metrics.jsonl").exists():
+            raise SystemExit(f"--skip-train: no finished run in {run_dir} (no metrics.jsonl)")
+        _log(f"train: taking {run_dir} as it is (--skip-train)")
+    elif args.resume:
+        if not (run_dir / "checkpoints").is_dir():
+            raise SystemExit(f"--resume: no checkpoint under {run_dir / 'checkpoints'}")
         train_cmd.append("--resume")
         log = out / "logs" / f"train_resume_{time.strftime('%H%M%S')}.log"
     else:
-        shutil.rmtree(out / "grpo", ignore_errors=True)
-        log = out / "logs" / "train.log"
-    phases["train"] = run_phase("train", train_cmd, log)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        log = out / "logs" / ("train.log" if args.run_name == "grpo" else f"train_{args.run_name}.log")
+        if reused := reuse_start_eval(out, args.run_name):
+            train_cmd.append("run.eval_at_start=false")
+            _log(f"train: the warm start's evaluation (step 0) is {reused.name}'s, not redone")
+    if not args.skip_train:
+        from agent_rl.evaluation import files_fingerprint
+
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "warm_start.json").write_text(json.dumps({"fingerprint": files_fingerprint(out / "sft")}))
+        phases["train"] = run_phase("train", train_cmd, log)
+    if reused is not None:
+        for name in ("eval", "eval_trajectories"):
+            shutil.copyfile(reused / name / "step_0.jsonl", run_dir / name / "step_0.jsonl")
+    sft_more = None
+    if args.sft_equal:
+        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        rl_s = sum(m["timing/step_s"] for m in metrics if "reward/mean" in m)
+        per_step = sft_seconds_per_step(out / "logs" / "sft.log")
+        steps = args.sft_equal_steps or max(1, round(rl_s / per_step))
+        _log(f"sft_equal: {steps} SFT steps for the RL steps' {rl_s:.0f} s (the warm start: {per_step:.1f} s a step)")
+        sft_more = {**sft_equal(agent_rl, config, overrides, out, steps), "steps": steps, "per_step": per_step}
+        phases.update(sft_more.pop("phases"))
 
     found = {f"{r['source']}_{r['id']}": hit for name in SETS for r, hit in zip(split[name], hits[name])}
-    res = summarise(out, phases, plan, recall, sizes, str(cfg.reward.fn), found)
-    res.update(config=args.config, overrides=args.overrides, split_seed=args.seed, data=str(data))
+    res = summarise(out, phases, plan, recall, sizes, str(cfg.reward.fn), found, sft_more, args.run_name)
+    res.update(estimator=cfg.algo.resolved_advantage(), config=args.config, overrides=args.overrides)
+    res.update(split_seed=args.seed, data=str(data))
     (out / "results.json").write_text(json.dumps(res, indent=1))
     header = (
         f"# A real model learns on real questions ({time.strftime('%Y-%m-%d')}, {platform.node()}, "

@@ -124,3 +124,37 @@ def test_one_step_run_writes_the_report_and_resumes(tmp_path, capsys, smollm2_di
     for m in steps:
         assert m["rollout/logprob_diff_mean"] < 1e-3, m["rollout/logprob_diff_mean"]
         assert engine == "hf" or m["timing/weight_sync"] > 0
+
+    # --skip-train --sft-equal on the finished run: the warm start trained on for more SFT steps (a fresh LoRA on
+    # it, saved merged), evaluated by `agent-rl eval` on both held-out sets, and paired with the warm start and RL.
+    from real_model_learns import sft_seconds_per_step
+
+    assert sft_seconds_per_step(out / "logs" / "sft.log") > 0  # what N is derived from when not given
+    trained = (out / "grpo" / "metrics.jsonl").read_text()
+    assert main([*args, "--skip-train", "--sft-equal", "--sft-equal-steps", "2", *overrides, "run.max_steps=2"]) == 0
+    assert (out / "grpo" / "metrics.jsonl").read_text() == trained  # the RL run is taken as it is
+    assert "; 2 steps of batch" in (out / "logs" / "sft_equal.log").read_text()
+    assert (out / "sft_equal" / "config.json").exists()  # merged: vLLM serves it as it is
+    res = json.loads((out / "results.json").read_text())
+    eq = res["sft_equal"]
+    assert eq["steps"] == 2 and set(res["time_s"]) >= {"sft_equal", "sft_equal_eval"}
+    assert {s: r["n"] for s, r in eq["vs_warm_start"].items()} == {"nq": 4, "triviaqa": 3}
+    for source, r in eq["vs_warm_start"].items():
+        q, held = eq["rl_vs_sft"][source], res["held_out"][source]
+        assert r["em_before"] == held["em_before"] and q["em_after"] == held["em_after"]  # the same two ends
+        assert r["em_after"] == q["em_before"]  # SFT's EM, the middle of both comparisons
+    assert "## The same compute spent on SFT" in (out / "results.md").read_text()
+
+    # Another estimator from the same warm start (--run-name): the first run's evaluation of the warm start is reused,
+    # not redone, so both pair with the same warm-start answers.
+    capsys.readouterr()
+    assert main([*args, "--run-name", "rloo", *overrides, "algo.advantage=rloo"]) == 0
+    assert "is grpo's, not redone" in capsys.readouterr().out
+    rloo = json.loads((out / "results.json").read_text())
+    assert rloo["estimator"] == "rloo" and rloo["time_s"]["eval_warm_start"] is None
+    lines = (out / "rloo" / "metrics.jsonl").read_text().splitlines()
+    evals = [json.loads(line) for line in lines if "eval/em" in line]
+    assert [e["step"] for e in evals] == [1]  # the trainer evaluated only after its step
+    for source, r in rloo["held_out"].items():
+        assert r["em_before"] == res["held_out"][source]["em_before"]
+    assert "after RL (rloo)" in (out / "results.md").read_text()

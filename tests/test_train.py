@@ -79,7 +79,8 @@ def test_train_two_steps_changes_parameters(cache, tmp_path, algo):
     out = tmp_path / "run"
     # PPO: the demo config's REINFORCE++ advantage (algo.advantage) back to auto, GAE over the critic
     ppo = ["algo.name=ppo", "algo.advantage=auto", "algo.kl_coef=0.01", "algo.kl_type=k1"]
-    extra = ppo if algo == "ppo" else ["algo.kl_coef=0.01"]
+    # and under PPO without the evaluation of the starting model (run.eval_at_start)
+    extra = [*ppo, "run.eval_at_start=false"] if algo == "ppo" else ["algo.kl_coef=0.01"]
     res = _run(["train", "configs/tiny_cpu_grpo.yaml", *_overrides(cache, out, 2, extra)], timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     # the launcher's allocator, inherited from this process (`make test` preloads mimalloc where it is installed)
@@ -95,6 +96,8 @@ def test_train_two_steps_changes_parameters(cache, tmp_path, algo):
     assert m[2]["train/microbatch_tokens_max"] <= 8192
     evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "eval/em" in line]
     assert evals and "eval/toy/em" in evals[-1]
+    assert [e["step"] for e in evals] == ([0, 2] if algo == "grpo" else [2])
+    assert (out / "eval" / "step_0.jsonl").exists() is (algo == "grpo")
     # Per question type (the toy world's metadata.type), with searches per trajectory.
     types = {k.split("/")[2] for k in evals[-1] if k.startswith("eval/type/") and k.endswith("/em")}
     assert types and types <= {"single", "two_hop"}

@@ -50,6 +50,11 @@ class RunConfig:
         "kernels and filling newly allocated tensors cost speed.",
     )
     eval_every: Int = _f(0, "Evaluate on data.test_files every N steps (0 = only at the start and the end).")
+    eval_at_start: Bool = _f(
+        True,
+        "Evaluate the starting model on data.test_files before the first step (step 0; verl's val_before_train). "
+        "Off where the start is already scored, e.g. runs of several estimators from one warm start.",
+    )
     eval_max_samples: Int = _f(200, "At most this many test prompts per evaluation (0 = all).")
     eval_sampled: Bool = _f(
         False, "Also evaluate one sample per prompt at rollout.temperature (logged as eval_sampled/em)."
