@@ -27,7 +27,8 @@ Nothing is copied from it but the derived prompt files. One command runs every p
 6. report: EM per set before and after with a 95% paired bootstrap interval of the difference,
    searches per trajectory, the reward curve, engine-trainer log-prob difference, wall time per phase,
    peak RSS per phase against `agent-rl plan`, and `agent-rl view` reports of a few held-out
-   trajectories before and after: OUT/results.json and OUT/results.md.
+   trajectories before and after: OUT/results.json and OUT/results.md (OUT/results_NAME.* and OUT/view_NAME for
+   --run-name NAME).
 
 A phase whose output exists is reused (data with the same split, index, warm start); training
 starts afresh in OUT/grpo (OUT/NAME with --run-name NAME), or with --resume continues its last checkpoint up to
@@ -408,7 +409,7 @@ def summarise(
             "plan_host_peak": plan.get("host_peak_bytes", 0) / 2**30,
             "plan_fits": plan.get("fits"),
         },
-        "views": write_views(run_dir, last, out / "view", per_set=4),
+        "views": write_views(run_dir, last, out / ("view" if run_name == "grpo" else f"view_{run_name}"), per_set=4),
         "last_step": last,
         **({"sft_equal": equal} if equal is not None else {}),
     }
@@ -702,14 +703,15 @@ def main(argv: list[str] | None = None) -> int:
     res = summarise(out, phases, plan, recall, sizes, str(cfg.reward.fn), found, sft_more, args.run_name)
     res.update(estimator=cfg.algo.resolved_advantage(), config=args.config, overrides=args.overrides)
     res.update(split_seed=args.seed, data=str(data))
-    (out / "results.json").write_text(json.dumps(res, indent=1))
+    results = out / ("results" if args.run_name == "grpo" else f"results_{args.run_name}")
+    results.with_suffix(".json").write_text(json.dumps(res, indent=1))
     header = (
         f"# A real model learns on real questions ({time.strftime('%Y-%m-%d')}, {platform.node()}, "
         f"{os.cpu_count()} CPUs)\n\n`bench/real_model_learns.py --data {data} {' '.join(args.overrides)}` "
         f"on {args.config}, split seed {args.seed}."
     )
-    (out / "results.md").write_text(render(res, header))
-    print((out / "results.md").read_text())
+    results.with_suffix(".md").write_text(render(res, header))
+    print(results.with_suffix(".md").read_text())
     return 0
 
 
