@@ -218,13 +218,18 @@ def reuse_start_eval(out: Path, run_name: str) -> Path | None:
     return None
 
 
-def sft_seconds_per_step(log: Path) -> float:
-    """The warm start's seconds per SFT step, from its log's last `[sft] step N/M loss L (Ts)` line (the
-    training loop's own time: start-up and saving excluded, as the RL steps' `timing/step_s` exclude them)."""
+def sft_progress(log: Path) -> tuple[int, int] | None:
+    """(step, seconds) of an `agent-rl sft` log's last `[sft] step N/M loss L (Ts)` line: the training loop's own
+    time (start-up and saving excluded, as the RL steps' `timing/step_s` exclude them); None without one."""
     found = re.findall(r"\[sft\] step (\d+)/\d+ loss \S+ \((\d+)s\)", log.read_text() if log.exists() else "")
-    if not found:
+    return (int(found[-1][0]), int(found[-1][1])) if found else None
+
+
+def sft_seconds_per_step(log: Path) -> float:
+    """The warm start's seconds per SFT step, from its log (`sft_progress`)."""
+    if (last := sft_progress(log)) is None:
         raise SystemExit(f"--sft-equal: no `[sft] step` line in {log}; give --sft-equal-steps N")
-    step, seconds = map(int, found[-1])
+    step, seconds = last
     return max(seconds, 1) / step
 
 
@@ -241,8 +246,8 @@ def sft_equal(agent_rl: list[str], config: str, overrides: list[str], out: Path,
     phases["sft_equal_eval"] = run_phase("sft_equal_eval", eval_cmd, out / "logs" / "sft_equal_eval.log")
     folder = report.with_name(report.stem + "_questions")
     rows = [json.loads(line) for part in sorted(folder.glob("part-*.jsonl")) for line in part.read_text().splitlines()]
-    loop_s = re.findall(r"\[sft\] step \d+/\d+ loss \S+ \((\d+)s\)", (out / "logs" / "sft_equal.log").read_text())
-    return {"phases": phases, "sft_loop_s": float(loop_s[-1]) if loop_s else 0.0, "rows": rows}
+    last = sft_progress(out / "logs" / "sft_equal.log")
+    return {"phases": phases, "sft_loop_s": float(last[1]) if last else 0.0, "rows": rows}
 
 
 def compare(before: list[dict], after: list[dict], found: dict[str, bool] | None = None) -> dict:
@@ -578,7 +583,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--skip-train",
         action="store_true",
-        help="take OUT/grpo as it is (a finished run) instead of training: to add --sft-equal to it",
+        help="take OUT/NAME (--run-name) as it is (a finished run) instead of training: to add --sft-equal to it",
     )
     parser.add_argument(
         "--sft-equal",
