@@ -22,6 +22,11 @@ Usage: .venv/bin/python bench/encoder_runtime.py --data ../shared/data/wiki18_nq
    alternates NQ and TriviaQA ones, encoded in fp32 and int8 with the length split's fixed cost of a
    forward (`Encoder.forward_tokens`) at each of --forward-tokens and off (one forward a batch, padded to
    its longest question, as before the split), in alternated rounds: queries/s.
+4. `--layout` (instead of 1 and 2): how the fp32 export is kept and loaded, in alternated rounds as in 1
+   (queries/s in batches of 32 and one at a time, passages/s): `one file` (the graph with its weights
+   inside, read into the process), `mapped` (the weights in an external data file that ONNX Runtime
+   maps: the shipped layout), `mapped, no prepacking` (`Encoder(prepack=False)`: the linear layers'
+   weights packed at each call instead of copied once into ONNX Runtime's layout).
 The encoder is the default MiniLM; every variant uses all cores.
 """
 
@@ -44,7 +49,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from retriever_server.answers import contains_answer  # noqa: E402
-from retriever_server.encoders import FEWEST_FORWARDS, Encoder, _export, _quantize, default_encoder_path, onnx_session  # noqa: E402
+from retriever_server.encoders import (  # noqa: E402
+    FEWEST_FORWARDS,
+    Encoder,
+    _export,
+    _quantize,
+    _whole,
+    default_encoder_path,
+    onnx_session,
+)
 
 
 class Transformers:
@@ -95,7 +108,7 @@ def speed(variants: dict, queries: list[str], passages: list[str], rounds: int, 
             runs[name]["passages"].append(len(passages) / (time.perf_counter() - t))
             row = runs[name]
             print(
-                f"round {r}  {name:<13} queries/s batch 32 {row['q32'][-1]:7.0f}  batch 1 {row['q1'][-1]:6.0f}  "
+                f"round {r}  {name:<22} queries/s batch 32 {row['q32'][-1]:7.0f}  batch 1 {row['q1'][-1]:6.0f}  "
                 f"passages/s {row['passages'][-1]:6.1f}",
                 flush=True,
             )
@@ -143,6 +156,7 @@ def main() -> int:
     )
     p.add_argument("--recall", action="store_true", help="also the whole-corpus encodings and answer recall")
     p.add_argument("--split", action="store_true", help="only the length split's fixed forward cost (3.)")
+    p.add_argument("--layout", action="store_true", help="only the export's file layout and prepacking (4.)")
     p.add_argument("--forward-tokens", type=int, nargs="+", default=[0, 8, 16, 32, 64])
     p.add_argument("--out", type=Path, help="write the numbers here as JSON")
     a = p.parse_args()
@@ -166,6 +180,25 @@ def main() -> int:
     queries = [q["question"] for q in sets["nq"]][: a.queries]
     cache = Path(tempfile.mkdtemp(prefix="encoder_runtime_"))
     threads = os.cpu_count() or 1
+    if a.layout:
+        layouts = {
+            "one file": Encoder(cache_dir=cache),
+            "mapped": Encoder(cache_dir=cache),
+            "mapped, no prepacking": Encoder(cache_dir=cache, prepack=False),
+        }
+        _whole(cache / "encoder.onnx", cache / "whole.onnx")
+        layouts["one file"].session = onnx_session(cache / "whole.onnx")
+        table = speed(layouts, queries, contents[: a.passages], a.rounds, a.passage_batch)
+        print(f"\nmedians over {a.rounds} rounds; x = against one file")
+        for name, row in table.items():
+            print(
+                f"  {name:<22} queries/s batch 32 {row['q32']:7.0f} ({row['q32'] / table['one file']['q32']:.3f}x)  "
+                f"batch 1 {row['q1']:6.0f} ({row['q1'] / table['one file']['q1']:.3f}x)  "
+                f"passages/s {row['passages']:6.1f} ({row['passages'] / table['one file']['passages']:.3f}x)"
+            )
+        if a.out:
+            a.out.write_text(json.dumps({"layout": table}, indent=1))
+        return 0
     variants = {
         "transformers": Transformers(),
         "torch": Encoder(runtime="torch"),

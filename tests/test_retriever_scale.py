@@ -36,8 +36,8 @@ def _derive(flat_dir: Path, out: Path, kind: str, factory: str | None = None) ->
     from retriever_server.plan import factory_string
 
     out.mkdir(parents=True)
-    for name in ("docs.arrow", "encoder.onnx", "encoder.onnx.json"):
-        shutil.copy(flat_dir / name, out / name)
+    for path in [flat_dir / "docs.arrow", *flat_dir.glob("encoder.onnx*")]:
+        shutil.copy(path, out / path.name)
     flat = faiss.read_index(str(flat_dir / "index.faiss"))
     vectors = flat_vectors(flat)  # a view of flat's storage: flat must outlive it
     spec = factory_string(kind, vectors.shape[1], len(vectors), factory=factory)
