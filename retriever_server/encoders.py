@@ -408,22 +408,90 @@ def _whole(graph: Path, out: Path) -> None:
     onnx.save_model(onnx.load(str(graph)), str(out))
 
 
-def onnx_session(path: Path, threads: int = 0, prepack: bool = True):
+def onnx_session(path: Path, threads: int = 0, prepack: bool = True, optimized: bool = False, save: Path | None = None):
     """An ONNX Runtime session over the model at `path`. `prepack=False` leaves the weights in the
     mapped data file instead of copying the linear layers' into ONNX Runtime's packed layout (then
-    packed at each call): what stays private to the process is then about the runtime's buffers."""
+    packed at each call). `save`: ONNX Runtime writes the model it optimised for this machine there,
+    its packed weights in the data file beside it (`machine_model`); `optimized`: `path` is such a
+    model, loaded as it is, its packed weights mapped from the file."""
     import onnxruntime as ort
 
     opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    level = ort.GraphOptimizationLevel
+    opts.graph_optimization_level = level.ORT_DISABLE_ALL if optimized else level.ORT_ENABLE_ALL
     if threads:
         opts.intra_op_num_threads = threads
     if not prepack:
         opts.add_session_config_entry("session.disable_prepacking", "1")
+    if save is not None:
+        opts.log_severity_level = 3  # its warning that the saved model is for this machine: that is the point
+        opts.optimized_model_filepath = str(save)
+        opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", save.name + ".data")
+        opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+        opts.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
     # ONNX Runtime's memory arena stays on: it holds the largest batch's buffers (bounded by the
     # batch size and max_length), and without it every large activation is a fresh mmap whose page
     # faults cost long passages half their speed (bench/RESULTS.md).
     return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+def cpu_signature() -> str:
+    """What ONNX Runtime's choice of kernels, and so the layout of the weights they pack, depends on:
+    the architecture and the CPU's model and feature flags (/proc/cpuinfo on Linux)."""
+    import platform
+
+    text = f"{platform.machine()} {platform.processor()}"
+    with contextlib.suppress(OSError):
+        keys = ("model name", "flags", "Features", "CPU part", "CPU implementer")
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        text += "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in keys}))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _run_check(session) -> np.ndarray:
+    """A session's vectors for a fixed padded batch of three rows."""
+    rng = np.random.default_rng(0)
+    feed = {"input_ids": rng.integers(1, 100, (3, 9)), "attention_mask": np.ones((3, 9), dtype=np.int64)}
+    feed["attention_mask"][1, 4:] = 0
+    feed["attention_mask"][2, 7:] = 0
+    feed["token_type_ids"] = np.zeros((3, 9), dtype=np.int64)
+    return session.run(None, {i.name: feed[i.name] for i in session.get_inputs()})[0]
+
+
+def machine_model(path: Path, threads: int = 0) -> Path | None:
+    """The kept export at `path` as ONNX Runtime optimises it for this machine, with the weights it
+    packs for its kernels saved in the data file beside it: a session over it maps them, so servers
+    on one machine share them too, where each would otherwise pack its own copy. Kept in the per-user
+    cache under the export's key, ONNX Runtime's version and `cpu_signature()` (a packed layout holds
+    on the CPU it was made for only), made once (its vectors checked against the export's). None,
+    with a warning, where it cannot be made or gives other vectors: the export is then run as it is."""
+    import onnxruntime as ort
+
+    log = logging.getLogger(__name__)
+    try:
+        export_key = json.loads(path.with_name(path.name + ".json").read_text())["key"]
+        what = json.dumps([export_key, ort.__version__, cpu_signature()])
+        root = user_cache_dir() / "machine"
+        final = root / hashlib.sha256(what.encode()).hexdigest() / path.name
+        if final.is_file() and final.with_name(final.name + ".data").is_file():
+            return final
+        root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix=".machine.", dir=root) as tmp:
+            made = Path(tmp) / "model" / path.name
+            made.parent.mkdir()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                want = _run_check(onnx_session(path, threads, save=made))
+            got = _run_check(onnx_session(made, threads, optimized=True))
+            if not np.abs(got - want).max() < 1e-5:
+                log.warning("ONNX encoder: the model optimised for this machine gives other vectors; not used")
+                return None
+            with contextlib.suppress(OSError):  # another process placed the same model first: keep theirs
+                os.rename(made.parent, final.parent)
+        return final if final.is_file() else None
+    except Exception as err:  # noqa: BLE001 - a memory saving only: the export runs as it is
+        log.warning("ONNX encoder: no model optimised for this machine (%s); each process packs its weights", err)
+        return None
 
 
 class FastTokenizer:
@@ -554,6 +622,7 @@ class Encoder:
         self.session = None
         self.model: Pooled | None = None
         self.onnx_path: Path | None = None
+        self.machine_path: Path | None = None
         self.exported = False
         if self.runtime == "onnx":
 
@@ -561,7 +630,11 @@ class Encoder:
                 return (files and _files_key(files, pooling, q)) or _export_key(*load(), pooling, q)
 
             self.onnx_path, self.exported = onnx_model(key_for, load, pooling, int8, cache_dir, self.path)
-            self.session = onnx_session(self.onnx_path, threads, prepack)
+            self.machine_path = machine_model(self.onnx_path, threads) if prepack else None
+            if self.machine_path is not None:
+                self.session = onnx_session(self.machine_path, threads, optimized=True)
+            else:
+                self.session = onnx_session(self.onnx_path, threads, prepack)
             self.input_names = [i.name for i in self.session.get_inputs()]
             self.dim = int(self.session.get_outputs()[0].shape[-1])
             self.tokenizer = (files and FastTokenizer.load(files)) or hf_tokenizer()

@@ -14,7 +14,7 @@ The document store is the corpus in Arrow (ids and contents as UTF-8 plus two 4-
 row), estimated from the JSONL's size and a sample of its first lines. The encoder is the ONNX
 files the server runs (the graph and its weights' data file: their size, or the weights' size before
 they are exported). A server's RSS "at start" is the index (read into RAM, or mapped and touched by
-searches: the same pages) + the encoder (its packed copy and the mapped file's pages) + a measured
+searches: the same pages) + the encoder (the pages of its mapped weights and packed copies) + a measured
 constant (Python with FAISS, ONNX Runtime, pyarrow, FastAPI, uvicorn); "max"
 adds the store, whose mapped pages the kernel reads ahead, so they approach the whole file soon
 after start. Store pages are clean page cache the kernel can drop, so the fit check
@@ -26,9 +26,8 @@ its two phases, over what it keeps from start to end. Kept through both phases:
 - baseline: Python, NumPy, pyarrow, FAISS, ONNX Runtime and tokenizers loaded (a measured constant);
 - store: what writing docs.arrow leaves on the heap, a batch of `STORE_BATCH` passages as Python
   strings and an Arrow batch (per docs.arrow byte, measured);
-- encoder: the ONNX session's own copy of the weights (the linear layers' packed for ONNX Runtime's
-  kernels, a measured share of the files' bytes: the rest, the embedding tables, stays in the mapped
-  data file);
+- encoder: the ONNX session's own memory and its tokenizer's (a measured share of the files' bytes:
+  the weights and their packed copies are mapped from the machine model's data file, page cache);
 - encoder arena: ONNX Runtime's arena once batches of 16 passages up to 256 tokens have run (measured
   with the shipped encoder; a corpus of short passages only holds less);
 - chunk tokens: the heap a chunk of `ENCODE_CHUNK` tokenised passages leaves (per token, measured;
@@ -78,10 +77,11 @@ def server_baseline_bytes(env: dict[str, str] | None = None) -> int:
 
 
 ENCODER_RSS_PER_FILE_BYTE = 1.0
-# Measured (bench/RESULTS.md): the anonymous memory an ONNX Runtime session over the mapped encoder takes per
-# byte of its files (MiniLM fp32): the linear layers' weights copied into ONNX Runtime's packed layout; the
-# embedding tables stay in the mapped data file (page cache, shared between processes).
-ENCODER_ANON_PER_FILE_BYTE = 0.55
+# Measured (bench/RESULTS.md): the anonymous memory an ONNX Runtime session over the encoder takes per byte of
+# its files (MiniLM fp32), its tokenizer's included: the weights, and the copies ONNX Runtime packs for its
+# kernels, are mapped from the data files of the model optimised for the machine (encoders.machine_model),
+# page cache that processes on one machine share.
+ENCODER_ANON_PER_FILE_BYTE = 0.07
 # The share of an fp32 encoder's weights a dynamic int8 export keeps (int8 MatMul weights, fp32 rest).
 INT8_FILE_SHARE = 0.27
 

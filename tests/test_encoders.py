@@ -63,19 +63,41 @@ def test_onnx_encoder_equals_transformers_forward(tmp_path):
     assert onnx_bytes(tmp_path / "encoder.int8.onnx") < 0.3 * onnx_bytes(tmp_path / "encoder.onnx")
 
 
-def test_onnx_weights_are_a_data_file_that_onnx_runtime_maps(tmp_path):
-    """The export keeps its weights in one data file beside a small graph, and ONNX Runtime maps that
-    file instead of reading it into the process (so servers on one machine share its pages)."""
+def test_onnx_weights_are_data_files_that_onnx_runtime_maps(tmp_path, monkeypatch, caplog):
+    """The export keeps its weights in one data file beside a small graph. The session runs the model
+    ONNX Runtime optimised for this machine, kept in the per-user cache with the weights it packs for
+    its kernels in its data file, which it maps (so servers on one machine share those pages too);
+    it gives the export's vectors, is made once, and is made apart for another CPU. Where it cannot
+    be made, the export runs as it is, with a warning."""
+    from retriever_server import encoders
     from retriever_server.encoders import Encoder, onnx_files
 
-    enc = Encoder(cache_dir=tmp_path)
-    graph, *data = onnx_files(tmp_path / "encoder.onnx")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    texts = _texts()
+    portable = Encoder(cache_dir=tmp_path / "index", prepack=False)
+    graph, *data = onnx_files(tmp_path / "index" / "encoder.onnx")
     assert len(data) == 1 and data[0].name.startswith("encoder.onnx.") and data[0].suffix == ".data"
     assert graph.stat().st_size < 2**20 < data[0].stat().st_size
+    assert portable.machine_path is None
+    enc = Encoder(cache_dir=tmp_path / "index")
+    machine = enc.machine_path
+    assert machine is not None and machine.is_relative_to(tmp_path / "cache")
+    packed = machine.with_name(machine.name + ".data")
+    assert packed.stat().st_size > data[0].stat().st_size  # the weights and their packed copies
     maps = Path("/proc/self/maps")
     if maps.exists():
-        assert str(data[0].resolve()) in maps.read_text()
-    assert enc.encode_queries(["who wrote hamlet"]).shape == (1, 384)
+        assert str(packed.resolve()) in maps.read_text() and str(data[0].resolve()) in maps.read_text()
+    assert np.abs(enc.encode_queries(texts) - portable.encode_queries(texts)).max() < 1e-5
+    made = packed.stat().st_mtime_ns
+    assert Encoder(cache_dir=tmp_path / "index").machine_path == machine and packed.stat().st_mtime_ns == made
+    monkeypatch.setattr(encoders, "cpu_signature", lambda: "another cpu")
+    other = Encoder(cache_dir=tmp_path / "index").machine_path
+    assert other is not None and other != machine
+    monkeypatch.setattr(encoders, "cpu_signature", lambda: "a third cpu")
+    monkeypatch.setattr(encoders, "_run_check", lambda session: np.random.default_rng().random((3, 384)))
+    fallback = Encoder(cache_dir=tmp_path / "index")
+    assert fallback.machine_path is None and "gives other vectors" in caplog.text
+    assert np.abs(fallback.encode_queries(texts) - portable.encode_queries(texts)).max() < 1e-5
 
 
 def test_int8_attention_stays_float_when_its_rewrite_would_change_the_vectors(tiny_bert, tmp_path, monkeypatch, caplog):
