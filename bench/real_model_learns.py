@@ -286,9 +286,9 @@ def compare(before: list[dict], after: list[dict], found: dict[str, bool] | None
     return out
 
 
-def write_views(run_dir: Path, last: int, out: Path, per_set: int) -> dict[str, str]:
+def write_views(run_dir: Path, last: int, out: Path, per_set: int, after: str = "after_grpo") -> dict[str, str]:
     """`agent-rl view` reports of the same few held-out questions before (step 0) and after: per data
-    source, questions whose EM changed first, then the first others."""
+    source, questions whose EM changed first, then the first others; `after` names the second report."""
     from agent_rl.reports.view import write_report
 
     recs = {}
@@ -302,7 +302,7 @@ def write_views(run_dir: Path, last: int, out: Path, per_set: int) -> dict[str, 
         picked += ids[:per_set]
     reports = {}
     out.mkdir(parents=True, exist_ok=True)
-    for name, step in (("warm_start", 0), ("after_grpo", last)):
+    for name, step in (("warm_start", 0), (after, last)):
         lines = out / f"{name}.jsonl"
         lines.write_text("".join(json.dumps(recs[step][i]) + "\n" for i in picked))
         reports[name] = str(write_report([lines], out / name))
@@ -414,7 +414,9 @@ def summarise(
             "plan_host_peak": plan.get("host_peak_bytes", 0) / 2**30,
             "plan_fits": plan.get("fits"),
         },
-        "views": write_views(run_dir, last, out / ("view" if run_name == "grpo" else f"view_{run_name}"), per_set=4),
+        "views": write_views(
+            run_dir, last, out / ("view" if run_name == "grpo" else f"view_{run_name}"), 4, f"after_{run_name}"
+        ),
         "last_step": last,
         **({"sft_equal": equal} if equal is not None else {}),
     }
