@@ -37,6 +37,10 @@ triviaqa_1000.jsonl: recall@10 against the flat index's top-10, the share with t
 answer recall@1/3/10 (a gold answer in one of the top k passages, as retriever-eval counts it) beside
 flat's.
 
+With `--kinds bm25` (alone): a Lucene index of the synthetic corpus at each size, built by
+retriever-build, its disk and its server's RSS (the JVM's anonymous memory, the Lucene files' and the
+store's resident pages) against the plan.
+
 With `--build-ram`: the whole build's peak anonymous RSS against `plan_build`'s `build_rss_bytes`. Each
 size is the given corpus's real passages cycled (new ids), built in a child process by retriever-build's
 own `build_index` at its defaults (store, ONNX encoder, 8,192-passage chunks tokenised in full, the
@@ -347,12 +351,13 @@ def rollup(pid: int) -> dict[str, int]:
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
         key, value, *_ = line.split()
         got[key.rstrip(":")] = int(value) * 1024
-    mapped = {"docs.arrow": 0, "index.faiss": 0}
+    mapped = {"docs.arrow": 0, "index.faiss": 0, "lucene": 0}
     name = ""
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         parts = line.split()
         if not parts[0].endswith(":"):  # a mapping's header line: address range, perms, ..., path
-            name = Path(parts[5]).name if len(parts) > 5 else ""
+            path = parts[5] if len(parts) > 5 else ""
+            name = "lucene" if "/bm25/" in path else Path(path).name
         elif parts[0] == "Rss:" and name in mapped:
             mapped[name] += int(parts[1]) * 1024
     return {
@@ -361,7 +366,49 @@ def rollup(pid: int) -> dict[str, int]:
         "private": got.get("Private_Clean", 0) + got.get("Private_Dirty", 0),
         "store_pages": mapped["docs.arrow"],
         "index_pages": mapped["index.faiss"],
+        "lucene_pages": mapped["lucene"],
     }
+
+
+def bm25_rows(work: Path, sizes: list[int]) -> list[dict]:
+    """A BM25 (Lucene) index of the synthetic corpus at each size, built by retriever-build, against
+    its plan: the index directory's bytes on disk, and the RSS of a server after a batch of 32 queries
+    (with its JVM's anonymous memory, the Lucene files' resident pages and the store's)."""
+    from retriever_server.plan import plan_build
+
+    rows = []
+    for n in sizes:
+        corpus = work / f"corpus{n}.jsonl"
+        if not corpus.exists():
+            write_corpus(corpus, n)
+        out = work / f"bm25{n}"
+        t = time.time()
+        if not (out / "manifest.json").exists():
+            subprocess.run(
+                [sys.executable, "-m", "retriever_server.build", "--corpus", str(corpus), "--out", str(out), "--kind",
+                 "bm25"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
+            )  # fmt: skip
+        wall = round(time.time() - t, 1)
+        plan = plan_build(corpus, "bm25")
+        files = [f for f in out.rglob("*") if f.is_file()]
+        lucene = sum(f.stat().st_size for f in files if "bm25" in f.relative_to(out).parts)
+        row = {"n": n, "kind": "bm25", "build_wall_s": wall, "lucene_bytes": lucene,
+               "disk": sum(f.stat().st_size for f in files), "disk_plan": plan.disk_bytes,
+               "rss_plan": plan.server_rss_start_bytes, "rss_plan_max": plan.server_rss_max_bytes}  # fmt: skip
+        with tempfile.TemporaryDirectory() as tmp:
+            proc = serve(out, [], Path(tmp), "bm25")
+            try:
+                got = rollup(proc.pid)
+                row |= {"rss": got["rss"], "store_pages": got["store_pages"], "lucene_pages": got["lucene_pages"],
+                        "anon": status(proc.pid).get("RssAnon", 0), "start_s": proc.start_s}  # fmt: skip
+            finally:
+                proc.terminate()
+                proc.wait(30)
+        row["rss_less_store_err"] = round(row["rss_plan"] / (row["rss"] - row["store_pages"]) - 1, 4)
+        row["disk_err"] = round(row["disk_plan"] / row["disk"] - 1, 4)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
 
 
 def serve(index_dir: Path, extra: list[str], tmp: Path, name: str) -> subprocess.Popen:
@@ -548,6 +595,12 @@ def main() -> int:
         a.work.mkdir(parents=True, exist_ok=True)
         rows = [build_ram_rows(a.work, int(n), kind, a.build_ram, a.forward_rows) for n in a.sizes.split(",")
                 for kind in a.kinds.split(",")]  # fmt: skip
+        if a.out:
+            a.out.write_text(json.dumps(rows, indent=1))
+        return 0
+    if a.kinds == "bm25":
+        a.work.mkdir(parents=True, exist_ok=True)
+        rows = bm25_rows(a.work, [int(x) for x in a.sizes.split(",")])
         if a.out:
             a.out.write_text(json.dumps(rows, indent=1))
         return 0

@@ -27,6 +27,8 @@ import io
 import json
 import logging
 import os
+import subprocess
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable
@@ -479,19 +481,42 @@ def machine_model(path: Path, threads: int = 0) -> Path | None:
         with tempfile.TemporaryDirectory(prefix=".machine.", dir=root) as tmp:
             made = Path(tmp) / "model" / path.name
             made.parent.mkdir()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                want = _run_check(onnx_session(path, threads, save=made))
-            got = _run_check(onnx_session(made, threads, optimized=True))
-            if not np.abs(got - want).max() < 1e-5:
+            # Made in a child process: the packing session's memory (its own packed copies, the heap an
+            # allocator keeps) is not left behind in a server that only needs the mapped result.
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                                os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+            res = subprocess.run(
+                [sys.executable, "-c", MACHINE_MODEL_CHILD, str(path), str(made), str(threads)],
+                capture_output=True, text=True, env=env, timeout=600,
+            )  # fmt: skip
+            if res.returncode == DIFFERENT_VECTORS:
                 log.warning("ONNX encoder: the model optimised for this machine gives other vectors; not used")
                 return None
+            if res.returncode:
+                raise RuntimeError(res.stderr.strip().splitlines()[-1] if res.stderr.strip() else res.returncode)
             with contextlib.suppress(OSError):  # another process placed the same model first: keep theirs
                 os.rename(made.parent, final.parent)
         return final if final.is_file() else None
     except Exception as err:  # noqa: BLE001 - a memory saving only: the export runs as it is
         log.warning("ONNX encoder: no model optimised for this machine (%s); each process packs its weights", err)
         return None
+
+
+DIFFERENT_VECTORS = 3  # `_make_machine_model`'s exit status when the optimised model's vectors differ
+MACHINE_MODEL_CHILD = (
+    "import sys; from retriever_server.encoders import _make_machine_model as m; sys.exit(m(*sys.argv[1:]))"
+)
+
+
+def _make_machine_model(path: str, made: str, threads: str = "0") -> int:
+    """`machine_model`'s child: ONNX Runtime saves the model at `path` optimised for this machine at
+    `made`, with its packed weights; 0 if a session over it gives the export's vectors, else
+    DIFFERENT_VECTORS."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = _run_check(onnx_session(Path(path), int(threads), save=Path(made)))
+    got = _run_check(onnx_session(Path(made), int(threads), optimized=True))
+    return 0 if np.abs(got - want).max() < 1e-5 else DIFFERENT_VECTORS
 
 
 class FastTokenizer:

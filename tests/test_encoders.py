@@ -94,10 +94,17 @@ def test_onnx_weights_are_data_files_that_onnx_runtime_maps(tmp_path, monkeypatc
     other = Encoder(cache_dir=tmp_path / "index").machine_path
     assert other is not None and other != machine
     monkeypatch.setattr(encoders, "cpu_signature", lambda: "a third cpu")
-    monkeypatch.setattr(encoders, "_run_check", lambda session: np.random.default_rng().random((3, 384)))
+    with monkeypatch.context() as m:  # the check in the child process, run here: other vectors are refused
+        m.setattr(encoders, "_run_check", lambda session: np.random.default_rng().random((3, 384)))
+        made = tmp_path / "made" / "encoder.onnx"
+        made.parent.mkdir()
+        assert encoders._make_machine_model(str(graph), str(made)) == encoders.DIFFERENT_VECTORS
+    monkeypatch.setattr(encoders, "MACHINE_MODEL_CHILD", f"import sys; sys.exit({encoders.DIFFERENT_VECTORS})")
     fallback = Encoder(cache_dir=tmp_path / "index")
     assert fallback.machine_path is None and "gives other vectors" in caplog.text
     assert np.abs(fallback.encode_queries(texts) - portable.encode_queries(texts)).max() < 1e-5
+    monkeypatch.setattr(encoders, "MACHINE_MODEL_CHILD", "raise SystemExit('no room on the device')")
+    assert Encoder(cache_dir=tmp_path / "index").machine_path is None and "no room on the device" in caplog.text
 
 
 def test_int8_attention_stays_float_when_its_rewrite_would_change_the_vectors(tiny_bert, tmp_path, monkeypatch, caplog):
