@@ -234,7 +234,7 @@ def test_build_ram_is_planned_by_phase(tmp_path, capsys):
 
     assert main(["--corpus", str(corpus), "--kind", "ivf_pq", "--plan", "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert res["build_rss_bytes"] == plan_build(corpus, "ivf_pq").build_rss_bytes > res["server_rss_start_bytes"]
+    assert res["build_rss_bytes"] == plan_build(corpus, "ivf_pq").build_rss_bytes > 0
     assert set(res["build_parts"]) >= {"index_train", "index_add", "encoder_arena"} and res["build_mapped_bytes"]
     assert main(["--corpus", str(corpus), "--kind", "ivf_pq", "--plan"]) == 0
     assert "build RAM, peak anonymous" in capsys.readouterr().out
