@@ -71,10 +71,23 @@ SERVER_BASELINE_PRELOADED_BYTES = 228 * 2**20
 PRELOADED_ALLOCATORS = ("mimalloc", "tcmalloc", "jemalloc")
 
 
-def server_baseline_bytes(env: dict[str, str] | None = None) -> int:
+# Measured (bench/index_memory.py --kinds bm25 at 20k, 100k and 1M passages, bench/RESULTS.md): a BM25 server's RSS
+# after a batch of 32 queries, less the mapped pages of its store and of Lucene's files (page cache, as the store's):
+# Python, pyarrow, FastAPI and the JVM pyserini starts, under glibc's malloc and under a preloaded allocator; per
+# passage, `DocStore.row_of`'s id map (12 bytes) and the JVM's share; Lucene's files per byte of docs.arrow (0.90 on
+# the synthetic corpus, 0.96 on wiki-18's passages, 0.80-1.03 on CACM and the HotpotQA fixture).
+BM25_BASELINE_BYTES = 190 * 2**20
+BM25_BASELINE_PRELOADED_BYTES = 245 * 2**20
+BM25_BYTES_PER_PASSAGE = 17
+LUCENE_PER_STORE_BYTE = 0.93
+
+
+def server_baseline_bytes(env: dict[str, str] | None = None, bm25: bool = False) -> int:
     """The server's baseline RSS for the allocator a server started from this environment runs (LD_PRELOAD)."""
     preload = (os.environ if env is None else env).get("LD_PRELOAD", "")
-    return SERVER_BASELINE_PRELOADED_BYTES if any(a in preload for a in PRELOADED_ALLOCATORS) else SERVER_BASELINE_BYTES
+    if any(a in preload for a in PRELOADED_ALLOCATORS):
+        return BM25_BASELINE_PRELOADED_BYTES if bm25 else SERVER_BASELINE_PRELOADED_BYTES
+    return BM25_BASELINE_BYTES if bm25 else SERVER_BASELINE_BYTES
 
 
 ENCODER_RSS_PER_FILE_BYTE = 1.0
@@ -116,7 +129,8 @@ KINDS: dict[str, str] = {
     "ivf_pq": "IVF (~4 sqrt(n) lists) + PQ, dim/8 bytes a passage; RAM dim/8 + 8 bytes a passage; the lowest "
     "recall of these; --nprobe trades speed for recall",
     "factory": "any FAISS index_factory string given with --factory (e.g. 'IVF4096,PQ64'), planned the same way",
-    "bm25": "Lucene BM25 through pyserini; no vectors, no encoder",
+    "bm25": "Lucene BM25 through pyserini; no vectors, no encoder; RAM ~17 bytes a passage beside a JVM, its files "
+    "(~0.9 x the store) mapped",
 }
 DEFAULT_NPROBE = 64
 
@@ -418,7 +432,10 @@ class Plan:
             (f"encoder ({Path(self.encoder_source).name or '-'})", self.encoder_bytes),
             ("disk: index directory", self.disk_bytes),
             ("disk: build scratch (float32 vectors)", self.build_scratch_bytes),
-            ("server RSS at start (+ Python/FAISS/ORT baseline)", self.server_rss_start_bytes),
+            (
+                f"server RSS at start (+ {'Python/JVM' if self.kind == 'bm25' else 'Python/FAISS/ORT'} baseline)",
+                self.server_rss_start_bytes,
+            ),  # fmt: skip
             ("server RSS, every store page read", self.server_rss_max_bytes),
         ]
         if self.build_rss_bytes:
@@ -454,9 +471,13 @@ def plan_index(
 ) -> Plan:
     """Plan for `count` passages of dimension `dim` (None for bm25), `store` bytes of docs.arrow;
     `train_size` is the build's (`retriever-build --train-size`)."""
-    if kind == "bm25":
-        base = server_baseline_bytes()
-        return Plan(kind, None, count, None, 0, {}, store, 0, "", 0, store, base, base + store)  # fmt: skip
+    if kind == "bm25":  # Lucene's files are mapped: page cache on top of the start, as the store is
+        base = server_baseline_bytes(bm25=True)
+        lucene = int(LUCENE_PER_STORE_BYTE * store)
+        start = base + BM25_BYTES_PER_PASSAGE * count
+        parts = {"lucene files (mapped)": lucene}
+        disk, top = store + lucene, start + store + lucene
+        return Plan(kind, None, count, None, lucene, parts, store, 0, "", 0, disk, start, top, base)  # fmt: skip
     import faiss
 
     assert dim is not None

@@ -509,6 +509,27 @@ def test_store_reads_rows_across_record_batches_as_arrow_take_does(tmp_path):
         store.get(np.array([0, 23]))
 
 
+def test_store_maps_ids_to_rows_even_when_their_hashes_collide(tmp_path, monkeypatch):
+    """`DocStore.row_of` (BM25's hits are ids): every id of a store in several record batches maps to its row,
+    an unknown id to -1, a repeated id each time; with every id hashing alike it still finds each id's own row
+    (the row's id is compared), so the map's 12 bytes a passage can never answer with another passage."""
+    from retriever_server import store as store_module
+    from retriever_server.store import DocStore, write_store
+
+    corpus = tmp_path / "corpus.jsonl"
+    ids = [f"doc-{i}-ü" for i in range(23)]
+    corpus.write_text("".join(json.dumps({"id": d, "contents": f"T\n{d}"}) + "\n" for d in ids))
+    write_store(corpus, tmp_path, batch=5)
+    asked = [ids[22], "nope", ids[0], ids[7], ids[7], ""]
+    want = [22, -1, 0, 7, 7, -1]
+    assert DocStore(tmp_path).row_of(asked).tolist() == want
+    assert DocStore(tmp_path).row_of(ids).tolist() == list(range(23))
+    monkeypatch.setattr(store_module, "hash", lambda s: 42, raising=False)
+    clash = DocStore(tmp_path)
+    assert clash.row_of(asked).tolist() == want
+    assert clash.row_of(ids[::-1]).tolist() == list(range(22, -1, -1))
+
+
 def test_cli_defaults_are_the_settings_defaults(monkeypatch):
     """`retriever-server --index DIR` alone gives `Settings()` and passes no index option on (open_index's
     defaults apply); the flags map onto their fields; a default topk past --max-topk exits 2 naming both."""
