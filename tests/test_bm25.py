@@ -186,4 +186,3 @@ def test_plan_of_a_bm25_index_matches_its_files_and_server(cacm_index):
         status = Path(f"/proc/{proc.pid}/status").read_text().splitlines()
         rss = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
     assert abs(plan.server_rss_max_bytes / rss - 1) < 0.15, (plan.server_rss_max_bytes, rss)
-

@@ -54,6 +54,30 @@ def test_split_is_seeded_and_disjoint(tmp_path):
     assert not {r["id"] for r in both["train"][20:]} & set(ids["triviaqa"])
 
 
+def test_second_search_is_a_title_that_finds_what_the_question_missed(tmp_path, hotpot_index_dir):
+    """--second-search's scripted second query: only for training questions whose own search misses; the title of a
+    corpus passage that holds a gold answer (and the fixture has such questions)."""
+    from real_model_learns import answer_hits, second_queries, split_questions
+
+    from agent_rl.config import load_config
+    from retriever_server.answers import contains_answer
+
+    data = flashrag_folder(tmp_path / "data")
+    cfg = load_config(
+        None,
+        [f"retriever.index_dir={hotpot_index_dir}", f"retriever.corpus={data / 'corpus.jsonl'}", "retriever.topk=1"],
+    )
+    train = split_questions(data, 0, 10, 5)["train"]
+    hits = answer_hits(cfg, {"train": train})["train"]
+    second = second_queries(cfg, train, hits)
+    assert second and set(second) <= {r["id"] for r, hit in zip(train, hits) if not hit}
+    passages = [json.loads(line)["contents"] for line in (data / "corpus.jsonl").read_text().splitlines()]
+    answers = {r["id"]: r["golden_answers"] for r in train}
+    for qid, title in second.items():
+        holding = [p for p in passages if p.partition("\n")[0].strip().strip('"') == title]
+        assert any(contains_answer(p, answers[qid]) for p in holding), (qid, title)
+
+
 def test_one_step_run_writes_the_report_and_resumes(tmp_path, capsys, smollm2_dir, hotpot_index_dir):
     """Data, index (the session's index of the same 200 paragraphs, as `--index` reuses another run's),
     warm start, evaluation of both held-out sets, one GRPO step (on the questions the warm start gets wrong greedily,
