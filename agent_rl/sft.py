@@ -34,6 +34,7 @@ from agent_rl.learn.policy import forward_logprobs, load_policy
 from agent_rl.rollout.engines import Engine
 from agent_rl.rollout.prompts import load_prompts, load_tokenizer
 from agent_rl.rollout.retriever import format_documents
+from agent_rl.rollout.tools import search_depth
 from agent_rl.rollout.trajectory import Trajectory
 from agent_rl.rollout.turns import Turns
 from agent_rl.run import open_loop
@@ -57,7 +58,7 @@ def build_demonstrations(cfg: Config, turns: Turns) -> Demonstrations:
     cache: dict[str, list[dict]] = {}
     for lo in range(0, len(unique), 64):
         chunk = unique[lo : lo + 64]
-        for q, docs in zip(chunk, client.retrieve(chunk, cfg.retriever.topk)):
+        for q, docs in zip(chunk, client.retrieve(chunk, search_depth(cfg))):
             cache[q] = docs
     demos, stops = [], []
     enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -66,9 +67,12 @@ def build_demonstrations(cfg: Config, turns: Turns) -> Demonstrations:
         queries = meta["queries"][: cfg.budget.max_turns]
         hop_answers = meta.get("hop_answers") or []
         stop = None  # a two-hop row: (response length after the first observation, the first hop's answer)
+        seen: set[str] = set()  # with retriever.new_passages a search shows what the demonstration has not read
         for i, q in enumerate(queries):
             t.append(enc(fmt.call_text("search", q)), sampled=True)
-            ids, _ = obs.build(format_documents(cache[q]), budget.obs_allowance(t.total_tokens))
+            docs = [d for d in cache[q] if d.get("id") not in seen][: cfg.retriever.topk]
+            seen |= {str(d.get("id")) for d in docs} if cfg.retriever.new_passages else set()
+            ids, _ = obs.build(format_documents(docs), budget.obs_allowance(t.total_tokens))
             t.append(ids, sampled=False)
             if i == 0 and len(queries) > 1 and len(hop_answers) > 1:
                 stop = (len(t.response_ids), hop_answers[0])

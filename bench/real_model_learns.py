@@ -145,9 +145,10 @@ def answer_hits(cfg, split: dict) -> dict[str, list[bool]]:
 
 
 def second_queries(cfg, rows: list[dict], hits: list[bool], depth: int = 10) -> dict[str, str]:
-    """The scripted second search of the training questions whose first search (the question) misses: the title
+    """The scripted second search of the training questions whose first search (the question) misses: with
+    retriever.new_passages, the question again where its next top-k passages hold a gold answer; otherwise the title
     of the best-ranked passage of the question's top `depth` that holds a gold answer, kept where searching that
-    title puts a passage holding a gold answer in the top-k the policy reads. Row id -> the title. The
+    title puts a passage holding a gold answer in the top-k the policy reads. Row id -> the query. The
     demonstrations then search twice where the first passage does not answer (a title is what a model can recall
     or guess of the page it needs) and once where it does."""
     from agent_rl.bootstrap.prepare import local_retriever
@@ -156,9 +157,16 @@ def second_queries(cfg, rows: list[dict], hits: list[bool], depth: int = 10) -> 
 
     missed = [r for r, hit in zip(rows, hits) if not hit]
     titles: dict[str, str] = {}
+    topk = cfg.retriever.topk
+    again: dict[str, str] = {}  # retriever.new_passages: the question again, where its next passages hold an answer
     with local_retriever(cfg.retriever) as url:
         client = RetrieverClient.from_config(cfg.retriever, url)
         for r, docs in zip(missed, client.retrieve([r["question"] for r in missed], depth)):
+            if cfg.retriever.new_passages and any(
+                contains_answer(d["contents"], r["golden_answers"]) for d in docs[topk : 2 * topk]
+            ):
+                again[r["id"]] = r["question"]
+                continue
             for d in docs:
                 if contains_answer(d["contents"], r["golden_answers"]):
                     titles[r["id"]] = d["contents"].partition("\n")[0].strip().strip('"')
@@ -167,9 +175,10 @@ def second_queries(cfg, rows: list[dict], hits: list[bool], depth: int = 10) -> 
         found = client.retrieve([titles[i] for i in ids], cfg.retriever.topk)
         client.close()
     answers = {r["id"]: r["golden_answers"] for r in missed}
-    return {
+    found_titles = {
         i: titles[i] for i, docs in zip(ids, found) if any(contains_answer(d["contents"], answers[i]) for d in docs)
     }
+    return {**found_titles, **again}
 
 
 def write_rl_train(cfg, out: Path, rows: list[dict], hits: list[bool]) -> int:
@@ -585,8 +594,9 @@ def main(argv: list[str] | None = None) -> int:
         "--second-search",
         action="store_true",
         help="with budget.max_turns=2: the warm start's demonstrations search a second time where the question's "
-        "own search misses (the title of a passage in its top 10 that holds the answer, where searching it finds "
-        "one), and GRPO trains on those questions too",
+        "own search misses (with retriever.new_passages=true the question again where its next passages hold the "
+        "answer; else the title of a passage in its top 10 that holds the answer, where searching it finds one), and "
+        "GRPO trains on those questions too",
     )
     parser.add_argument(
         "--rl-answerable",
@@ -694,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
                 row["metadata"] = {**row["metadata"], "queries": [row["question"], second[row["id"]]]}
         answerable = [hit or r["id"] in second for r, hit in zip(split["train"], hits["train"])]
         sizes["train_second_search"] = len(second)
-        _log(f"data: {len(second)} training questions whose first search misses get a second (a title) that finds")
+        _log(f"data: {len(second)} training questions whose first search misses get a second search that finds")
     if not marker.exists():
         write_data(cfg, out / "data", split, key)
     _log(f"data: {sizes} (seed {args.seed}) in {out / 'data'}")

@@ -186,3 +186,46 @@ def test_search_batcher_overlaps_requests_and_batches_waiting_queries(server):
         gap_serial, _ = asyncio.run(staggered(client, max_requests=1))
     # overlapped: the second answer comes ~0.15 s after the first; one at a time: a whole 0.6 s hold later
     assert gap_overlapped < 0.45 < gap_serial, (gap_overlapped, gap_serial)
+
+
+def _search_twice(ctx: str) -> str:
+    """The question searched twice, word for word, then an answer."""
+    if ctx.count("<information>") >= 2:
+        return "<answer> yes </answer>"
+    return f"<search> {ctx.split(chr(10))[0][10:]} </search>"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_new_passages_shows_a_repeated_search_what_it_has_not_read(tokenizer, server, mode):
+    """retriever.new_passages (search `depth` above `topk`): a query searched again shows the next `topk` passages,
+    numbered from Doc 1, none of those the trajectory was shown; off, the same passages again (Search-R1's). In
+    both loop modes, with the real server."""
+    from agent_rl.config import load_config
+    from agent_rl.rollout.tools import SearchTool, search_depth
+
+    for flag, depth in ((True, 6), (False, 2)):  # the config's depth: enough for every turn to see topk new ones
+        cfg = load_config(None, [f"retriever.new_passages={flag}", "retriever.topk=2", "budget.max_turns=3"])
+        assert search_depth(cfg) == depth
+    _, url = server
+    client = RetrieverClient(url, topk=2)
+    items = _items(tokenizer, QUESTIONS[:3])
+    shown = {}
+    for depth in (0, 6):
+        loop = AgentLoop(
+            ScriptedEngine(tokenizer, _search_twice),
+            tokenizer,
+            client,
+            BUDGET,
+            2,
+            mode,
+            tools=[SearchTool(client, 2, depth=depth)],
+        )
+        shown[depth] = [[[d["id"] for d in x.docs] for x in t.turns if x.action == "search"] for t in loop.run(items)]
+    deep = client.retrieve([q for q in QUESTIONS[:3]], 4)
+    for same, fresh, top4 in zip(shown[0], shown[6], deep):
+        assert same[0] == same[1] == [d["id"] for d in top4[:2]]
+        assert fresh[0] == same[0] and fresh[1] == [d["id"] for d in top4[2:4]]
+    t = AgentLoop(ScriptedEngine(tokenizer, _search_twice), tokenizer, client, BUDGET, 2, mode,
+                  tools=[SearchTool(client, 2, depth=6)]).run(items[:1])[0]  # fmt: skip
+    second = tokenizer.decode(t.response_ids).split("<information>")[2]
+    assert "Doc 1(Title:" in second and "Doc 3" not in second

@@ -63,10 +63,8 @@ def test_second_search_is_a_title_that_finds_what_the_question_missed(tmp_path, 
     from retriever_server.answers import contains_answer
 
     data = flashrag_folder(tmp_path / "data")
-    cfg = load_config(
-        None,
-        [f"retriever.index_dir={hotpot_index_dir}", f"retriever.corpus={data / 'corpus.jsonl'}", "retriever.topk=1"],
-    )
+    base = [f"retriever.index_dir={hotpot_index_dir}", f"retriever.corpus={data / 'corpus.jsonl'}", "retriever.topk=1"]
+    cfg = load_config(None, base)
     train = split_questions(data, 0, 10, 5)["train"]
     hits = answer_hits(cfg, {"train": train})["train"]
     second = second_queries(cfg, train, hits)
@@ -76,6 +74,23 @@ def test_second_search_is_a_title_that_finds_what_the_question_missed(tmp_path, 
     for qid, title in second.items():
         holding = [p for p in passages if p.partition("\n")[0].strip().strip('"') == title]
         assert any(contains_answer(p, answers[qid]) for p in holding), (qid, title)
+    # retriever.new_passages: a repeated search shows the next passage, so the question itself is the second query
+    # wherever its second passage holds the answer
+    from agent_rl.bootstrap.prepare import local_retriever, read_qa_rows
+    from retriever_server.client import RetrieverClient
+
+    fresh = load_config(None, [*base, "retriever.new_passages=true"])
+    every = read_qa_rows(FIXTURES / "hotpotqa100" / "questions.jsonl")  # all 100: some miss at 1 and find at 2
+    hits = answer_hits(cfg, {"train": every})["train"]
+    again = second_queries(fresh, every, hits)
+    with local_retriever(fresh.retriever) as url:
+        client = RetrieverClient.from_config(fresh.retriever, url)
+        top2 = dict(zip([r["id"] for r in every], client.retrieve([r["question"] for r in every], 2)))
+        client.close()
+    questions, answers = {r["id"]: r["question"] for r in every}, {r["id"]: r["golden_answers"] for r in every}
+    repeated = {i for i, q in again.items() if q == questions[i]}
+    want = {i for i, hit in zip(questions, hits) if not hit and contains_answer(top2[i][1]["contents"], answers[i])}
+    assert want and repeated == want and set(again) - repeated <= set(second_queries(cfg, every, hits))
 
 
 def test_one_step_run_writes_the_report_and_resumes(tmp_path, capsys, smollm2_dir, hotpot_index_dir):

@@ -43,6 +43,12 @@ class RetrieverConfig:
         "--factory), inner product, e.g. 'IVF4096,PQ64' or 'OPQ64,IVF4096,PQ64'. Only with that kind.",
     )
     topk: Int = _f(3, "Documents per search inserted into the observation.")
+    new_passages: Bool = _f(
+        False,
+        "Each search shows the top `topk` passages this trajectory has not been shown yet (searched topk x "
+        "budget.max_turns deep), so a repeated or similar query reads the next passages, in rollouts, evaluation and "
+        "the SFT demonstrations alike. false = Search-R1's: the top `topk` whatever was shown before.",
+    )
     timeout_s: Float = _f(10.0, "Per-request timeout of the HTTP client.")
     max_retries: Int = _f(3, "Retries (with exponential backoff) before a search counts as failed.")
     backoff_s: Float = _f(0.2, "First backoff delay; doubles each retry.")

@@ -14,7 +14,7 @@ from agent_rl.rollout.chat_tools import ChatFormat, build_format
 from agent_rl.rollout.engines import Engine
 from agent_rl.rollout.protocol import TagFormat
 from agent_rl.rollout.sync_loop import run_sync
-from agent_rl.rollout.tools import Tool, build_tools
+from agent_rl.rollout.tools import Tool, build_tools, search_depth
 from agent_rl.rollout.trajectory import Trajectory
 from agent_rl.rollout.turns import ObservationBuilder, PromptItem, Turns, rollout_metrics
 from retriever_server.client import RetrieverClient
@@ -47,7 +47,7 @@ class AgentLoop(Turns):
     @classmethod
     def from_config(cls, cfg: Config, engine: Engine, tokenizer, client: RetrieverClient | None, budget: TokenBudget):
         """The loop a config describes: `rollout.mode`, `rollout.max_inflight`, `rollout.tools`, `rollout.protocol`."""
-        tools = build_tools(cfg.rollout.tools, client, cfg.retriever.topk)
+        tools = build_tools(cfg.rollout.tools, client, cfg.retriever.topk, search_depth(cfg))
         fmt = build_format(cfg.rollout, tokenizer, tools)
         return cls(
             engine,

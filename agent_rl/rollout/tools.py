@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -38,6 +38,9 @@ class ToolOutput:
 
     parts: list[str]
     docs: list[dict] | None = None  # documents shown by `agent-rl view` (id, title, score, text)
+    # optional: the output to show instead to a trajectory that was already shown the documents whose ids it is
+    # given (search under retriever.new_passages: the next passages of a deeper search); the driver calls it
+    fresh: Callable[[set[str]], ToolOutput] | None = None
 
 
 class ToolError(RuntimeError):
@@ -52,7 +55,9 @@ class Tool(Protocol):
 
 
 class SearchTool:
-    """Search-R1's search: one batched `/retrieve` for all the inputs, the top `topk` documents each."""
+    """Search-R1's search: one batched `/retrieve` for all the inputs, the top `topk` documents each. With a `depth`
+    above `topk` (retriever.new_passages) it searches that deep, and each output's `fresh(seen)` is the top `topk`
+    of those not in `seen`, numbered from Doc 1: a trajectory is shown passages it has not read yet."""
 
     name = "search"
     description = "<search> query </search> returns the top searched results"
@@ -65,21 +70,25 @@ class SearchTool:
         "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
     }
 
-    def __init__(self, client: RetrieverClient | None, topk: int, with_ids: bool = False):
-        self.client, self.topk = client, topk
+    def __init__(self, client: RetrieverClient | None, topk: int, with_ids: bool = False, depth: int = 0):
+        self.client, self.topk, self.depth = client, topk, max(depth, topk)
         self.with_ids = with_ids  # show each document's id (for `read`); off: Search-R1's format, byte for byte
 
     def call(self, inputs: list[str]) -> list[ToolOutput]:
         if self.client is None:
             raise ToolError("no retriever configured")
         try:
-            results = self.client.retrieve(inputs, self.topk)
+            results = self.client.retrieve(inputs, self.depth)
         except RetrievalError as err:
             raise ToolError(str(err)) from err
-        return [
-            ToolOutput(format_documents(docs, self.with_ids) or ["No documents found."], document_summaries(docs))
-            for docs in results
-        ]
+        return [self._output(docs) for docs in results]
+
+    def _output(self, docs: list[dict]) -> ToolOutput:
+        shown = docs[: self.topk]
+        out = ToolOutput(format_documents(shown, self.with_ids) or ["No documents found."], document_summaries(shown))
+        if self.depth > self.topk:
+            out.fresh = lambda seen: self._output([d for d in docs if d.get("id") not in seen][: self.topk])
+        return out
 
 
 class ReadTool:
@@ -122,12 +131,19 @@ def load_tool(spec: str, key: str) -> Tool:
     return cast(Tool, load_tool_object(spec, key))
 
 
-def build_tools(specs: Sequence[str], client: RetrieverClient | None, topk: int) -> list[Tool]:
-    """The tools `rollout.tools` names, in order."""
+def search_depth(cfg) -> int:
+    """How deep search searches: `retriever.topk`, or with `retriever.new_passages` enough for every turn to be
+    shown `topk` passages not shown before (`topk` x `budget.max_turns`)."""
+    topk = cfg.retriever.topk
+    return topk * max(1, cfg.budget.max_turns) if cfg.retriever.new_passages else topk
+
+
+def build_tools(specs: Sequence[str], client: RetrieverClient | None, topk: int, depth: int = 0) -> list[Tool]:
+    """The tools `rollout.tools` names, in order; `depth`: search's (`SearchTool`)."""
     tools: list[Tool] = []
     for i, spec in enumerate(specs):
         if spec == "search":
-            tools.append(SearchTool(client, topk, with_ids="read" in specs))
+            tools.append(SearchTool(client, topk, with_ids="read" in specs, depth=depth))
         elif spec == "read":
             tools.append(ReadTool(client))
         else:

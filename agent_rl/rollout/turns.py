@@ -275,6 +275,8 @@ class Turns:
             )
             parts = [f"{what} did not answer. Try again or answer from what you know."]
         else:
+            if output.fresh is not None:  # only what this trajectory has not been shown yet
+                output = output.fresh({d["id"] for x in t.turns[:-1] for d in x.docs or ()})
             parts = output.parts
             turn.docs = output.docs
         allowance = self.budget.obs_allowance(t.total_tokens)
