@@ -79,9 +79,7 @@ class DocStore:
                 continue
             if row >= n:
                 raise IndexError(f"row {row} is past the store's {n} documents")
-            b = bisect.bisect_right(self._starts, row) - 1
-            r = row - self._starts[b]
-            id_off, id_bytes, off, data = self._batches[b]
+            (id_off, id_bytes, off, data), r = self._locate(row)
             docs.append(
                 {
                     "id": str(id_bytes[id_off[r] : id_off[r + 1]], "utf-8"),
@@ -119,10 +117,13 @@ class DocStore:
         self._id_keys = keys[order]
         self._id_rows = order.astype(np.int32 if len(keys) < 2**31 else np.int64)
 
-    def _id_at(self, row: int) -> str:
+    def _locate(self, row: int) -> tuple[tuple[np.ndarray, memoryview, np.ndarray, memoryview], int]:
+        """The buffers of the record batch holding `row`, and its index there."""
         b = bisect.bisect_right(self._starts, row) - 1
-        r = row - self._starts[b]
-        id_off, id_bytes = self._batches[b][:2]
+        return self._batches[b], row - self._starts[b]
+
+    def _id_at(self, row: int) -> str:
+        (id_off, id_bytes, _, _), r = self._locate(row)
         return str(id_bytes[id_off[r] : id_off[r + 1]], "utf-8")
 
 
