@@ -318,8 +318,54 @@ def compare(before: list[dict], after: list[dict], found: dict[str, bool] | None
                     "em_after": _mean(ea),
                     "em_diff": _mean(ea) - _mean(eb),
                     "em_diff_ci95": paired_interval(eb, ea) if sub else (0.0, 0.0),
+                    "searches_before": _mean([b[i]["searches"] for i in sub]),
+                    "searches_after": _mean([a[i]["searches"] for i in sub]),
                 }
         out[source] = row
+    return out
+
+
+def second_searches(run_dir: Path, step: int) -> dict[str, dict]:
+    """Per data source, from the evaluation's trajectories at `step`: the questions whose first search's passages
+    hold no gold answer (`first_misses`) and of them how many end right; the questions that search twice or more
+    (`twice`), how many of those first searches already held a gold answer (`twice_first_holds`), how many second
+    searches' passages hold one (`second_holds`), and how many of those questions end right (`twice_right`). What
+    a second search is for is the first kind; what RL can learn from it shows in the rest."""
+    from retriever_server.answers import contains_answer
+
+    out: dict[str, dict] = {}
+    path = run_dir / "eval_trajectories" / f"step_{step}.jsonl"
+    for rec in map(json.loads, path.read_text().splitlines()):
+        c = out.setdefault(
+            rec["data_source"],
+            dict.fromkeys(
+                (
+                    "n",
+                    "first_misses",
+                    "first_misses_right",
+                    "twice",
+                    "twice_first_holds",
+                    "second_holds",
+                    "twice_right",
+                ),
+                0,
+            ),
+        )
+        holds = [
+            any(contains_answer(f"{d['title']}\n{d['text']}", rec["golden_answers"]) for d in t["docs"] or [])
+            for t in rec["turns"]
+            if t["action"] == "search" and t["obs_tokens"]
+        ]
+        right = int(bool(rec["em"]))
+        c["n"] += 1
+        if holds and not holds[0]:
+            c["first_misses"] += 1
+            c["first_misses_right"] += right
+        if len(holds) >= 2:
+            c["twice"] += 1
+            c["twice_first_holds"] += holds[0]
+            c["second_holds"] += holds[1]
+            c["twice_right"] += right
     return out
 
 
@@ -455,6 +501,7 @@ def summarise(
             run_dir, last, out / ("view" if run_name == "grpo" else f"view_{run_name}"), 4, f"after_{run_name}"
         ),
         "last_step": last,
+        "second_searches": {"warm_start": second_searches(run_dir, 0), "after": second_searches(run_dir, last)},
         **({"sft_equal": equal} if equal is not None else {}),
     }
 
@@ -485,15 +532,35 @@ def render(res: dict, header: str) -> str:
             "By whether the question's own search (top-k, the question as the query) finds a gold answer: where it "
             "does, a gain is better reading; where it does not, only a better query or the model's memory can gain.",
             "",
-            f"| set | search | n | EM warm start -> after {rl} | difference [95% paired bootstrap] |",
-            "|---|---|---|---|---|",
+            f"| set | search | n | EM warm start -> after {rl} | difference [95% paired bootstrap] | "
+            "searches per question |",
+            "|---|---|---|---|---|---|",
         ]
         for source, parts in split_rows:
             for name, r in parts.items():
                 lo, hi = r["em_diff_ci95"]
                 lines.append(
                     f"| {source} | {name} the answer | {r['n']} | {r['em_before']:.3f} -> {r['em_after']:.3f} | "
-                    f"{r['em_diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] |"
+                    f"{r['em_diff']:+.3f} [{lo:+.3f}, {hi:+.3f}] | "
+                    f"{r['searches_before']:.2f} -> {r['searches_after']:.2f} |"
+                )
+    twice = res.get("second_searches", {})
+    if any(c["twice"] for part in twice.values() for c in part.values()):
+        lines += [
+            "",
+            "Second searches of the held-out questions (greedy), by the passages each search returned: questions "
+            "whose first search reads no gold answer (right after), questions that search twice (of them: the first "
+            "search already read one; the second reads one; right after).",
+            "",
+            "| set | model | first search misses (right) | search twice | of them: first reads one / second "
+            "reads one / right |",
+            "|---|---|---|---|---|",
+        ]
+        for model, part in twice.items():
+            for source, c in part.items():
+                lines.append(
+                    f"| {source} | {model} | {c['first_misses']} ({c['first_misses_right']}) | {c['twice']} of "
+                    f"{c['n']} | {c['twice_first_holds']} / {c['second_holds']} / {c['twice_right']} |"
                 )
     recall_train = res["retrieval_answer_recall_at_topk"].get("train", float("nan"))
     rl_pool = res["split"].get("train_rl")

@@ -93,6 +93,39 @@ def test_second_search_is_a_title_that_finds_what_the_question_missed(tmp_path, 
     assert want and repeated == want and set(again) - repeated <= set(second_queries(cfg, every, hits))
 
 
+def test_second_searches_are_tallied_by_what_each_search_read(tmp_path):
+    """The report's second-search tally from an evaluation's trajectories: a first miss is a first search whose
+    passages hold no gold answer; a second search is counted by what its own passages hold, not the first's."""
+    from real_model_learns import second_searches
+
+    def search(text: str) -> dict:
+        return {"action": "search", "obs_tokens": 9, "docs": [{"title": '"Page"', "text": text}]}
+
+    answer = {"action": "answer", "obs_tokens": 0, "docs": None}
+    recs = [  # (first search reads the answer?, second?, right?)
+        {"turns": [search("nothing here"), search("Paris is the capital"), answer], "em": 1.0},  # miss, then finds
+        {"turns": [search("Paris again"), search("nothing"), answer], "em": 0.0},  # finds, then a needless search
+        {"turns": [search("nothing"), answer], "em": 0.0},  # misses once
+        {"turns": [search("paris, lower case"), answer], "em": 1.0},  # finds once
+        {"turns": [answer], "em": 0.0},  # no search at all: neither a first miss nor a second search
+    ]
+    path = tmp_path / "eval_trajectories" / "step_3.jsonl"
+    path.parent.mkdir()
+    lines = [json.dumps({**r, "data_source": "nq", "golden_answers": ["Paris"]}) for r in recs]
+    path.write_text("\n".join([*lines, json.dumps({**recs[2], "data_source": "tq", "golden_answers": ["x"]})]) + "\n")
+    tally = second_searches(tmp_path, 3)
+    assert tally["nq"] == {
+        "n": 5,
+        "first_misses": 2,
+        "first_misses_right": 1,
+        "twice": 2,
+        "twice_first_holds": 1,
+        "second_holds": 1,
+        "twice_right": 1,
+    }
+    assert tally["tq"]["n"] == 1 and tally["tq"]["first_misses"] == 1 and tally["tq"]["twice"] == 0
+
+
 def test_one_step_run_writes_the_report_and_resumes(tmp_path, capsys, smollm2_dir, hotpot_index_dir):
     """Data, index (the session's index of the same 200 paragraphs, as `--index` reuses another run's),
     warm start, evaluation of both held-out sets, one GRPO step (on the questions the warm start gets wrong greedily,
@@ -139,6 +172,12 @@ def test_one_step_run_writes_the_report_and_resumes(tmp_path, capsys, smollm2_di
     for r in res["held_out"].values():
         lo, hi = r["em_diff_ci95"]
         assert lo <= r["em_diff"] <= hi and 0 <= r["em_before"] <= 1 and 0 <= r["em_after"] <= 1
+        for part in r["by_search"].values():  # searches per question where the question's own search finds / misses
+            assert part["n"] == 0 or part["searches_before"] >= 1 and part["searches_after"] >= 1
+    for model in ("warm_start", "after"):  # one turn: no second search, each first miss counted once
+        tally = res["second_searches"][model]
+        assert {s: c["n"] for s, c in tally.items()} == {"nq": 4, "triviaqa": 3}
+        assert all(c["twice"] == 0 and c["first_misses_right"] <= c["first_misses"] <= c["n"] for c in tally.values())
     assert res["training"]["steps"] == 1 and len(res["training"]["reward_curve"]) == 1
     assert set(res["time_s"]) >= {"data", "index", "sft", "train", "eval_warm_start", "eval_after", "total"}
     assert res["memory_gib"]["train"] > 0.5 and res["memory_gib"]["plan_host_peak"] > 0
