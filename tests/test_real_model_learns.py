@@ -172,8 +172,11 @@ def test_one_step_run_writes_the_report_and_resumes(tmp_path, capsys, smollm2_di
     for r in res["held_out"].values():
         lo, hi = r["em_diff_ci95"]
         assert lo <= r["em_diff"] <= hi and 0 <= r["em_before"] <= 1 and 0 <= r["em_after"] <= 1
-        for part in r["by_search"].values():  # searches per question where the question's own search finds / misses
-            assert part["n"] == 0 or part["searches_before"] >= 1 and part["searches_after"] >= 1
+        parts = r["by_search"].values()  # where the question's own search finds / misses: together, every question
+        assert sum(part["n"] for part in parts) == r["n"]
+        for when in ("before", "after"):  # searches per question in the two parts average to the set's
+            together = sum(part["n"] * part[f"searches_{when}"] for part in parts) / r["n"]
+            assert together == pytest.approx(r[f"searches_{when}"])
     for model in ("warm_start", "after"):  # one turn: no second search, each first miss counted once
         tally = res["second_searches"][model]
         assert {s: c["n"] for s, c in tally.items()} == {"nq": 4, "triviaqa": 3}
