@@ -325,6 +325,17 @@ def compare(before: list[dict], after: list[dict], found: dict[str, bool] | None
     return out
 
 
+SECOND_SEARCH_COUNTS = (
+    "n",
+    "first_misses",
+    "first_misses_right",
+    "twice",
+    "twice_first_holds",
+    "second_holds",
+    "twice_right",
+)
+
+
 def second_searches(run_dir: Path, step: int) -> dict[str, dict]:
     """Per data source, from the evaluation's trajectories at `step`: the questions whose first search's passages
     hold no gold answer (`first_misses`) and of them how many end right; the questions that search twice or more
@@ -336,21 +347,7 @@ def second_searches(run_dir: Path, step: int) -> dict[str, dict]:
     out: dict[str, dict] = {}
     path = run_dir / "eval_trajectories" / f"step_{step}.jsonl"
     for rec in map(json.loads, path.read_text().splitlines()):
-        c = out.setdefault(
-            rec["data_source"],
-            dict.fromkeys(
-                (
-                    "n",
-                    "first_misses",
-                    "first_misses_right",
-                    "twice",
-                    "twice_first_holds",
-                    "second_holds",
-                    "twice_right",
-                ),
-                0,
-            ),
-        )
+        c = out.setdefault(rec["data_source"], dict.fromkeys(SECOND_SEARCH_COUNTS, 0))
         holds = [
             any(contains_answer(f"{d['title']}\n{d['text']}", rec["golden_answers"]) for d in t["docs"] or [])
             for t in rec["turns"]
