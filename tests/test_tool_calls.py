@@ -328,6 +328,45 @@ def test_a_model_built_for_tool_calls_speaks_the_template_in_few_tokens(chat_mod
     assert n <= cfg.budget.max_prompt_tokens and 2 * n < other, (n, other)
 
 
+def _holds(seq: list[int], part: list[int]) -> bool:
+    return any(seq[i : i + len(part)] == part for i in range(len(seq) - len(part) + 1))
+
+
+def test_isolated_spaces_make_a_name_copied_into_a_call_the_passages_tokens(toy_warm_start, chat_model_dir, tmp_path):
+    """`model.init_pretokenizer=isolated_spaces`: a name read in a passage (after a space) and written into the
+    call's JSON string (after a quote) is the same tokens; with the default bytelevel it is not (`ĠQu` against
+    `Qu`), which is what a tiny model must otherwise learn to map. Text decodes back to itself either way."""
+    from agent_rl.bootstrap.prepare import ensure_model
+
+    path = tmp_path / "model"
+    overrides = [
+        *toy_world_overrides(toy_warm_start["cache"]),
+        f"model.path={path}",
+        "model.init_pretokenizer=isolated_spaces",
+    ]
+    cfg = load_config("configs/tiny_cpu_tool_calls.yaml", overrides)
+    ensure_model(cfg)
+    passage = "Kesra Cole Press\nKesra Cole Press was founded by Quill Sable."
+    copied = {}
+    for name, model_dir in (("bytelevel", chat_model_dir), ("isolated_spaces", path)):
+        tok = load_tokenizer(str(model_dir))
+        fmt = ChatFormat(tok, [SearchTool(None, 1)], "", cfg.rollout.system_prompt)
+        text = fmt.prompt_text("What is the occupation of the founder of Kesra Cole Press?")
+        text += fmt.call_text("search", "Quill Sable occupation")
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids) == text
+        name_ids = tok("Quill Sable", add_special_tokens=False)["input_ids"]
+        copied[name] = _holds(ids, name_ids) and _holds(tok(passage, add_special_tokens=False)["input_ids"], name_ids)
+    assert copied == {"bytelevel": False, "isolated_spaces": True}
+
+
+def test_init_pretokenizer_is_checked():
+    with pytest.raises(ConfigError, match="init_pretokenizer"):
+        load_config(None, ["model.init_pretokenizer=words"])
+    with pytest.raises(ConfigError, match="init_size"):
+        load_config(None, ["model.init_pretokenizer=isolated_spaces", "model.init_size="])
+
+
 class RetrievalScript(ScriptedChat):
     """Searches the question, then answers with the first document's title: the second turn depends on what
     retrieval returned."""

@@ -59,14 +59,39 @@ def _default_texts() -> Iterator[str]:
     yield from texts
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, specials: Sequence[str] = (), chat_template: str = ""):
+# How text is cut into words before BPE merges within them (model.init_pretokenizer):
+# bytelevel: GPT-2's rule, a word carries the space before it (`ĠPell` after a space, `Pell` after a quote);
+# isolated_spaces: each whitespace character and each run of punctuation is a piece of its own, so a word is
+# the same tokens wherever it stands: a name copied from a passage into a JSON string (`"query": "Pell Pike"`)
+# is the passage's tokens. Texts take ~1.3x the tokens (the spaces).
+PRETOKENIZERS = ("bytelevel", "isolated_spaces")
+
+
+def train_tokenizer(
+    texts: Iterable[str],
+    vocab_size: int,
+    specials: Sequence[str] = (),
+    chat_template: str = "",
+    pretokenizer: str = "bytelevel",
+):
     """A byte-level BPE of `vocab_size` over `texts`; the agent tags and `specials` (a chat template's markers,
-    under rollout.protocol=tool_calls) are single special tokens; `chat_template` ('' = a plain role template)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    under rollout.protocol=tool_calls) are single special tokens; `chat_template` ('' = a plain role template);
+    `pretokenizer` one of PRETOKENIZERS."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if pretokenizer == "bytelevel":
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    elif pretokenizer == "isolated_spaces":
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(r"\s|[^\w\s]+"), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        raise ValueError(f"unknown pretokenizer {pretokenizer!r}; choose one of {', '.join(PRETOKENIZERS)}")
     tok.decoder = decoders.ByteLevel()
     extra = [*TAGS, *(s for s in dict.fromkeys(specials) if s not in (EOS, PAD, *TAGS))]
     trainer = trainers.BpeTrainer(
@@ -95,9 +120,10 @@ def init_model(
     seed: int = 0,
     specials: Sequence[str] = (),
     chat_template: str = "",
+    pretokenizer: str = "bytelevel",
 ) -> Path:
-    """Train the tokenizer (`specials` and `chat_template` as `train_tokenizer` takes them), build a random
-    Qwen2 of `size`, save both to out_dir."""
+    """Train the tokenizer (`specials`, `chat_template` and `pretokenizer` as `train_tokenizer` takes them),
+    build a random Qwen2 of `size`, save both to out_dir."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -105,7 +131,9 @@ def init_model(
         raise ValueError(f"unknown size {size!r}; choose one of {sorted(SIZES)}")
     spec: dict[str, Any] = dict(SIZES[size])
     vocab = spec.pop("vocab")
-    tokenizer = train_tokenizer(texts if texts is not None else _default_texts(), vocab, specials, chat_template)
+    tokenizer = train_tokenizer(
+        texts if texts is not None else _default_texts(), vocab, specials, chat_template, pretokenizer
+    )
     torch.manual_seed(seed)
     config = Qwen2Config(  # type: ignore[call-arg]  # rope_theta: read from kwargs by transformers
         vocab_size=len(tokenizer),
@@ -241,7 +269,7 @@ def _cmd(args: argparse.Namespace) -> int:
         print(f"wrote {args.preset} ({n / 1e6:.1f}M parameters, fp32) with its tokenizer and chat template to {out}")
         return 0
     texts = _read_texts(args.text) if args.text else None
-    out = init_model(Path(args.out), args.size, texts, args.seed)
+    out = init_model(Path(args.out), args.size, texts, args.seed, pretokenizer=args.pretokenizer)
     from transformers import AutoModelForCausalLM
 
     n = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(out).parameters())
@@ -272,6 +300,13 @@ def add_cli(subparsers) -> None:
         "--text",
         nargs="*",
         help="training text: corpus .jsonl (contents), .parquet (prompt) or plain text files; default: the toy world",
+    )
+    p.add_argument(
+        "--pretokenizer",
+        default="bytelevel",
+        choices=PRETOKENIZERS,
+        help="bytelevel: a word carries the space before it (GPT-2's); isolated_spaces: spaces and punctuation runs "
+        "are tokens of their own, so a word is the same tokens wherever it stands",
     )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd)

@@ -128,7 +128,15 @@ def ensure_model(cfg: Config) -> None:
     if cfg.rollout.protocol == "tool_calls":
         chat, specials, template = _chat_texts(cfg)
         texts += chat
-    init_model(tmp, size=cfg.model.init_size, texts=texts, seed=cfg.run.seed, specials=specials, chat_template=template)
+    init_model(
+        tmp,
+        size=cfg.model.init_size,
+        texts=texts,
+        seed=cfg.run.seed,
+        specials=specials,
+        chat_template=template,
+        pretokenizer=cfg.model.init_pretokenizer,
+    )
     os.replace(tmp, path)
 
 

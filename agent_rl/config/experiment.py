@@ -132,6 +132,13 @@ class ModelConfig:
     init_size: Str = _f(
         "", "When set (tiny|small|base|medium) and `path` does not exist, `agent-rl init-model` builds it first."
     )
+    init_pretokenizer: Str = _f(
+        "bytelevel",
+        "How init_size's tokenizer cuts text before BPE: bytelevel (GPT-2's: a word carries the space before it, "
+        "so a name is other tokens after a quote) | isolated_spaces (spaces and punctuation runs are tokens of "
+        "their own: a word is the same tokens wherever it stands, as when a name is copied from a passage into a "
+        "tool call's JSON; texts take more tokens, so budgets need more room).",
+    )
     preset: Str = _f(
         "",
         "When set (smollm2-135m) and `path` holds no model, `agent-rl init-model --preset` converts that real "
@@ -153,7 +160,10 @@ class ModelConfig:
         default_factory=LoraConfig, metadata={"help": "LoRA adapters (see model.lora.*)."}
     )
 
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"dtype": ("float32", "bfloat16", "float16")}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "dtype": ("float32", "bfloat16", "float16"),
+        "init_pretokenizer": ("bytelevel", "isolated_spaces"),
+    }
 
     def validate(self) -> None:
         """The model section's own checks; a message names the key and says what to do."""
@@ -164,6 +174,11 @@ class ModelConfig:
             raise ConfigError(
                 "model.preset and model.init_size both set: a model is either a converted preset or a random init; "
                 "clear one"
+            )
+        if self.init_pretokenizer != "bytelevel" and not self.init_size:
+            raise ConfigError(
+                f"model.init_pretokenizer = {self.init_pretokenizer!r} shapes the tokenizer of a model that "
+                "model.init_size builds; set init_size, or leave init_pretokenizer at bytelevel"
             )
         if self.init_size not in ("", "tiny", "small", "base", "medium"):
             raise ConfigError(f"model.init_size = {self.init_size!r}: use tiny, small, base, medium or leave it empty")
