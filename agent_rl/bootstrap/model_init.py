@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from agent_rl.config.experiment import ModelConfig
 from agent_rl.rollout.protocol import TAGS
 from retriever_server.jsonl import iter_corpus
 
@@ -64,7 +65,7 @@ def _default_texts() -> Iterator[str]:
 # isolated_spaces: each whitespace character and each run of punctuation is a piece of its own, so a word is
 # the same tokens wherever it stands: a name copied from a passage into a JSON string (`"query": "Pell Pike"`)
 # is the passage's tokens. Texts take ~1.3x the tokens (the spaces).
-PRETOKENIZERS = ("bytelevel", "isolated_spaces")
+PRETOKENIZERS = ModelConfig.CHOICES["init_pretokenizer"]
 
 
 def train_tokenizer(
