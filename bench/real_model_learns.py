@@ -2,7 +2,8 @@
 
 Usage: .venv/bin/python bench/real_model_learns.py --data DIR [--out runs/real_nq] [--config CONFIG]
        [--seed 0] [--nq-test 500] [--triviaqa-test 300] [--train-triviaqa] [--rl-unsolved]
-       [--run-name grpo] [--sft-equal [--sft-equal-steps N]] [--skip-train] [--second-search] [key=value ...]
+       [--run-name grpo] [--sft-equal [--sft-equal-steps N]] [--skip-train] [--second-search [--rl-second-only]]
+       [key=value ...]
 
 DIR is a folder in FlashRAG layout: `corpus.jsonl` (`id`, `contents` = "Title\\ntext"), `nq_1000.jsonl`
 and `triviaqa_1000.jsonl` (`id`, `question`, `golden_answers`), e.g. ../shared/data/wiki18_nq_triviaqa.
@@ -181,16 +182,17 @@ def second_queries(cfg, rows: list[dict], hits: list[bool], depth: int = 10) -> 
     return {**found_titles, **again}
 
 
-def write_rl_train(cfg, out: Path, rows: list[dict], hits: list[bool]) -> int:
-    """The GRPO training prompts: the training questions whose search finds a passage holding a gold
-    answer (the ones the warm start's demonstrations were kept for). A question whose passage never holds
-    its answer earns every sample the same reward and teaches nothing but costs a rollout."""
+def write_rl_train(cfg, out: Path, rows: list[dict], keep: list[bool], name: str = "train_rl") -> int:
+    """The GRPO training prompts, OUT/data/NAME.parquet: by default (--rl-answerable) the training questions whose
+    search finds a passage holding a gold answer (the ones the warm start's demonstrations were kept for; a question
+    whose passage never holds its answer earns every sample the same reward and teaches nothing but costs a
+    rollout); with --rl-second-only those with a scripted second search."""
     from agent_rl.rollout.prompts import load_tokenizer
 
-    kept = [r for r, hit in zip(rows, hits) if hit]
+    kept = [r for r, k in zip(rows, keep) if k]
     if not kept:
-        raise SystemExit("--rl-answerable: no training question's search finds a gold answer; use --no-rl-answerable")
-    write_rows(kept, out / "train_rl.parquet", "train", cfg.data.template, load_tokenizer(cfg.model.path))
+        raise SystemExit(f"{name}: no training question is kept for GRPO; use --no-rl-answerable")
+    write_rows(kept, out / f"{name}.parquet", "train", cfg.data.template, load_tokenizer(cfg.model.path))
     return len(kept)
 
 
@@ -503,6 +505,19 @@ def summarise(
     }
 
 
+def rl_pool_line(res: dict) -> str:
+    """The report's sentence on which training questions GRPO sampled from: the script's pools, or the
+    data.train_files given as an override."""
+    files = [Path(f).name for f in res.get("rl_train_files", [])]
+    if second := res["split"].get("train_rl_second"):
+        return f" RL samples from the {second} of them with a scripted second search (--rl-second-only)."
+    if rl_pool := res["split"].get("train_rl"):
+        return f" RL samples from those {rl_pool} (--rl-answerable)."
+    if files and files != ["train.parquet"]:
+        return f" RL samples from {', '.join(files)} (data.train_files)."
+    return " RL samples from all of them."
+
+
 def render(res: dict, header: str) -> str:
     t, mem, tr = res["time_s"], res["memory_gib"], res["training"]
     estimator = res.get("estimator", "grpo")  # algo.advantage: the section names say which RL ran
@@ -560,7 +575,6 @@ def render(res: dict, header: str) -> str:
                     f"{c['n']} | {c['twice_first_holds']} / {c['second_holds']} / {c['twice_right']} |"
                 )
     recall_train = res["retrieval_answer_recall_at_topk"].get("train", float("nan"))
-    rl_pool = res["split"].get("train_rl")
     lines += [
         "",
         f"Training questions: {res['split']['train']}"
@@ -572,7 +586,7 @@ def render(res: dict, header: str) -> str:
         + f"; a scripted demonstration's observation holds a gold answer "
         f"for {recall_train:.3f} of them (with sft.answer_in_observation, the warm start learns from those only; "
         "otherwise the rest teach answering from memory)."
-        + (f" RL samples from those {rl_pool} (--rl-answerable)." if rl_pool else " RL samples from all of them.")
+        + rl_pool_line(res)
         + (
             f" Of those, the {unsolved} the warm start answers wrong greedily (--rl-unsolved)."
             if (unsolved := res["split"].get("train_rl_unsolved"))
@@ -670,6 +684,13 @@ def main(argv: list[str] | None = None) -> int:
         "every training question and keeps those by sft.answer_in_observation)",
     )
     parser.add_argument(
+        "--rl-second-only",
+        action="store_true",
+        help="with --second-search: GRPO on the training questions with a scripted second search only (their first "
+        "search misses and a second finds; OUT/data/train_rl_second.parquet), so that every rollout has a reason "
+        "to search twice",
+    )
+    parser.add_argument(
         "--rl-unsolved",
         action="store_true",
         help="GRPO on those of --rl-answerable's questions that the warm start gets wrong greedily (one greedy "
@@ -710,6 +731,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("overrides", nargs="*", help="config overrides for every agent-rl command (key=value)")
     args = parser.parse_args(argv)
+    if args.rl_second_only and not args.second_search:
+        raise SystemExit("--rl-second-only trains on --second-search's two-search questions: add --second-search")
+    if args.rl_second_only and args.rl_unsolved:
+        raise SystemExit("--rl-unsolved narrows --rl-answerable's pool, not --rl-second-only's: drop one")
     from agent_rl.bootstrap.prepare import ensure_index, ensure_model
     from agent_rl.config import load_config
 
@@ -760,7 +785,7 @@ def main(argv: list[str] | None = None) -> int:
     recall = {name: sum(h) / max(1, len(h)) for name, h in hits.items()}
     phases["index"] = {"wall_s": time.perf_counter() - start, "peak_rss_gib": 0.0}
     _log(f"index: top-{cfg.retriever.topk} answer recall {json.dumps({k: round(v, 3) for k, v in recall.items()})}")
-    answerable = hits["train"]
+    answerable, second = hits["train"], {}
     if args.second_search:
         second = second_queries(cfg, split["train"], hits["train"])
         for row in split["train"]:
@@ -773,7 +798,12 @@ def main(argv: list[str] | None = None) -> int:
         write_data(cfg, out / "data", split, key)
     _log(f"data: {sizes} (seed {args.seed}) in {out / 'data'}")
     train_overrides = overrides
-    if args.rl_answerable:
+    if args.rl_second_only:
+        keep = [r["id"] in second for r in split["train"]]
+        sizes["train_rl_second"] = write_rl_train(cfg, out / "data", split["train"], keep, "train_rl_second")
+        train_overrides = [*overrides, f"data.train_files=[{out / 'data' / 'train_rl_second.parquet'}]"]
+        _log(f"data: GRPO trains on the {sizes['train_rl_second']} training questions with a second search")
+    elif args.rl_answerable:
         sizes["train_rl"] = write_rl_train(cfg, out / "data", split["train"], answerable)
         train_overrides = [*overrides, f"data.train_files=[{out / 'data' / 'train_rl.parquet'}]"]
         _log(f"data: GRPO trains on the {sizes['train_rl']} training questions whose search finds an answer")
@@ -834,6 +864,7 @@ def main(argv: list[str] | None = None) -> int:
     found = {f"{r['source']}_{r['id']}": hit for name in SETS for r, hit in zip(split[name], hits[name])}
     res = summarise(out, phases, plan, recall, sizes, str(cfg.reward.fn), found, sft_more, args.run_name)
     res.update(estimator=cfg.algo.resolved_advantage(), config=args.config, overrides=args.overrides)
+    res.update(rl_train_files=[str(f) for f in load_config(config, train_overrides).data.train_files])
     res.update(split_seed=args.seed, data=str(data))
     results = out / ("results" if args.run_name == "grpo" else f"results_{args.run_name}")
     results.with_suffix(".json").write_text(json.dumps(res, indent=1))

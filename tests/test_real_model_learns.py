@@ -54,10 +54,11 @@ def test_split_is_seeded_and_disjoint(tmp_path):
     assert not {r["id"] for r in both["train"][20:]} & set(ids["triviaqa"])
 
 
-def test_second_search_is_a_title_that_finds_what_the_question_missed(tmp_path, hotpot_index_dir):
+def test_second_search_is_a_title_that_finds_what_the_question_missed(tmp_path, smollm2_dir, hotpot_index_dir):
     """--second-search's scripted second query: only for training questions whose own search misses; the title of a
-    corpus passage that holds a gold answer (and the fixture has such questions)."""
-    from real_model_learns import answer_hits, second_queries, split_questions
+    corpus passage that holds a gold answer (and the fixture has such questions). --rl-second-only's GRPO prompts are
+    exactly those questions."""
+    from real_model_learns import answer_hits, main, second_queries, split_questions, write_rl_train
 
     from agent_rl.config import load_config
     from retriever_server.answers import contains_answer
@@ -74,6 +75,14 @@ def test_second_search_is_a_title_that_finds_what_the_question_missed(tmp_path, 
     for qid, title in second.items():
         holding = [p for p in passages if p.partition("\n")[0].strip().strip('"') == title]
         assert any(contains_answer(p, answers[qid]) for p in holding), (qid, title)
+    keep = [r["id"] in second for r in train]
+    assert write_rl_train(
+        load_config(None, [*base, f"model.path={smollm2_dir}"]), tmp_path, train, keep, "pool"
+    ) == len(second)
+    pool = pq.read_table(tmp_path / "pool.parquet").column("id").to_pylist()  # a row's id: source_id
+    assert sorted(pool) == sorted(f"{r['source']}_{r['id']}" for r in train if r["id"] in second)
+    with pytest.raises(SystemExit, match="add --second-search"):
+        main(["--data", str(data), "--out", str(tmp_path / "run"), "--rl-second-only"])
     # retriever.new_passages: a repeated search shows the next passage, so the question itself is the second query
     # wherever its second passage holds the answer
     from agent_rl.bootstrap.prepare import local_retriever, read_qa_rows
