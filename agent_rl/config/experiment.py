@@ -137,7 +137,8 @@ class ModelConfig:
         "How init_size's tokenizer cuts text before BPE: bytelevel (GPT-2's: a word carries the space before it, "
         "so a name is other tokens after a quote) | isolated_spaces (spaces and punctuation runs are tokens of "
         "their own: a word is the same tokens wherever it stands, as when a name is copied from a passage into a "
-        "tool call's JSON; texts take more tokens, so budgets need more room).",
+        "tool call's JSON; texts take more tokens, so budgets need more room; the tiny tool_calls demo's warm start "
+        "learned to read worse with it, see bench/RESULTS.md).",
     )
     preset: Str = _f(
         "",
