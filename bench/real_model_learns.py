@@ -191,7 +191,8 @@ def write_rl_train(cfg, out: Path, rows: list[dict], keep: list[bool], name: str
 
     kept = [r for r, k in zip(rows, keep) if k]
     if not kept:
-        raise SystemExit(f"{name}: no training question is kept for GRPO; use --no-rl-answerable")
+        drop = "--rl-second-only" if name == "train_rl_second" else "--rl-answerable (--no-rl-answerable)"
+        raise SystemExit(f"{name}: no training question is kept for GRPO; drop {drop}")
     write_rows(kept, out / f"{name}.parquet", "train", cfg.data.template, load_tokenizer(cfg.model.path))
     return len(kept)
 

@@ -60,11 +60,7 @@ def _default_texts() -> Iterator[str]:
     yield from texts
 
 
-# How text is cut into words before BPE merges within them (model.init_pretokenizer):
-# bytelevel: GPT-2's rule, a word carries the space before it (`ĠPell` after a space, `Pell` after a quote);
-# isolated_spaces: each whitespace character and each run of punctuation is a piece of its own, so a word is
-# the same tokens wherever it stands: a name copied from a passage into a JSON string (`"query": "Pell Pike"`)
-# is the passage's tokens. Texts take ~1.3x the tokens (the spaces).
+# How text is cut into words before BPE merges within them: see model.init_pretokenizer's help.
 PRETOKENIZERS = ModelConfig.CHOICES["init_pretokenizer"]
 
 
