@@ -182,17 +182,24 @@ def second_queries(cfg, rows: list[dict], hits: list[bool], depth: int = 10) -> 
     return {**found_titles, **again}
 
 
-def write_rl_train(cfg, out: Path, rows: list[dict], keep: list[bool], name: str = "train_rl") -> int:
+def write_rl_train(
+    cfg,
+    out: Path,
+    rows: list[dict],
+    keep: list[bool],
+    name: str = "train_rl",
+    flag: str = "--rl-answerable (--no-rl-answerable)",
+) -> int:
     """The GRPO training prompts, OUT/data/NAME.parquet: by default (--rl-answerable) the training questions whose
     search finds a passage holding a gold answer (the ones the warm start's demonstrations were kept for; a question
     whose passage never holds its answer earns every sample the same reward and teaches nothing but costs a
-    rollout); with --rl-second-only those with a scripted second search."""
+    rollout); with --rl-second-only those with a scripted second search. `flag` is the option that chose them, named
+    when none is kept."""
     from agent_rl.rollout.prompts import load_tokenizer
 
     kept = [r for r, k in zip(rows, keep) if k]
     if not kept:
-        drop = "--rl-second-only" if name == "train_rl_second" else "--rl-answerable (--no-rl-answerable)"
-        raise SystemExit(f"{name}: no training question is kept for GRPO; drop {drop}")
+        raise SystemExit(f"{name}: no training question is kept for GRPO; drop {flag}")
     write_rows(kept, out / f"{name}.parquet", "train", cfg.data.template, load_tokenizer(cfg.model.path))
     return len(kept)
 
@@ -801,7 +808,9 @@ def main(argv: list[str] | None = None) -> int:
     train_overrides = overrides
     if args.rl_second_only:
         keep = [r["id"] in second for r in split["train"]]
-        sizes["train_rl_second"] = write_rl_train(cfg, out / "data", split["train"], keep, "train_rl_second")
+        sizes["train_rl_second"] = write_rl_train(
+            cfg, out / "data", split["train"], keep, "train_rl_second", "--rl-second-only"
+        )
         train_overrides = [*overrides, f"data.train_files=[{out / 'data' / 'train_rl_second.parquet'}]"]
         _log(f"data: GRPO trains on the {sizes['train_rl_second']} training questions with a second search")
     elif args.rl_answerable:
