@@ -31,6 +31,7 @@ import torch
 from agent_rl.config import Config
 from agent_rl.learn.batch import collate, pack_microbatches
 from agent_rl.learn.policy import forward_logprobs, load_policy
+from agent_rl.learn.update import share_prefix
 from agent_rl.rollout.engines import Engine
 from agent_rl.rollout.prompts import load_prompts, load_tokenizer
 from agent_rl.rollout.retriever import format_documents
@@ -38,6 +39,7 @@ from agent_rl.rollout.tools import search_depth
 from agent_rl.rollout.trajectory import Trajectory
 from agent_rl.rollout.turns import Turns
 from agent_rl.run import open_loop
+from agent_rl.world import LocalWorld
 from retriever_server.answers import contains_answer
 
 
@@ -175,6 +177,7 @@ def train_sft(cfg: Config) -> Path:
     )
     every = max(1, min(100, cfg.sft.steps // 10))
     model.train()
+    share = share_prefix(cfg.train, model, LocalWorld())
     start = time.perf_counter()
     for step in range(1, cfg.sft.steps + 1):
         batch = [
@@ -186,8 +189,12 @@ def train_sft(cfg: Config) -> Path:
         total = 0.0
         for index in pack_microbatches([t.total_tokens for t in batch], cfg.train.max_tokens_per_microbatch):
             mb = collate(batch, index, tokenizer.pad_token_id, cfg.train.device)
-            # The head only at demonstrated tokens: observations get no logits and no gradient.
-            logprobs, _ = forward_logprobs(model, mb, 1.0)
+            # The head only at demonstrated tokens: observations get no logits and no gradient. The span every
+            # demonstration opens with (the system prompt, the tools' schemas) runs once, or the rows run packed:
+            # whichever runs fewer positions.
+            logprobs, _ = forward_logprobs(
+                model, mb, 1.0, share_prefix=share, common_prefix=True, pack=cfg.train.pack_rows
+            )
             loss = -logprobs.sum() / max(1, mask_tokens)
             loss.backward()
             total += loss.item()

@@ -2,8 +2,8 @@
 
 The selected path equals the full-vocabulary path in log-probs, entropy and every parameter
 gradient: on the tiny Qwen2 and on the real SmolLM2 (tied embeddings, vocab 49,152), with and
-without the shared prompt prefix, under LoRA, and in small float32 chunks; and the head sees only
-the trained positions.
+without the shared prompt prefix (a group's prompt, or the span every row opens with), under LoRA,
+and in small float32 chunks; and the head sees only the trained positions.
 """
 
 import pytest
@@ -13,9 +13,10 @@ from test_losses import _trajs
 from agent_rl.config import load_config
 from agent_rl.learn.batch import collate
 from agent_rl.learn.policy import forward_logprobs, load_policy
+from agent_rl.rollout.trajectory import Trajectory
 
 
-def _compare(policy, mb, share: bool, chunk: int, rtol: float = 1e-4):
+def _compare(policy, mb, share: bool, chunk: int, rtol: float = 1e-4, common: bool = False):
     weights = torch.rand(mb.loss_mask.shape, generator=torch.Generator().manual_seed(1)) * mb.loss_mask
     out = {}
     for selected in (False, True):
@@ -23,7 +24,14 @@ def _compare(policy, mb, share: bool, chunk: int, rtol: float = 1e-4):
         seen = []
         hook = policy.get_output_embeddings().register_forward_hook(lambda m, a, o: seen.append(tuple(o.shape)))
         lp, ent = forward_logprobs(
-            policy, mb, 0.7, with_entropy=True, share_prefix=share, selected=selected, chunk_tokens=chunk
+            policy,
+            mb,
+            0.7,
+            with_entropy=True,
+            share_prefix=share,
+            selected=selected,
+            chunk_tokens=chunk,
+            common_prefix=common,
         )
         hook.remove()
         ((lp + 0.1 * ent) * weights).sum().backward()
@@ -86,3 +94,56 @@ def test_selected_head_equals_full_path_smollm2(smollm2_dir):
     trajs = _trajs(policy.config.vocab_size, groups=2, n=2, prompt_len=20)
     mb = collate(trajs, list(range(len(trajs))), 0)
     _compare(policy, mb, True, chunk=16, rtol=5e-4)
+
+
+def _opening_alike(vocab: int, rows: int = 5, opening: int = 40) -> list:
+    """SFT-like rows: every prompt its own (a question), all opening with the same `opening` tokens (a system
+    prompt); a trained answer after an untrained question part of 3-7 tokens."""
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(10, vocab, (opening,), generator=g).tolist()
+    trajs = []
+    for i in range(rows):
+        question = torch.randint(10, vocab, (3 + i,), generator=g).tolist()
+        t = Trajectory(f"q{i}", "toy", system + question, ["x"])
+        t.append(torch.randint(10, vocab, (4 + 2 * i,), generator=g).tolist(), sampled=True)
+        t.append(torch.randint(10, vocab, (6,), generator=g).tolist(), sampled=False)  # an observation
+        t.append(torch.randint(10, vocab, (3,), generator=g).tolist(), sampled=True)
+        trajs.append(t)
+    return trajs
+
+
+def test_common_opening_runs_once_with_the_same_logprobs_and_gradients(tiny_model_dir):
+    """Rows with distinct prompts that open alike (SFT's demonstrations: one system prompt, each its own
+    question): with `common_prefix` the opening runs once (a one-row prompt pass, then the rows from where
+    they differ), with the same log-probs, entropy and gradients as the full pass; without it, or where the
+    rows share no opening, no prefix pass runs."""
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "budget.max_total_tokens=1000"])
+    torch.manual_seed(0)
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
+    trajs = _opening_alike(policy.config.vocab_size)
+    mb = collate(trajs, list(range(len(trajs))), 0)
+    for common in (False, True):
+        seen = []
+        hook = policy.get_decoder().register_forward_pre_hook(
+            lambda m, a, kw: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+        )
+        _compare(policy, mb, True, chunk=8, common=common)
+        hook.remove()
+        selected = seen[2 if common else 1 :]  # the full reference ran first, with the same plan: 2 passes or 1
+        if common:
+            assert selected[0] == (1, 40)  # the opening, once
+            assert sum(r * c for r, c in selected[1:]) <= len(trajs) * (mb.input_ids.shape[1] - 40)
+        else:
+            assert selected == [tuple(mb.input_ids.shape)]  # no two prompts alike: one plain pass
+    # the opening stops at the first trained token of any row: a row trained from column 20 cuts it there
+    early = _opening_alike(policy.config.vocab_size)
+    early[0] = Trajectory("q0", "toy", early[0].prompt_ids[:20], ["x"])
+    early[0].append((trajs[0].prompt_ids + trajs[0].response_ids)[20:60], sampled=True)
+    mb = collate(early, list(range(len(early))), 0)
+    seen = []
+    hook = policy.get_decoder().register_forward_pre_hook(
+        lambda m, a, kw: seen.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    _compare(policy, mb, True, chunk=8, common=True)
+    hook.remove()
+    assert seen[0] == seen[2] == (1, 20)  # the reference's prompt pass, then the selected path's

@@ -155,14 +155,15 @@ class TrainConfig:
     share_prompt_prefix: Bool = _f(
         True,
         "Run a GRPO group's common prompt through the model once per micro-batch (its KV cache, with gradient, "
-        "serves every response); same loss and gradient up to float rounding. Not used under torchrun or with "
-        "gradient checkpointing.",
+        "serves every response); in `agent-rl sft`, the span every demonstration of a micro-batch opens with (the "
+        "system prompt, the tools' schemas). Same loss and gradient up to float rounding. Not used under torchrun "
+        "or with gradient checkpointing.",
     )
     pack_rows: Bool = _f(
         True,
-        "In the update's passes, pack a micro-batch's rows several to a row (own positions, block-diagonal causal "
-        "mask) so padding does not run through the model; same loss and gradient up to float rounding. Where a shared "
-        "prompt prefix saves more tokens, that is used instead.",
+        "In the update's and SFT's passes, pack a micro-batch's rows several to a row (own positions, block-diagonal "
+        "causal mask) so padding does not run through the model; same loss and gradient up to float rounding. Where a "
+        "shared prompt prefix saves more tokens, that is used instead.",
     )
     offload_optimizer: Bool = _f(False, "Keep AdamW states in host RAM (a no-op on CPU-only runs, which says so).")
     offload_params: Bool = _f(False, "FSDP: keep parameters in host RAM between uses (torchrun/GPU only).")

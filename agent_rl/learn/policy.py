@@ -120,6 +120,7 @@ def forward_logprobs(
     selected: bool = True,
     chunk_tokens: int = 512,
     pack: bool = False,
+    common_prefix: bool = False,
 ):
     """Token log-probs (B, T) aligned so column t scores token t; 0 where `loss_mask` is 0.
 
@@ -131,7 +132,9 @@ def forward_logprobs(
     and LoRA work unchanged; the float32 log-softmax runs in chunks of `chunk_tokens` trained
     tokens, each recomputed in backward rather than stored. Logits are divided by the sampling
     temperature, as the engine sampled them (verl does the same). With `share_prefix`, rows with
-    the same prompt (a GRPO group) run that prompt through the model once (`_prefix_plan`).
+    the same prompt (a GRPO group) run that prompt through the model once (`_prefix_plan`); with
+    `common_prefix` too, the leading span every row of the micro-batch shares (a system prompt and the
+    tools' schemas, in SFT's demonstrations) runs once where that runs fewer positions.
     `selected=False` is the plain full-vocabulary path, kept as the reference the tests and
     benchmarks compare with. With `pack` (and no shared prefix), rows run packed: several to a row
     of the same width, each with its own positions and a block-diagonal causal mask
@@ -139,14 +142,14 @@ def forward_logprobs(
     entropy or None).
     """
     if not selected:
-        return _full_logprobs(model, mb, temperature, with_entropy, share_prefix)
+        return _full_logprobs(model, mb, temperature, with_entropy, share_prefix, common_prefix)
     host = mb.on_host()  # every position and length below is read on the host, never from the device
     target = host.loss_mask > 0
     target[:, 0] = False  # nothing predicts the first token
-    plan = _prefix_plan(mb) if share_prefix else None
+    plan = _prefix_plan(mb, common_prefix) if share_prefix else None
     packed = pack_plan(mb) if pack else None
     if packed is not None and plan is not None:  # whichever runs fewer tokens through the model
-        if packed.input_ids.numel() <= _prefix_cells(mb, plan[1]):
+        if packed.input_ids.numel() <= _prefix_cells(mb, plan):
             plan = None
         else:
             packed = None
@@ -161,7 +164,7 @@ def forward_logprobs(
                 out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
         logits = out.logits[0]
     else:
-        logits, rows, cols, labels = _shared_prefix_selected(model, mb, target, *plan)
+        logits, rows, cols, labels = _shared_prefix_selected(model, mb, target, plan)
     lp, ent = selected_logprobs(logits, labels, temperature, with_entropy, chunk_tokens)
     shape = mb.input_ids.shape
     logprobs = torch.zeros(shape, dtype=lp.dtype, device=lp.device).index_put((rows, cols), lp)
@@ -295,14 +298,16 @@ def selected_logprobs(
     return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
 
 
-def _full_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool, share_prefix: bool):
+def _full_logprobs(
+    model: nn.Module, mb: MicroBatch, temperature: float, with_entropy: bool, share_prefix: bool, common: bool = False
+):
     """The full-vocabulary reference: logits over every position, then log-softmax."""
-    plan = _prefix_plan(mb) if share_prefix else None
+    plan = _prefix_plan(mb, common) if share_prefix else None
     if plan is None:
         logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits[:, :-1]
         labels, cols, valid = mb.input_ids[:, 1:], None, None
     else:
-        logits, labels, cols, valid = _shared_prefix_logits(model, mb, *plan)
+        logits, labels, cols, valid = _shared_prefix_logits(model, mb, plan)
     logits = logits.float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
@@ -318,33 +323,63 @@ def _full_logprobs(model: nn.Module, mb: MicroBatch, temperature: float, with_en
     return logprobs, entropy
 
 
-def _prefix_plan(mb: MicroBatch):
-    """(group of each row, unique prompts) when sharing prompts runs at most 90% of the padded token positions,
-    else None: its second pass and the cache gather cost a few percent, which a smaller saving would not repay
-    (the measurement behind the threshold: bench/RESULTS.md)."""
-    if not mb.prompt_lengths:
+@dataclass
+class _Shared:
+    """What a shared-prefix forward runs once: `prompts` (the distinct leading spans), the one each row
+    opens with (`groups`), and where each row's own part begins (`starts`: its span's length)."""
+
+    groups: list[int]
+    prompts: list[tuple]
+    starts: list[int]
+
+
+def _prefix_plan(mb: MicroBatch, common: bool = False) -> _Shared | None:
+    """What to run once, when sharing runs at most 90% of the padded token positions, else None: its second
+    pass and the cache gather cost a few percent, which a smaller saving would not repay (the measurement
+    behind the threshold: bench/RESULTS.md). The rows' prompts where rows repeat one (a GRPO group); with
+    `common`, the span every row opens with (`_common_span`) where that runs fewer positions."""
+    plans = []
+    if mb.prompt_lengths:
+        ids = mb.on_host().input_ids[:, : max(mb.prompt_lengths)].tolist()  # one read of the host copy
+        prompts, groups = distinct(row[:n] for row, n in zip(ids, mb.prompt_lengths))
+        if len(prompts) < len(groups):
+            plans.append(_Shared(groups, prompts, list(mb.prompt_lengths)))
+    span = _common_span(mb) if common else 0
+    if span > 0:
+        rows = int(mb.input_ids.shape[0])
+        plans.append(_Shared([0] * rows, [tuple(mb.on_host().input_ids[0, :span].tolist())], [span] * rows))
+    plans = [p for p in plans if max(_suffix_lengths(mb, p)) >= 1]
+    if not plans:
         return None
-    ids = mb.on_host().input_ids[:, : max(mb.prompt_lengths)].tolist()  # one read of the host copy, not one a row
-    prompts, groups = distinct(row[:n] for row, n in zip(ids, mb.prompt_lengths))
-    if len(prompts) == len(groups) or _suffix(mb) < 1 or _prefix_cells(mb, prompts) > PREFIX_MAX_SHARE * mb.num_tokens:
-        return None
-    return groups, prompts
+    best = min(plans, key=lambda p: _prefix_cells(mb, p))
+    return best if _prefix_cells(mb, best) <= PREFIX_MAX_SHARE * mb.num_tokens else None
 
 
-def _suffix(mb: MicroBatch) -> int:
-    return max(_suffix_lengths(mb))
+def _common_span(mb: MicroBatch) -> int:
+    """The leading tokens every row of the micro-batch has alike, up to the first trained token of any row
+    (a trained token must be scored by a response pass or the prompt pass's last position, never inside the
+    prompt), and short of every row's end."""
+    host = mb.on_host()
+    ids, trained = host.input_ids, host.loss_mask[:, 1:] > 0
+    limit = min(host.lengths) - 1
+    if bool(trained.any()):
+        limit = min(limit, int(trained.any(0).long().argmax()) + 1)  # column of the first trained token
+    if limit < 1 or len(ids) < 2:
+        return 0
+    same = (ids[:, :limit] == ids[:1, :limit]).all(0).long()
+    return int(same.cumprod(0).sum())
 
 
-def _prefix_cells(mb: MicroBatch, prompts: list) -> int:
-    """Token positions the shared-prefix forward runs: each unique prompt once, then the rows'
+def _prefix_cells(mb: MicroBatch, plan: _Shared) -> int:
+    """Token positions the shared-prefix forward runs: each distinct span once, then the rows'
     suffixes in their response passes (`tail_buckets`)."""
-    lengths = _suffix_lengths(mb)
+    lengths = _suffix_lengths(mb, plan)
     passes = tail_buckets(lengths, _pass_cells(mb.input_ids.device))
-    return len(prompts) * max(len(p) for p in prompts) + sum(len(b) * lengths[b[0]] for b in passes)
+    return len(plan.prompts) * max(len(p) for p in plan.prompts) + sum(len(b) * lengths[b[0]] for b in passes)
 
 
-def _suffix_lengths(mb: MicroBatch) -> list[int]:
-    return [n - p for n, p in zip(mb.on_host().lengths, mb.prompt_lengths)]
+def _suffix_lengths(mb: MicroBatch, plan: _Shared) -> list[int]:
+    return [n - p for n, p in zip(mb.on_host().lengths, plan.starts)]
 
 
 def _pass_cells(device: torch.device) -> int:
@@ -430,21 +465,21 @@ class _PrefixPass:
         )
 
 
-def _prefix_pass(model: nn.Module, mb: MicroBatch, groups: list[int], prompts: list[tuple], **kw) -> _PrefixPass:
+def _prefix_pass(model: nn.Module, mb: MicroBatch, plan: _Shared, **kw) -> _PrefixPass:
     """Runs the unique prompts once (left-padded, with a KV cache); the response passes gather it.
     Prompts of one length go without an attention mask: transformers would read an all-ones mask back
     from the device only to find it can skip it."""
-    host = mb.on_host()
+    host, prompts = mb.on_host(), plan.prompts
     p_ids, p_attn, p_pos = left_pad(prompts, 0)  # any pad id: padded positions are masked out
     p_ids, p_attn, p_pos = _to(mb.input_ids.device, p_ids, p_attn, p_pos)
     padded = min(len(p) for p in prompts) < max(len(p) for p in prompts)
     attn = p_attn if padded else None
     head = model(input_ids=p_ids, attention_mask=attn, position_ids=p_pos, use_cache=True, **kw)
-    starts, ends = torch.tensor(mb.prompt_lengths, dtype=torch.long), torch.tensor(host.lengths, dtype=torch.long)
-    return _PrefixPass(head, p_attn, torch.tensor(groups, dtype=torch.long), starts, ends, host.input_ids)
+    starts, ends = torch.tensor(plan.starts, dtype=torch.long), torch.tensor(host.lengths, dtype=torch.long)
+    return _PrefixPass(head, p_attn, torch.tensor(plan.groups, dtype=torch.long), starts, ends, host.input_ids)
 
 
-def _shared_prefix_logits(model: nn.Module, mb: MicroBatch, groups: list[int], prompts: list[tuple]):
+def _shared_prefix_logits(model: nn.Module, mb: MicroBatch, plan: _Shared):
     """Logits scoring every response token, the prompt run once per unique prompt.
 
     The responses (right-padded, one pass) attend to the gathered prompt cache (`_PrefixPass.tail`),
@@ -452,9 +487,9 @@ def _shared_prefix_logits(model: nn.Module, mb: MicroBatch, groups: list[int], p
     and labels (B, S) over response columns, plus `cols` / `valid` (B, T) that map them back to the
     full layout.
     """
-    x = _prefix_pass(model, mb, groups, prompts)
-    width = max(_suffix_lengths(mb))
-    cols, valid, ids, g = x.layout(torch.arange(len(mb.prompt_lengths)), width)
+    x = _prefix_pass(model, mb, plan)
+    width = max(_suffix_lengths(mb, plan))
+    cols, valid, ids, g = x.layout(torch.arange(len(plan.starts)), width)
     back = torch.arange(mb.input_ids.shape[1])[None] - x.starts[:, None]
     valid_full = ((back >= 0) & (back < (x.ends - x.starts)[:, None])).float()
     cols, valid, ids, g, back, valid_full = _to(
@@ -466,17 +501,15 @@ def _shared_prefix_logits(model: nn.Module, mb: MicroBatch, groups: list[int], p
     return logits, ids, back, valid_full
 
 
-def _shared_prefix_selected(
-    model: nn.Module, mb: MicroBatch, target: torch.Tensor, groups: list[int], prompts: list[tuple]
-):
+def _shared_prefix_selected(model: nn.Module, mb: MicroBatch, target: torch.Tensor, plan: _Shared):
     """`_shared_prefix_logits` with the head only at trained positions: logits (N, V), and the
     (rows, cols) of the full layout each one scores with their labels, on the device. The prompt pass
     keeps one position (its last, which predicts the first response token); the responses run in
     passes of rows of similar length (`tail_buckets`), the head at the positions before trained tokens.
     `target` (B, T) marks the trained positions on the host; every pass is planned from it there and
     its indices moved in one copy."""
-    x = _prefix_pass(model, mb, groups, prompts, logits_to_keep=1)
-    suffix = _suffix_lengths(mb)
+    x = _prefix_pass(model, mb, plan, logits_to_keep=1)
+    suffix = _suffix_lengths(mb, plan)
     passes = [b for b in tail_buckets(suffix, _pass_cells(mb.input_ids.device)) if suffix[b[0]] >= 2]
     # The part of the forward that scores each trained position: 0, the prompt pass (its last position predicts
     # a row's first response token); k, the k-th response pass (the later tokens); past them, none (a prompt
