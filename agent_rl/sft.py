@@ -15,6 +15,10 @@ below 1, a two-hop demonstration (one whose `metadata.hop_answers` names the fir
 makes its second search only that share of the draws; otherwise it stops after the first search
 and answers with what that search found (the founder, not the founder's city). The warm start then
 knows the second search but rarely takes it, which is the skill RL has to find and reinforce.
+
+With `sft.observation_loss` > 0 the observations are trained too, at that weight (TRL's SFT trains
+tool messages unless `assistant_only_loss` is set): a passage repeats its title's name, so a model
+trained from scratch practises the copy that its searches and answers need; the prompt never is.
 """
 
 from __future__ import annotations
@@ -184,18 +188,24 @@ def train_sft(cfg: Config) -> Path:
             demos.draw(rng.randrange(len(demos)), cfg.sft.wrong_fraction, rng, cfg.sft.second_hop_fraction)
             for _ in range(cfg.sft.batch_size)
         ]
-        mask_tokens = sum(sum(t.loss_mask) for t in batch)
+        weight = cfg.sft.observation_loss  # of each observation token; 1 for each demonstrated one
+        mask_tokens = sum(sum(1.0 if m else weight for m in t.loss_mask) for t in batch)
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
         for index in pack_microbatches([t.total_tokens for t in batch], cfg.train.max_tokens_per_microbatch):
-            mb = collate(batch, index, tokenizer.pad_token_id, cfg.train.device)
-            # The head only at demonstrated tokens: observations get no logits and no gradient. The span every
+            mb = collate(batch, index, tokenizer.pad_token_id, cfg.train.device, weight)
+            # The head only at trained tokens: the demonstrated ones, and the observations only at a weight above
+            # 0 (`sft.observation_loss`, their weight in mb.loss_mask); the prompt never. The span every
             # demonstration opens with (the system prompt, the tools' schemas) runs once, or the rows run packed:
             # whichever runs fewer positions.
             logprobs, _ = forward_logprobs(
                 model, mb, 1.0, share_prefix=share, common_prefix=True, pack=cfg.train.pack_rows
             )
-            loss = -logprobs.sum() / max(1, mask_tokens)
+            loss = (
+                -(logprobs * mb.loss_mask).sum() / max(1, mask_tokens)
+                if weight
+                else -logprobs.sum() / max(1, mask_tokens)
+            )
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

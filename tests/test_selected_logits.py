@@ -147,3 +147,36 @@ def test_common_opening_runs_once_with_the_same_logprobs_and_gradients(tiny_mode
     _compare(policy, mb, True, chunk=8, common=True)
     hook.remove()
     assert seen[0] == seen[2] == (1, 20)  # the reference's prompt pass, then the selected path's
+
+
+def test_observation_weight_trains_observations_at_that_weight(tiny_model_dir):
+    """SFT's `sft.observation_loss`: `collate(..., observation_weight=w)` puts w on the response's untrained
+    tokens (the observations), 1 on the sampled ones, 0 on the prompt and padding; the selected head then
+    scores the observations too, and the weighted loss equals the one a plain full forward gives."""
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "budget.max_total_tokens=1000"])
+    torch.manual_seed(0)
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
+    trajs = _opening_alike(policy.config.vocab_size)
+    index = list(range(len(trajs)))
+    plain, weighted = collate(trajs, index, 0), collate(trajs, index, 0, observation_weight=0.25)
+    for r, t in enumerate(trajs):
+        start, end = t.prompt_tokens, t.total_tokens
+        assert weighted.loss_mask[r, :start].sum() == 0 and weighted.loss_mask[r, end:].sum() == 0
+        expected = torch.tensor([1.0 if m else 0.25 for m in t.loss_mask])
+        assert torch.equal(weighted.loss_mask[r, start:end], expected)
+        assert torch.equal(plain.loss_mask[r, start:end], torch.tensor(t.loss_mask, dtype=torch.float32))
+    with torch.no_grad():
+        logits = policy(input_ids=weighted.input_ids, attention_mask=weighted.attention_mask).logits.float()
+        ref = torch.zeros_like(weighted.loss_mask)
+        ref[:, 1:] = logits[:, :-1].log_softmax(-1).gather(-1, weighted.input_ids[:, 1:, None])[..., 0]
+    losses = {}
+    for name, mb in (("plain", plain), ("weighted", weighted)):
+        lp, _ = forward_logprobs(policy, mb, 1.0, share_prefix=True, common_prefix=True)
+        m = mb.loss_mask.clone()
+        m[:, 0] = 0
+        assert torch.count_nonzero(lp * (m == 0)) == 0  # nothing outside the trained tokens
+        assert torch.allclose(lp, ref * (m > 0), atol=2e-5)
+        losses[name] = float(-(lp * mb.loss_mask).sum())
+        assert losses[name] == pytest.approx(float(-(ref * m).sum()), rel=1e-5)
+    observations = sum(len(t.loss_mask) - sum(t.loss_mask) for t in trajs)
+    assert observations > 0 and losses["weighted"] > losses["plain"]  # the observations' 0.25 share is in it

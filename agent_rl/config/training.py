@@ -279,10 +279,17 @@ class SftConfig:
         "observation budget) hold a gold answer: rejection sampling of the scripted demonstrator, so the warm start "
         "learns to answer from what it read, never to answer from memory what its passage does not say.",
     )
+    observation_loss: Float = _f(
+        0.0,
+        "Weight of the observation tokens (the tools' answers as the demonstration reads them) in the warm start's "
+        "loss, against 1 for the demonstrated calls and answers: 0 = untrained, as in RL; 1 = TRL's SFT without "
+        "assistant_only_loss. The prompt is never trained. A passage repeats its title's name, so a model trained "
+        "from scratch practises there the copy its searches and answers need (bench/RESULTS.md, tool_calls demo).",
+    )
 
     def validate(self) -> None:
         """The sft section's own checks; a message names the key and says what to do."""
-        for key in ("wrong_fraction", "second_hop_fraction"):
+        for key in ("wrong_fraction", "second_hop_fraction", "observation_loss"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ConfigError(f"sft.{key} must be within [0, 1], got {getattr(self, key)}")
 

@@ -108,7 +108,16 @@ class MicroBatch:
         return self.host
 
 
-def collate(trajs: list[Trajectory], index: list[int], pad_id: int, device: torch.device | str = "cpu") -> MicroBatch:
+def collate(
+    trajs: list[Trajectory],
+    index: list[int],
+    pad_id: int,
+    device: torch.device | str = "cpu",
+    observation_weight: float = 0.0,
+) -> MicroBatch:
+    """Rows `index` of `trajs` as padded (B, T) tensors. `loss_mask` is 1 at sampled tokens and
+    `observation_weight` at the response's other tokens (the observations; 0 in RL, SFT's
+    `sft.observation_loss`), 0 over the prompt and the padding."""
     rows = [trajs[i] for i in index]
     width = max(t.total_tokens for t in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -119,7 +128,10 @@ def collate(trajs: list[Trajectory], index: list[int], pad_id: int, device: torc
         seq = t.prompt_ids + t.response_ids
         ids[r, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         attn[r, : len(seq)] = 1
-        mask[r, t.prompt_tokens : len(seq)] = torch.tensor(t.loss_mask, dtype=torch.float32)
+        mask[r, t.prompt_tokens : len(seq)] = torch.tensor(
+            [1.0 if m else observation_weight for m in t.loss_mask] if observation_weight else t.loss_mask,
+            dtype=torch.float32,
+        )
         engine_lp[r, t.prompt_tokens : len(seq)] = torch.tensor(t.logprobs, dtype=torch.float32)
     return MicroBatch(
         index=list(index),
