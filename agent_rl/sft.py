@@ -182,13 +182,13 @@ def train_sft(cfg: Config) -> Path:
     every = max(1, min(100, cfg.sft.steps // 10))
     model.train()
     share = share_prefix(cfg.train, model, LocalWorld())
+    weight = cfg.sft.observation_loss  # of each observation token in the loss; 1 for each demonstrated one
     start = time.perf_counter()
     for step in range(1, cfg.sft.steps + 1):
         batch = [
             demos.draw(rng.randrange(len(demos)), cfg.sft.wrong_fraction, rng, cfg.sft.second_hop_fraction)
             for _ in range(cfg.sft.batch_size)
         ]
-        weight = cfg.sft.observation_loss  # of each observation token; 1 for each demonstrated one
         mask_tokens = sum(sum(1.0 if m else weight for m in t.loss_mask) for t in batch)
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
@@ -201,11 +201,7 @@ def train_sft(cfg: Config) -> Path:
             logprobs, _ = forward_logprobs(
                 model, mb, 1.0, share_prefix=share, common_prefix=True, pack=cfg.train.pack_rows
             )
-            loss = (
-                -(logprobs * mb.loss_mask).sum() / max(1, mask_tokens)
-                if weight
-                else -logprobs.sum() / max(1, mask_tokens)
-            )
+            loss = -(logprobs * mb.loss_mask).sum() / max(1, mask_tokens)  # the mask holds each token's weight
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
