@@ -528,8 +528,10 @@ def rl_pool_line(res: dict) -> str:
 
 def render(res: dict, header: str) -> str:
     t, mem, tr = res["time_s"], res["memory_gib"], res["training"]
-    estimator = res.get("estimator", "grpo")  # algo.advantage: the section names say which RL ran
-    rl = "GRPO" if estimator == "grpo" else f"RL ({estimator})"
+    # algo.advantage and algo.policy_loss: the section names say which RL ran
+    estimator, loss = res.get("estimator", "grpo"), res.get("policy_loss", "ppo_clip")
+    named = estimator if loss == "ppo_clip" else f"{estimator}, {loss}"
+    rl = "GRPO" if named == "grpo" else f"RL ({named})"
     lines = [header, "", f"## Greedy EM on the held-out sets: warm start -> after {rl}", ""]
     lines += [
         f"| set | n | EM warm start | EM after {rl} | difference [95% paired bootstrap] | "
@@ -812,11 +814,11 @@ def main(argv: list[str] | None = None) -> int:
             cfg, out / "data", split["train"], keep, "train_rl_second", "--rl-second-only"
         )
         train_overrides = [*overrides, f"data.train_files=[{out / 'data' / 'train_rl_second.parquet'}]"]
-        _log(f"data: GRPO trains on the {sizes['train_rl_second']} training questions with a second search")
+        _log(f"data: RL trains on the {sizes['train_rl_second']} training questions with a second search")
     elif args.rl_answerable:
         sizes["train_rl"] = write_rl_train(cfg, out / "data", split["train"], answerable)
         train_overrides = [*overrides, f"data.train_files=[{out / 'data' / 'train_rl.parquet'}]"]
-        _log(f"data: GRPO trains on the {sizes['train_rl']} training questions whose search finds an answer")
+        _log(f"data: RL trains on the {sizes['train_rl']} training questions whose search finds an answer")
 
     agent_rl = [sys.executable, "-m", "agent_rl"]
     plan = json.loads(
@@ -834,7 +836,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit("--rl-unsolved narrows --rl-answerable's pool: drop --no-rl-answerable")
         sizes["train_rl_unsolved"] = write_rl_unsolved(agent_rl, config, overrides, out / "data")
         train_overrides = [*overrides, f"data.train_files=[{out / 'data' / 'train_rl_unsolved.parquet'}]"]
-        _log(f"data: GRPO trains on the {sizes['train_rl_unsolved']} of them the warm start answers wrong greedily")
+        _log(f"data: RL trains on the {sizes['train_rl_unsolved']} of them the warm start answers wrong greedily")
     train_cmd = [*agent_rl, "train", config, *train_overrides]
     reused = None
     if args.skip_train:
@@ -873,7 +875,8 @@ def main(argv: list[str] | None = None) -> int:
 
     found = {f"{r['source']}_{r['id']}": hit for name in SETS for r, hit in zip(split[name], hits[name])}
     res = summarise(out, phases, plan, recall, sizes, str(cfg.reward.fn), found, sft_more, args.run_name)
-    res.update(estimator=cfg.algo.resolved_advantage(), config=args.config, overrides=args.overrides)
+    res.update(estimator=cfg.algo.resolved_advantage(), policy_loss=cfg.algo.policy_loss)
+    res.update(config=args.config, overrides=args.overrides)
     res.update(rl_train_files=[str(f) for f in load_config(config, train_overrides).data.train_files])
     res.update(split_seed=args.seed, data=str(data))
     results = out / ("results" if args.run_name == "grpo" else f"results_{args.run_name}")

@@ -238,7 +238,7 @@ def test_one_step_run_writes_the_report_and_resumes(tmp_path, capsys, smollm2_di
     # Another estimator from the same warm start (--run-name): the first run's evaluation of the warm start is reused,
     # not redone, so both pair with the same warm-start answers.
     capsys.readouterr()
-    assert main([*args, "--run-name", "rloo", *overrides, "algo.advantage=rloo"]) == 0
+    assert main([*args, "--run-name", "rloo", *overrides, "algo.advantage=rloo", "algo.policy_loss=cispo"]) == 0
     assert "is grpo's, not redone" in capsys.readouterr().out
     rloo = json.loads((out / "results_rloo.json").read_text())  # the default run's results.json is kept
     assert rloo["estimator"] == "rloo" and rloo["time_s"]["eval_warm_start"] is None
@@ -247,5 +247,5 @@ def test_one_step_run_writes_the_report_and_resumes(tmp_path, capsys, smollm2_di
     assert [e["step"] for e in evals] == [1]  # the trainer evaluated only after its step
     for source, r in rloo["held_out"].items():
         assert r["em_before"] == res["held_out"][source]["em_before"]
-    assert "after RL (rloo)" in (out / "results_rloo.md").read_text()
+    assert rloo["policy_loss"] == "cispo" and "after RL (rloo, cispo)" in (out / "results_rloo.md").read_text()
     assert json.loads((out / "results.json").read_text())["estimator"] == "grpo"
