@@ -32,7 +32,7 @@ from typing import cast
 
 import torch
 
-from agent_rl.config import Config
+from agent_rl.config import Config, SftConfig
 from agent_rl.learn.batch import collate, pack_microbatches
 from agent_rl.learn.policy import forward_logprobs, load_policy
 from agent_rl.learn.update import share_prefix
@@ -159,6 +159,13 @@ def sft(cfg: Config) -> Path:
     return train_sft(cfg)
 
 
+def observation_weight(sft_cfg: SftConfig, step: int) -> float:
+    """The observations' weight in the loss at SFT step `step` (from 1): `sft.observation_loss`, held, or falling
+    linearly to 0 over the first `sft.observation_loss_steps` steps (0 after them)."""
+    weight, span = sft_cfg.observation_loss, sft_cfg.observation_loss_steps
+    return weight if span <= 0 else weight * max(0.0, 1.0 - (step - 1) / span)
+
+
 def train_sft(cfg: Config) -> Path:
     """Train on scripted demonstrations; save to `model.warm_start` (or OUTPUT_DIR/sft). What the config
     names must exist (`prepare`): `sft` and the trainer's setup, which has prepared it, call this."""
@@ -182,9 +189,9 @@ def train_sft(cfg: Config) -> Path:
     every = max(1, min(100, cfg.sft.steps // 10))
     model.train()
     share = share_prefix(cfg.train, model, LocalWorld())
-    weight = cfg.sft.observation_loss  # of each observation token in the loss; 1 for each demonstrated one
     start = time.perf_counter()
     for step in range(1, cfg.sft.steps + 1):
+        weight = observation_weight(cfg.sft, step)  # of each observation token in the loss; 1 for a demonstrated one
         batch = [
             demos.draw(rng.randrange(len(demos)), cfg.sft.wrong_fraction, rng, cfg.sft.second_hop_fraction)
             for _ in range(cfg.sft.batch_size)

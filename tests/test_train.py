@@ -442,3 +442,20 @@ def test_dead_retriever_stops_with_a_checkpoint_and_resumes(cache, warm_start, t
     assert f"resumed from {out / 'checkpoints' / f'step_{stopped_at}'}" in res.stderr
     after = _metrics(out)
     assert max(after) == stopped_at + 1 and after[stopped_at + 1]["retriever/failed_trajectories"] == 0
+
+
+def test_sft_observation_weight_falls_to_zero_over_its_steps():
+    """sft.observation_loss_steps: the observations' weight starts at sft.observation_loss and falls linearly to 0
+    over that many steps, then stays 0; 0 steps hold the weight for the whole run; a negative count is refused."""
+    from agent_rl.config import ConfigError, load_config
+    from agent_rl.sft import observation_weight
+
+    held = load_config(None, ["sft.observation_loss=0.25"]).sft
+    assert [observation_weight(held, s) for s in (1, 400, 2000)] == [0.25, 0.25, 0.25]
+    decayed = load_config(None, ["sft.observation_loss=0.25", "sft.observation_loss_steps=400"]).sft
+    weights = [observation_weight(decayed, s) for s in range(1, 801)]
+    assert weights[0] == 0.25 and weights[200] == pytest.approx(0.125) and 0 < weights[399] < 0.001
+    assert all(a > b for a, b in zip(weights[:400], weights[1:401])) and set(weights[400:]) == {0.0}
+    assert observation_weight(load_config(None, ["sft.observation_loss_steps=400"]).sft, 1) == 0.0  # no weight
+    with pytest.raises(ConfigError, match="sft.observation_loss_steps must be >= 0"):
+        load_config(None, ["sft.observation_loss_steps=-1"])

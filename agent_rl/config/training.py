@@ -286,12 +286,22 @@ class SftConfig:
         "assistant_only_loss. The prompt is never trained. A passage repeats its title's name, so a model trained "
         "from scratch practises there the copy its searches and answers need (bench/RESULTS.md, tool_calls demo).",
     )
+    observation_loss_steps: Int = _f(
+        0,
+        "SFT steps over which sft.observation_loss falls linearly to 0 (its full weight at step 1, none after "
+        "these steps): the observations teach the copy early, then the calls and answers have the loss to themselves. "
+        "0 = the weight holds for the whole run.",
+    )
 
     def validate(self) -> None:
         """The sft section's own checks; a message names the key and says what to do."""
         for key in ("wrong_fraction", "second_hop_fraction", "observation_loss"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ConfigError(f"sft.{key} must be within [0, 1], got {getattr(self, key)}")
+        if self.observation_loss_steps < 0:
+            raise ConfigError(
+                f"sft.observation_loss_steps must be >= 0 (0 = no decay), got {self.observation_loss_steps}"
+            )
 
 
 @with_config(extra="forbid")
