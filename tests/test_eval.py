@@ -215,8 +215,12 @@ def test_torchrun_ranks_each_run_their_own_vllm_engine_on_a_lora_checkpoint(worl
     assert vllm["decoding"]["engine"] == "vllm" and vllm["model_fingerprint"] == hf["model_fingerprint"]
     assert vllm["eval/em"] == hf["eval/em"]
     assert _records(outs["vllm"]) == _records(outs["hf"])
-    answers = {r["id"]: r["answer"] for r in _records(outs["hf"])}
-    assert answers != {r["id"]: r["answer"] for r in _records(whole)}  # the adapters change the policy
+    assert hf["model_fingerprint"] != json.loads(whole.read_text())["model_fingerprint"]  # not the base weights
+    # The adapters change what the policy writes: an answer, or the length of a query or an answer (a noise this small
+    # may leave every greedy answer as it was on one CPU's arithmetic and not on another's).
+    written = ("answer", "response_tokens", "searches", "turns")
+    outputs = {out: {r["id"]: [r[k] for k in written] for r in _records(out)} for out in (outs["hf"], whole)}
+    assert outputs[outs["hf"]] != outputs[whole]
 
 
 def test_pass_at_k_samples_k_per_question(world, tmp_path):
