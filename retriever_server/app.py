@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import gc
 import hashlib
 import hmac
 import json
@@ -296,6 +297,7 @@ class Retriever:
         self.batcher: Batcher | None = None
         self.serial = asyncio.Lock()
         self.started = time.time()
+        self.workers = 1  # server processes on this index (retriever_server.workers); each counts its own
 
     def search_now(self, queries: list[str], k: int) -> Hits:
         """The one place the index is searched (runs in the worker thread)."""
@@ -438,6 +440,8 @@ class Retriever:
             "corpus_sha256": self.manifest.get("corpus_sha256"),
             "index_fingerprint": self.fingerprint,
             "uptime_s": round(time.time() - self.started, 1),
+            "pid": os.getpid(),
+            "workers": self.workers,
             "limits": {
                 "max_queries": s.max_queries,
                 "max_query_chars": s.max_query_chars,
@@ -677,6 +681,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     it finds a server that answers."""
     retriever = retriever_of(app)
     retriever.start()
+    if app.state.on_ready is not None:  # a forked worker tells its parent (retriever_server.workers)
+        app.state.on_ready()
     ready_file: Path | None = app.state.ready_file
     if ready_file is not None:
         tmp = Path(str(ready_file) + ".tmp")
@@ -717,7 +723,7 @@ def create_app(
     )
     fingerprint = index_fingerprint(manifest, index_options)
     app.state.retriever = Retriever(manifest, index, store, settings or Settings(), fingerprint)
-    app.state.ready_file, app.state.url = ready_file, url
+    app.state.ready_file, app.state.url, app.state.on_ready = ready_file, url, None
     app.add_middleware(Guard, retriever=app.state.retriever)
     # The key as a dependency of the keyed routes, not only the guard's: no path to them skips it, and
     # the OpenAPI document states it (only where there is a key to send).
@@ -818,7 +824,14 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings, di
         "(flat, HNSW and IVF kinds)",
     )
     p.add_argument("--threads", type=int, default=0, help="torch, faiss and ONNX Runtime threads (0 = all cores)")
-    p.add_argument("--ready-file", help="write {url, pid} here once listening")
+    p.add_argument("--ready-file", help="write {url, pid} here once listening (with --workers: and the workers' pids)")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="server processes forked from one that opened the index, sharing its memory and port (Linux, dense "
+        "CPU indexes; each with --threads threads, default the cores shared out; default %(default)s)",
+    )
     a = p.parse_args(argv)
     if a.no_cache:
         a.cache_size = 0
@@ -840,6 +853,22 @@ def main(argv: list[str] | None = None) -> int:
     a, settings, index_options = parse_args(argv)
     import uvicorn
 
+    from retriever_server import workers
+
+    try:
+        kind = json.loads((Path(a.index) / "manifest.json").read_text())["kind"]
+    except (OSError, ValueError, KeyError):
+        kind = ""  # open_index says what is wrong with the directory
+    why = workers.refusal(a.workers, kind, index_options.get("device"), index_options.get("encoder_runtime"))
+    if why:
+        print(f"retriever-server: error: {why}", file=sys.stderr)
+        return 2
+    forked = a.workers > 1
+    if forked:
+        gc.disable()  # no collection leaves holes in the pages the workers will share (gc.freeze at fork)
+        threads = workers.worker_threads(a.threads, a.workers)
+        index_options["threads"] = 1  # the parent's encoder session starts no thread pool: fork copies none
+
     if a.threads:  # torch only for this: an ONNX encoder's server does not import it otherwise
         import torch
 
@@ -857,13 +886,15 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://{a.host}:{sock.getsockname()[1]}"
     ready_file = Path(a.ready_file) if a.ready_file else None
     try:
-        app = create_app(Path(a.index), settings, ready_file, url, **index_options)
+        app = create_app(Path(a.index), settings, None if forked else ready_file, url, **index_options)
     except (FileNotFoundError, ValueError, RuntimeError) as err:
         print(f"retriever-server: error: {err}", file=sys.stderr)
         return 2
-    print(f"retriever-server listening on {url}", flush=True)
     # proxy_headers off: nothing here reads the client's address, so X-Forwarded-* need no parsing
     config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_keep_alive=30, proxy_headers=False)
+    if forked:
+        return workers.serve_workers(app, config, sock, a.workers, threads, url, ready_file)
+    print(f"retriever-server listening on {url}", flush=True)
     server = uvicorn.Server(config)
     server.run(sockets=[sock])
     return 0

@@ -631,7 +631,7 @@ class Encoder:
         local = Path(self.path).exists()
         files = Path(self.path) if Path(self.path).is_dir() else None
         self.pooling, self.query_prefix, self.passage_prefix = pooling, query_prefix, passage_prefix
-        self.device, self.max_length, self.int8 = device, max_length, int8
+        self.device, self.max_length, self.int8, self.prepack = device, max_length, int8, prepack
 
         @functools.cache
         def hf_tokenizer():
@@ -688,6 +688,18 @@ class Encoder:
             raise ValueError(f"{self.path}: its tokenizer names no pad token, which batches of unequal texts need")
         self.pad_id = int(pad_id)
         self.forward_tokens = CPU_FORWARD_TOKENS if device.split(":")[0] == "cpu" else FEWEST_FORWARDS
+
+    def reopen(self, threads: int = 0) -> None:
+        """A new ONNX Runtime session over the same model file, with `threads` intra-op threads (0:
+        one per core): what a process forked from the one that opened this encoder runs, since ONNX
+        Runtime's thread pool is not carried across fork. The weights stay mapped from the file."""
+        if self.session is None:
+            raise ValueError("only an ONNX Runtime encoder can be reopened (this one runs on torch)")
+        if self.machine_path is not None:
+            self.session = onnx_session(self.machine_path, threads, optimized=True)
+        else:
+            assert self.onnx_path is not None
+            self.session = onnx_session(self.onnx_path, threads, self.prepack)
 
     def tokenize(self, texts: list[str]) -> tuple[list[list[int]], list[list[int]]]:
         """Token ids and token types of each text, truncated to max_length, unpadded."""

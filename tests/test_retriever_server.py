@@ -7,6 +7,7 @@ equality with in-process search, HNSW recall, the manifest check, /health and /m
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -18,7 +19,7 @@ import pytest
 import requests
 from agent_fixtures import start_servers
 
-from agent_rl.bootstrap.prepare import stop_process
+from agent_rl.bootstrap.prepare import spawn_retriever, stop_process, wait_ready
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -673,3 +674,100 @@ def test_torch_exact_index_shards_merge_to_the_flat_answer(hotpot_index_dir):  #
     )
     s16, i16 = TorchExactIndex(vectors, ["cpu"] * 2, fp16=True).search(q, 10)
     assert (i16[:, 0] == want_i[:, 0]).mean() >= 0.9 and np.allclose(s16, want_s, atol=5e-3)
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (absent, or a zombie its new parent has not reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _wait_for(check, timeout_s: float = 60) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="--workers forks (Linux)")
+def test_workers_answer_as_one_server_restart_a_dead_worker_and_end_with_their_parent(urls, hotpot_index_dir, tmp_path):  # noqa: F811
+    """`--workers 2`: the ready file names the parent and its two workers; answers equal the one-process
+    server's; /health names the worker that answered (both do, over fresh connections); a worker killed
+    is replaced by a new one (the ready file says which) and the server keeps answering; SIGTERM to the
+    parent stops every worker and exits 0; a parent killed outright takes its workers with it."""
+    procs = {}
+    for name in ("a", "b"):
+        ready, log = tmp_path / f"{name}.ready", tmp_path / f"{name}.log"
+        procs[name] = (spawn_retriever(hotpot_index_dir, ready, log, "--workers", "2"), ready, log)
+    try:
+        url_a, url_b = (
+            wait_ready(proc, ready, log, 180, f"--workers 2 {n}") for n, (proc, ready, log) in procs.items()
+        )
+        proc, ready, _ = procs["a"]
+        info = json.loads(ready.read_text())
+        assert info["pid"] == proc.pid and info["url"] == url_a and len(set(info["workers"])) == 2
+        qs = _questions()[:16]
+        for got, want in zip(_retrieve(url_a, qs), _retrieve(urls["flat"], qs)):
+            _same(got, want)
+        seen: set[int] = set()
+
+        def both_answered() -> bool:
+            health = requests.get(f"{url_a}/health", timeout=30).json()  # a new connection each time
+            assert health["workers"] == 2 and health["pid"] in info["workers"]
+            seen.add(health["pid"])
+            return seen == set(info["workers"])
+
+        assert _wait_for(both_answered, 60), seen
+        killed = info["workers"][0]
+        os.kill(killed, signal.SIGKILL)
+        assert _wait_for(lambda: killed not in json.loads(ready.read_text())["workers"])
+        now = json.loads(ready.read_text())["workers"]
+        assert len(now) == 2 and info["workers"][1] in now and not _gone(max(set(now) - {killed}))
+        for _ in range(8):  # whichever worker takes each connection answers
+            assert _ids(_retrieve(url_a, qs[:2])[0]) == _ids(_retrieve(urls["flat"], qs[:2])[0])
+        proc.terminate()
+        assert proc.wait(60) == 0
+        assert all(_gone(pid) for pid in now)
+        proc_b, ready_b, _ = procs["b"]
+        workers_b = json.loads(ready_b.read_text())["workers"]
+        assert requests.get(f"{url_b}/health", timeout=30).json()["pid"] in workers_b
+        proc_b.kill()
+        proc_b.wait(30)
+        assert _wait_for(lambda: all(_gone(pid) for pid in workers_b), 30), workers_b
+    finally:
+        for proc, _, _ in procs.values():
+            stop_process(proc, 10)
+
+
+def test_workers_refused_where_fork_cannot_serve(hotpot_index_dir, tmp_path):  # noqa: F811
+    """`--workers` below 1, over a BM25 index (its JVM does not survive fork) or with the torch encoder
+    runtime: exit status 2 and a sentence saying why, before the index is opened."""
+    bm25 = tmp_path / "bm25"
+    bm25.mkdir()
+    manifest = json.loads((hotpot_index_dir / "manifest.json").read_text())
+    (bm25 / "manifest.json").write_text(json.dumps({**manifest, "kind": "bm25"}))
+    cases = {
+        "zero": (hotpot_index_dir, ["--workers", "0"], "at least 1"),
+        "bm25": (bm25, ["--workers", "2"], "JVM does not survive fork"),
+        "torch": (hotpot_index_dir, ["--workers", "2", "--encoder-runtime", "torch"], "onnx encoder runtime"),
+    }
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "retriever_server.app", "--index", str(d), "--port", "0", *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, (d, extra, _) in cases.items()
+    }
+    for name, proc in procs.items():
+        try:
+            _, err = proc.communicate(timeout=120)
+        finally:
+            stop_process(proc, 10)
+        assert proc.returncode == 2 and "retriever-server: error: --workers" in err, err
+        assert cases[name][2] in err and "Traceback" not in err, err
