@@ -3,7 +3,7 @@ disk, the memory of its build and the RSS of a `retriever-server` process that s
 and size; with `--base`, each kind's recall against exact search too.
 
 Usage: .venv/bin/python bench/index_memory.py [--sizes 20000,100000] [--kinds flat,hnsw_sq8,ivf_pq]
-       [--dim 384] [--work DIR] [--mmap] [--out FILE]
+       [--dim 384] [--work DIR] [--mmap] [--workers K] [--out FILE]
        .venv/bin/python bench/index_memory.py --base FLAT_INDEX_DIR [--data DIR] --sizes 1000000
        [--train-size 262144] [--mmap] ...
        .venv/bin/python bench/index_memory.py --recall FLAT_INDEX_DIR --data ../shared/data/wiki18_nq_triviaqa
@@ -18,7 +18,10 @@ recall means something. The plan is made from the corpus file alone, before the 
 (`plan_build`), and compared with the index directory's files and with the server's VmRSS once it is
 ready and has answered a batch of 32 queries, with and without the store's mapped pages (two servers
 with `--mmap`: the second's Pss and private bytes, from /proc/PID/smaps_rollup), and each server's
-start time (spawn to its ready file, the encoder's export kept). What is left once
+start time (spawn to its ready file, the encoder's export kept); with `--workers K`, one
+`retriever-server --workers K` (with `--mmap` when given) after 24 more batches of 32 queries on fresh
+connections (the kernel hands each to a worker): the parent's and each worker's Rss, Pss and private
+bytes, and the sum of their Pss (the tree's memory). What is left once
 the store, the index file and the encoder file are taken away is the server's baseline
 (`retriever_server.plan.SERVER_BASELINE_BYTES`). Each build runs in a child process: its VmHWM (which
 counts the mapped vector file's pages) and its peak anonymous RSS (sampled every 0.2 s) are its
@@ -346,12 +349,14 @@ def build_ram_rows(work: Path, n: int, kind: str, passages: Path, forward_rows: 
 def rollup(pid: int) -> dict[str, int]:
     """/proc/PID/smaps_rollup's Rss, Pss and private bytes, and (from /proc/PID/smaps) the resident
     bytes of the mapped document store (docs.arrow: clean page cache, which the plan's RSS at start
-    leaves out) and of a mapped index file."""
+    leaves out) and of a mapped index file, and how much of the private bytes are those files' pages
+    that no other process maps yet (`private_mapped`: page cache, not the process's own memory)."""
     got = {}
     for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
         key, value, *_ = line.split()
         got[key.rstrip(":")] = int(value) * 1024
     mapped = {"docs.arrow": 0, "index.faiss": 0, "lucene": 0}
+    mapped_private = 0  # of those files' pages, the ones only this process maps (page cache all the same)
     name = ""
     for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
         parts = line.split()
@@ -360,6 +365,8 @@ def rollup(pid: int) -> dict[str, int]:
             name = "lucene" if "/bm25/" in path else Path(path).name
         elif parts[0] == "Rss:" and name in mapped:
             mapped[name] += int(parts[1]) * 1024
+        elif parts[0] in ("Private_Clean:", "Private_Dirty:") and name in mapped:
+            mapped_private += int(parts[1]) * 1024
     return {
         "rss": got["Rss"],
         "pss": got["Pss"],
@@ -367,6 +374,7 @@ def rollup(pid: int) -> dict[str, int]:
         "store_pages": mapped["docs.arrow"],
         "index_pages": mapped["index.faiss"],
         "lucene_pages": mapped["lucene"],
+        "private_mapped": mapped_private,
     }
 
 
@@ -439,6 +447,26 @@ def serve(index_dir: Path, extra: list[str], tmp: Path, name: str) -> subprocess
         timeout=300,
     ).read()
     return proc
+
+
+def workers_rollup(index_dir: Path, extra: list[str], tmp: Path, workers: int) -> dict:
+    """One `retriever-server --workers K` after its warm-up batch and 24 more batches of 32 queries,
+    each on a new connection: the parent's and each worker's `rollup`, and the sum of their Pss."""
+    proc = serve(index_dir, [*extra, "--workers", str(workers)], tmp, "workers")
+    try:
+        info = json.loads((tmp / "workers.ready").read_text())
+        for b in range(24):
+            queries = [f"batch {b} query {i} about {WORDS[(b * 32 + i) % len(WORDS)]}" for i in range(32)]
+            body = json.dumps({"queries": queries, "topk": 10}).encode()
+            req = urllib.request.Request(f"{info['url']}/retrieve", body, {"Content-Type": "application/json"})
+            urllib.request.urlopen(req, timeout=300).read()
+        parent = rollup(proc.pid)
+        each = [rollup(pid) for pid in info["workers"]]
+        return {"k": workers, "start_s": proc.start_s, "parent": parent, "workers": each,
+                "pss_total": parent["pss"] + sum(w["pss"] for w in each)}  # fmt: skip
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 def held_out_queries(base_dir: Path, data: Path | None, count: int) -> dict[str, np.ndarray]:
@@ -562,6 +590,7 @@ def main() -> int:
     p.add_argument("--dim", type=int, default=384, help="vector dimension (with --base: the base index's)")
     p.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "agent-rl-bench-index-memory")
     p.add_argument("--mmap", action="store_true", help="also two --mmap servers: the second's added memory")
+    p.add_argument("--workers", type=int, default=0, help="also one server with this many forked workers")
     p.add_argument(
         "--train-size",
         type=int,
@@ -685,6 +714,8 @@ def main() -> int:
                         for proc in (first, second):
                             proc.terminate()
                             proc.wait(30)
+                if a.workers:
+                    row["workers"] = workers_rollup(out, ["--mmap"] if a.mmap else [], Path(tmp), a.workers)
             for key in ("index", "store"):
                 row[f"{key}_err"] = round(row[f"{key}_plan"] / row[f"{key}_file"] - 1, 4)
             row["disk_err"] = round(row["disk_plan"] / row["disk"] - 1, 4)
