@@ -27,6 +27,7 @@ import random
 import re
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import cast
 
@@ -166,6 +167,21 @@ def observation_weight(sft_cfg: SftConfig, step: int) -> float:
     return weight if span <= 0 else weight * max(0.0, 1.0 - (step - 1) / span)
 
 
+def shared_opening(prompts: list[list[int]]) -> int:
+    """How many leading tokens every prompt shares, less one: what `sft.opening_free_steps` cuts (each
+    prompt keeps at least its last token)."""
+    first, shortest = prompts[0], min(len(p) for p in prompts)
+    n = 0
+    while n < shortest - 1 and all(p[n] == first[n] for p in prompts):
+        n += 1
+    return n
+
+
+def without_opening(t: Trajectory, opening: int) -> Trajectory:
+    """`t` with its prompt's first `opening` tokens cut; the response (and what it trains) as it was."""
+    return replace(t, prompt_ids=t.prompt_ids[opening:])
+
+
 def train_sft(cfg: Config) -> Path:
     """Train on scripted demonstrations; save to `model.warm_start` (or OUTPUT_DIR/sft). What the config
     names must exist (`prepare`): `sft` and the trainer's setup, which has prepared it, call this."""
@@ -187,6 +203,9 @@ def train_sft(cfg: Config) -> Path:
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1 - s / max(1, cfg.sft.steps))
     )
     every = max(1, min(100, cfg.sft.steps // 10))
+    opening = shared_opening([t.prompt_ids for t in demos.prefixes]) if cfg.sft.opening_free_steps else 0
+    if opening:
+        print(f"[sft] steps 1-{cfg.sft.opening_free_steps} without the {opening}-token shared opening", file=sys.stderr)
     model.train()
     share = share_prefix(cfg.train, model, LocalWorld())
     start = time.perf_counter()
@@ -196,6 +215,8 @@ def train_sft(cfg: Config) -> Path:
             demos.draw(rng.randrange(len(demos)), cfg.sft.wrong_fraction, rng, cfg.sft.second_hop_fraction)
             for _ in range(cfg.sft.batch_size)
         ]
+        if step <= cfg.sft.opening_free_steps:
+            batch = [without_opening(t, opening) for t in batch]
         mask_tokens = sum(sum(1.0 if m else weight for m in t.loss_mask) for t in batch)
         optimizer.zero_grad(set_to_none=True)
         total = 0.0
