@@ -168,7 +168,7 @@ def observation_weight(sft_cfg: SftConfig, step: int) -> float:
 
 
 def shared_opening(prompts: list[list[int]]) -> int:
-    """How many leading tokens every prompt shares, less one: what `sft.opening_free_steps` cuts (each
+    """How many leading tokens every prompt shares, less one: what `sft.opening_free_fraction` cuts (each
     prompt keeps at least its last token)."""
     first, shortest = prompts[0], min(len(p) for p in prompts)
     n = 0
@@ -203,9 +203,10 @@ def train_sft(cfg: Config) -> Path:
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * max(0.05, 1 - s / max(1, cfg.sft.steps))
     )
     every = max(1, min(100, cfg.sft.steps // 10))
-    opening = shared_opening([t.prompt_ids for t in demos.prefixes]) if cfg.sft.opening_free_steps else 0
+    opening_free = round(cfg.sft.opening_free_fraction * cfg.sft.steps)
+    opening = shared_opening([t.prompt_ids for t in demos.prefixes]) if opening_free else 0
     if opening:
-        print(f"[sft] steps 1-{cfg.sft.opening_free_steps} without the {opening}-token shared opening", file=sys.stderr)
+        print(f"[sft] steps 1-{opening_free} without the {opening}-token shared opening", file=sys.stderr)
     model.train()
     share = share_prefix(cfg.train, model, LocalWorld())
     start = time.perf_counter()
@@ -215,7 +216,7 @@ def train_sft(cfg: Config) -> Path:
             demos.draw(rng.randrange(len(demos)), cfg.sft.wrong_fraction, rng, cfg.sft.second_hop_fraction)
             for _ in range(cfg.sft.batch_size)
         ]
-        if step <= cfg.sft.opening_free_steps:
+        if step <= opening_free:
             batch = [without_opening(t, opening) for t in batch]
         mask_tokens = sum(sum(1.0 if m else weight for m in t.loss_mask) for t in batch)
         optimizer.zero_grad(set_to_none=True)

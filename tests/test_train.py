@@ -461,10 +461,10 @@ def test_sft_observation_weight_falls_to_zero_over_its_steps():
         load_config(None, ["sft.observation_loss_steps=-1"])
 
 
-def test_sft_opening_free_steps_cut_the_opening_every_prompt_shares():
-    """sft.opening_free_steps: `shared_opening` is the longest prefix every prompt shares, less one token (each
+def test_sft_opening_free_fraction_cuts_the_opening_every_prompt_shares():
+    """sft.opening_free_fraction: `shared_opening` is the longest prefix every prompt shares, less one token (each
     prompt keeps its last), and `without_opening` cuts it from the prompt and leaves the response, its mask and
-    log-probs as they were; a count above sft.steps or below 0 is refused."""
+    log-probs as they were; a share outside [0, 1] is refused."""
     from agent_rl.config import ConfigError, load_config
     from agent_rl.rollout.trajectory import Trajectory
     from agent_rl.sft import shared_opening, without_opening
@@ -478,7 +478,7 @@ def test_sft_opening_free_steps_cut_the_opening_every_prompt_shares():
     cut = without_opening(t, 3)
     assert cut.prompt_ids == [9, 10] and t.prompt_ids == [1, 2, 3, 9, 10]
     assert (cut.response_ids, cut.loss_mask, cut.logprobs) == (t.response_ids, t.loss_mask, t.logprobs)
-    assert load_config(None, ["sft.steps=800", "sft.opening_free_steps=800"]).sft.opening_free_steps == 800
-    for bad in ("801", "-1"):
-        with pytest.raises(ConfigError, match=r"sft.opening_free_steps must be within \[0, sft.steps=800\]"):
-            load_config(None, ["sft.steps=800", f"sft.opening_free_steps={bad}"])
+    assert load_config(None, ["sft.opening_free_fraction=1"]).sft.opening_free_fraction == 1.0
+    for bad in ("1.5", "-0.1"):
+        with pytest.raises(ConfigError, match=r"sft.opening_free_fraction must be within \[0, 1\]"):
+            load_config(None, [f"sft.opening_free_fraction={bad}"])

@@ -292,27 +292,23 @@ class SftConfig:
         "these steps): the observations teach the copy early, then the calls and answers have the loss to themselves. "
         "0 = the weight holds for the whole run.",
     )
-    opening_free_steps: Int = _f(
-        0,
-        "The first this many SFT steps train every demonstration without the opening all their prompts share (the "
-        "system prompt, the tools' schemas, the template's markers before the question): a curriculum for a model "
-        "trained from scratch, whose copy from the question forms in fewer steps without a long constant text "
-        "before it (bench/RESULTS.md, tool_calls demo); the later steps see the whole prompt. 0 = every step "
-        "sees the whole prompt.",
+    opening_free_fraction: Float = _f(
+        0.0,
+        "The share of SFT steps, the first ones, that train every demonstration without the opening all their prompts "
+        "share (the system prompt, the tools' schemas, the template's markers before the question): a curriculum "
+        "for a model trained from scratch, whose copy from the question forms in fewer steps without a long "
+        "constant text before it (bench/RESULTS.md, tool_calls demo); the later steps see the whole prompt. "
+        "0 = every step sees the whole prompt.",
     )
 
     def validate(self) -> None:
         """The sft section's own checks; a message names the key and says what to do."""
-        for key in ("wrong_fraction", "second_hop_fraction", "observation_loss"):
+        for key in ("wrong_fraction", "second_hop_fraction", "observation_loss", "opening_free_fraction"):
             if not 0.0 <= getattr(self, key) <= 1.0:
                 raise ConfigError(f"sft.{key} must be within [0, 1], got {getattr(self, key)}")
         if self.observation_loss_steps < 0:
             raise ConfigError(
                 f"sft.observation_loss_steps must be >= 0 (0 = no decay), got {self.observation_loss_steps}"
-            )
-        if not 0 <= self.opening_free_steps <= self.steps:
-            raise ConfigError(
-                f"sft.opening_free_steps must be within [0, sft.steps={self.steps}], got {self.opening_free_steps}"
             )
 
 
