@@ -69,14 +69,24 @@ def write_ready(path: Path | None, url: str, workers: list[int]) -> None:
     os.replace(tmp, path)
 
 
-def run_worker(app: Any, config: Any, sock: socket.socket, threads: int, ready_fd: int, parent: int) -> int:
+def run_worker(
+    app: Any,
+    config: Any,
+    sock: socket.socket,
+    threads: int,
+    ready_fd: int,
+    parent: int,
+    mask: set[int | signal.Signals],
+) -> int:
     """A forked worker: its own encoder session and thread counts, then uvicorn on the shared socket
-    until SIGTERM or SIGINT. Returns its exit status."""
+    until SIGTERM or SIGINT. `mask`: the signal mask to restore once the parent's handlers are gone.
+    Returns its exit status."""
     import uvicorn
 
-    gc.enable()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)  # uvicorn installs its own for a graceful stop
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    gc.enable()
     with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != parent:  # the parent died before the line above: nobody would stop this worker
@@ -116,12 +126,14 @@ def serve_workers(
 
     def fork_worker() -> None:
         gc.freeze()  # the parent's objects move out of the collector's reach: a worker's collection does not write them
+        # SIGTERM and SIGINT held over the fork: a worker must not run the parent's handler (it would stop its siblings)
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
         pid = os.fork()
         if pid == 0:
             status = 2
             try:
                 os.close(ready_r)
-                status = run_worker(app, config, sock, threads, ready_w, parent)
+                status = run_worker(app, config, sock, threads, ready_w, parent, held)
             except BaseException:  # noqa: BLE001 - a worker reports and exits; the parent decides what follows
                 traceback.print_exc()
             finally:
@@ -129,6 +141,7 @@ def serve_workers(
                 sys.stderr.flush()
                 os._exit(status)  # not the parent's exit handlers: they are the parent's
         pids[pid] = False
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     def stop(signum: int, frame: Any) -> None:
         nonlocal stopping
