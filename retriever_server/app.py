@@ -51,6 +51,7 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4, CollectorRegistry, Count
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from retriever_server import workers
 from retriever_server.schema import ReadRequest, ReadResponse, RetrieveRequest, RetrieveResponse
 
 Hits = tuple[np.ndarray, np.ndarray]  # (scores (n, k) float32, rows (n, k) int64; -1 = no document)
@@ -683,11 +684,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     retriever.start()
     if app.state.on_ready is not None:  # a forked worker tells its parent (retriever_server.workers)
         app.state.on_ready()
-    ready_file: Path | None = app.state.ready_file
-    if ready_file is not None:
-        tmp = Path(str(ready_file) + ".tmp")
-        tmp.write_text(json.dumps({"url": app.state.url, "pid": os.getpid()}))
-        os.replace(tmp, ready_file)
+    workers.write_ready(app.state.ready_file, app.state.url)
     yield
     retriever.close()
 
@@ -852,8 +849,6 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, Settings, di
 def main(argv: list[str] | None = None) -> int:
     a, settings, index_options = parse_args(argv)
     import uvicorn
-
-    from retriever_server import workers
 
     try:
         kind = json.loads((Path(a.index) / "manifest.json").read_text())["kind"]

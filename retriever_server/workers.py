@@ -60,12 +60,16 @@ def worker_threads(threads: int, workers: int) -> int:
     return max(1, cores // workers)
 
 
-def write_ready(path: Path | None, url: str, workers: list[int]) -> None:
-    """The ready file, atomically: the parent's pid (the one to signal) and its workers'."""
+def write_ready(path: Path | None, url: str, workers: list[int] | None = None) -> None:
+    """The ready file, atomically, so whoever waits on it finds a server that answers: `url` and this
+    process's pid (the one to signal); with `workers`, their pids too (this process is their parent)."""
     if path is None:
         return
+    ready: dict[str, Any] = {"url": url, "pid": os.getpid()}
+    if workers is not None:
+        ready["workers"] = sorted(workers)
     tmp = Path(str(path) + ".tmp")
-    tmp.write_text(json.dumps({"url": url, "pid": os.getpid(), "workers": sorted(workers)}))
+    tmp.write_text(json.dumps(ready))
     os.replace(tmp, path)
 
 

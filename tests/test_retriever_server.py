@@ -614,6 +614,16 @@ def test_refuses_index_that_does_not_match_its_corpus(hotpot_index_dir, tmp_path
             ["--encoder-device cuda", "no CUDA device", "--encoder-device cpu"],
             ["--encoder-device", "cuda"],
         )
+    errors = _refused({name: (d, extra) for name, (d, _, extra) in cases.items()}, tmp_path)
+    for name, err in errors.items():
+        for words in cases[name][1]:
+            assert words in err, err
+        assert not (tmp_path / f"{name}.ready").exists()
+
+
+def _refused(cases: dict[str, tuple[Path, list[str]]], tmp_path: Path) -> dict[str, str]:
+    """Start `retriever-server --index DIR ARGS` for each `name: (DIR, ARGS)` at once (ready file
+    `tmp_path/NAME.ready`); each must exit with status 2 and a one-line error, no traceback. Their stderr by name."""
     procs = {
         name: subprocess.Popen(
             [
@@ -631,19 +641,18 @@ def test_refuses_index_that_does_not_match_its_corpus(hotpot_index_dir, tmp_path
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-        )
-        for name, (d, _, extra) in cases.items()
+        )  # fmt: skip
+        for name, (d, extra) in cases.items()
     }
+    errors = {}
     for name, proc in procs.items():
         try:
-            _, err = proc.communicate(timeout=120)
+            _, errors[name] = proc.communicate(timeout=120)
         finally:
             stop_process(proc, 10)
-        assert proc.returncode == 2, err
-        assert "retriever-server: error:" in err and "Traceback" not in err
-        for words in cases[name][1]:
-            assert words in err, err
-        assert not (tmp_path / f"{name}.ready").exists()
+        assert proc.returncode == 2, errors[name]
+        assert "retriever-server: error:" in errors[name] and "Traceback" not in errors[name], errors[name]
+    return errors
 
 
 def test_torch_exact_index_shards_merge_to_the_flat_answer(hotpot_index_dir):  # noqa: F811
@@ -755,19 +764,5 @@ def test_workers_refused_where_fork_cannot_serve(hotpot_index_dir, tmp_path):  #
         "bm25": (bm25, ["--workers", "2"], "JVM does not survive fork"),
         "torch": (hotpot_index_dir, ["--workers", "2", "--encoder-runtime", "torch"], "onnx encoder runtime"),
     }
-    procs = {
-        name: subprocess.Popen(
-            [sys.executable, "-m", "retriever_server.app", "--index", str(d), "--port", "0", *extra],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for name, (d, extra, _) in cases.items()
-    }
-    for name, proc in procs.items():
-        try:
-            _, err = proc.communicate(timeout=120)
-        finally:
-            stop_process(proc, 10)
-        assert proc.returncode == 2 and "retriever-server: error: --workers" in err, err
-        assert cases[name][2] in err and "Traceback" not in err, err
+    for name, err in _refused({name: (d, extra) for name, (d, extra, _) in cases.items()}, tmp_path).items():
+        assert "retriever-server: error: --workers" in err and cases[name][2] in err, err
