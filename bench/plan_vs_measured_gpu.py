@@ -163,7 +163,7 @@ def measure_case(model_dir: Path, device: str, lora: bool, config: str = "config
 
     from agent_rl.learn.batch import MicroBatch
     from agent_rl.learn.policy import load_policy, update_logprobs
-    from agent_rl.planning.plan import plan
+    from agent_rl.planning.plan import largest_microbatch, optimizer_step_rows, plan
 
     cfg = _config(model_dir, device, lora, config)
     planned = plan(cfg, gpus=1)
@@ -185,8 +185,8 @@ def measure_case(model_dir: Path, device: str, lora: bool, config: str = "config
     opt = torch.optim.AdamW(trained, lr=1e-6)
     held = [torch.zeros_like(p) for p in trained for _ in range(2)]  # the preflight's stand-in
     optimizer = now() - start - params
-    rows = max(1, cfg.train.max_tokens_per_microbatch // cfg.budget.max_total_tokens)
-    length = cfg.budget.max_total_tokens
+    cap, longest = cfg.train.max_tokens_per_microbatch, cfg.budget.max_total_tokens
+    rows, length = largest_microbatch(cap, longest, optimizer_step_rows(cfg))
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (rows, length), generator=gen).to(device)
     n_trained = min(length - 1, (cfg.budget.max_turns + 1) * cfg.budget.max_tokens_per_turn)

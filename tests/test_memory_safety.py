@@ -818,8 +818,9 @@ def test_plan_predicts_the_peak_rss_drop_of_lora(medium_model_dir):
 
 
 def test_preflight_runs_forward_backward_at_the_largest_micro_batch(tiny_model_dir):
-    """A config whose cap fits passes; the pass is one forward at (cap // max_total_tokens) rows of
-    max_total_tokens tokens, followed by a backward that reaches the weights, whose gradients are freed after.
+    """A config whose cap fits passes; the pass is one forward at the largest micro-batch the packing can form
+    (a cap of 2,000 over rows of up to 440 tokens: 5 rows of 400, not 4 of 440), followed by a backward that
+    reaches the weights, whose gradients are freed after.
     AdamW's state, which exists only after the first step, is stood in for during the pass (two fp32
     moments per trained parameter) and the optimizer is left as it was."""
     from agent_rl.learn.policy import load_policy
@@ -840,10 +841,52 @@ def test_preflight_runs_forward_backward_at_the_largest_micro_batch(tiny_model_d
     params = sum(p.numel() * 4 for p in policy.parameters() if p.requires_grad)
     assert report["optimizer_state_gib"] == round(2 * params / 2**30, 6) > 0
     assert not optimizer.state  # the first step allocates its own, as it would have
-    assert shapes == [(4, 440)]  # 2000 // 440 rows at the budget's worst case
-    assert report["rows"] == 4 and report["tokens"] == 4 * 440
+    assert shapes == [(5, 400)]  # 2,000 tokens; 4 rows of the budget's 440 hold 1,760
+    assert report["rows"] == 5 and report["tokens"] == 5 * 400
     assert grads and grads[0] > 0
     assert all(p.grad is None for p in policy.parameters())
+
+
+def test_the_largest_micro_batch_is_the_most_tokens_the_packing_forms():
+    """The planner and the preflight take the largest micro-batches `pack_microbatches` can form. A cap of 2,560
+    over rows of up to 896 tokens: `cap // max_total_tokens` rows of max_total_tokens are 2 x 896 = 1,792 tokens,
+    but three rows of 853 pack into one micro-batch of 2,559 and four of 640 into 2,560 (the top-3 NQ run peaked
+    at 8.24 GiB where 1,792-token micro-batches planned 7.02). Over random caps and lengths every micro-batch the
+    packing forms lies within a shape of `microbatch_shapes`, and none holds more tokens than `largest_microbatch`."""
+    import random
+
+    from agent_rl.learn.batch import pack_microbatches
+    from agent_rl.planning.plan import largest_microbatch, microbatch_shapes
+
+    assert pack_microbatches([853, 853, 853], 2560) == [[0, 1, 2]]
+    assert largest_microbatch(2560, 896, 32) == (4, 640)
+    assert microbatch_shapes(2560, 896, 4) == [(2, 896), (3, 853), (4, 640)]
+    assert largest_microbatch(2560, 512, 32) == (5, 512)  # the NQ recipe's budget: the old rule's shape
+    assert largest_microbatch(2560, 640, 2) == (2, 640)  # no more rows than the step has
+    rng = random.Random(0)
+    for _ in range(300):
+        cap = rng.randint(64, 8192)
+        longest = rng.randint(8, cap)
+        lengths = [rng.randint(1, longest) for _ in range(rng.randint(1, 40))]
+        shapes = microbatch_shapes(cap, longest, len(lengths))
+        rows, seq = largest_microbatch(cap, longest, len(lengths))
+        for mb in pack_microbatches(lengths, cap):
+            n, long = len(mb), max(lengths[i] for i in mb)
+            assert any(r >= n and s >= long for r, s in shapes), (cap, longest, n, long)
+            assert n * long <= rows * seq <= cap
+
+
+def test_plan_covers_the_micro_batches_rows_shorter_than_the_budget_pack(tiny_model_dir):
+    """At one token cap, a budget of 896-token trajectories packs as many tokens into a micro-batch as one of 512
+    (2,560 either way): the planned activations are not smaller (they were 30% smaller when the planner took
+    cap // max_total_tokens rows)."""
+    base = [f"model.path={tiny_model_dir}", "train.max_tokens_per_microbatch=2560", "retriever.url=http://127.0.0.1:9"]
+    budget = ["budget.max_turns=1", "budget.max_prompt_tokens=200", "budget.max_tokens_per_turn=40"]
+    acts = {}
+    for total, obs in ((512, 192), (896, 576)):
+        cfg = load_config(None, [*base, *budget, f"budget.max_obs_tokens={obs}", f"budget.max_total_tokens={total}"])
+        acts[total] = plan(cfg).phases["update"]["components"]["host/activations"]
+    assert acts[896] >= acts[512]
 
 
 PREFLIGHT_OOM = r"""

@@ -330,6 +330,35 @@ def _peak_phase(phases: dict[str, tuple[dict[str, int], dict[str, int]]]) -> str
     return max(phases, key=lambda name: sum(phases[name][0 if on_gpu else 1].values()))
 
 
+def microbatch_shapes(max_tokens: int, max_len: int, max_rows: int) -> list[tuple[int, int]]:
+    """The largest micro-batches `learn.batch.pack_microbatches` can form, as (rows, longest row): for each
+    row count up to `max_rows` (the rows a step gives one rank), rows as long as rows x longest <= `max_tokens`
+    lets them be, up to `max_len` (budget.max_total_tokens). A shape that another has as long with more rows
+    is left out. The most tokens are not always at the longest rows: a cap of 2,560 over rows of up to 896
+    holds 2 of 896 (1,792 tokens), or 3 of 853 (2,559)."""
+    shapes: list[tuple[int, int]] = []
+    for rows in range(1, max(1, max_rows) + 1):
+        length = min(max_len, max_tokens // rows)
+        if length < 1:
+            break
+        if shapes and shapes[-1][1] == length:
+            shapes[-1] = (rows, length)
+        else:
+            shapes.append((rows, length))
+    return shapes
+
+
+def optimizer_step_rows(cfg: Config) -> int:
+    """The trajectories one optimizer step trains (algo.mini_batch_size, or a step's groups): what the packing
+    splits into micro-batches, over all ranks."""
+    return cfg.algo.mini_batch_size or cfg.rollout.prompts_per_step * cfg.algo.group_size
+
+
+def largest_microbatch(max_tokens: int, max_len: int, max_rows: int) -> tuple[int, int]:
+    """Of `microbatch_shapes`, the one with the most tokens (ties: the longest rows): the preflight's pass."""
+    return max(microbatch_shapes(max_tokens, max_len, max_rows), key=lambda s: (s[0] * s[1], s[1]))
+
+
 def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
     """{"rollout" | "update": (gpu components per device, host components)}."""
     arch = config_arch(cfg.model)
@@ -350,12 +379,7 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
     if cfg.algo.name == "ppo":
         train_c["critic"] = (P - arch.vocab * arch.hidden * (0 if arch.tied else 1)) * (b + b + 8) // shard
     cap = cfg.train.max_tokens_per_microbatch
-    seq = min(cfg.budget.max_total_tokens, cap)
-    rows = max(1, cap // seq)
-    tokens = rows * seq
-    trained = min(tokens, rows * min(seq - 1, (cfg.budget.max_turns + 1) * cfg.budget.max_tokens_per_turn))
-    logits = trained * arch.vocab * bc * 2 + min(trained, LOGIT_CHUNK_TOKENS) * arch.vocab * 4 * 3
-    step_rows = cfg.algo.mini_batch_size or cfg.rollout.prompts_per_step * cfg.algo.group_size
+    step_rows = optimizer_step_rows(cfg)
     head = arch.vocab * arch.hidden * 4 // shard if not lora else 0
     # bf16 autocast over float32 master weights in one process: every trained weight's bf16 copy is
     # saved for the backward (with or without autocast's cache), and the residual stream runs float32.
@@ -363,11 +387,14 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
     mixed_extra_h = 0 if bc != 2 else MIXED_EXTRA_H_FP32_STREAM if fp32_stream else MIXED_EXTRA_H_BF16_STREAM
     weight_casts = trainable * 2 if fp32_stream else 0
 
-    def pass_peak(pass_tokens: int, grads_overlap: bool) -> dict[str, int]:
-        """Activations, logits and gradients of one forward+backward over `pass_tokens` positions.
-        With `grads_overlap` (the pass is the optimizer step's only micro-batch, gradients starting
-        empty) the gradients grow layer by layer as the backward frees that layer's activations, so
-        they do not sit beside the whole micro-batch's; the first to arrive is the output layer's."""
+    def pass_peak(rows: int, seq: int, pass_tokens: int, grads_overlap: bool) -> dict[str, int]:
+        """Activations, logits and gradients of one forward+backward over `pass_tokens` positions of a
+        micro-batch of `rows` rows of `seq` tokens. With `grads_overlap` (the pass is the optimizer step's
+        only micro-batch, gradients starting empty) the gradients grow layer by layer as the backward frees
+        that layer's activations, so they do not sit beside the whole micro-batch's; the first to arrive is
+        the output layer's."""
+        trained = rows * min(seq - 1, (cfg.budget.max_turns + 1) * cfg.budget.max_tokens_per_turn)
+        logits = trained * arch.vocab * bc * 2 + min(trained, LOGIT_CHUNK_TOKENS) * arch.vocab * 4 * 3
         acts = activation_bytes(
             arch, pass_tokens, rows, seq, bc, cfg.model.gradient_checkpointing, mixed_extra_h, 4 if fp32_stream else bc
         )
@@ -377,27 +404,40 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
             peak["weight_casts"] = weight_casts
         return peak
 
-    # The update's pass. One process, no checkpointing: a GRPO group's rows share one prompt pass
-    # (learn.policy._prefix_plan, taken when it runs at most PREFIX_MAX_SHARE of the micro-batch's
-    # token positions). A group's rows stay adjacent (learn.batch.pack_microbatches), so a micro-batch
-    # of `rows` holds the prompts of at most ceil((rows - 1) / group) + 1 groups (and of no more than the
-    # step has); each is planned at the longest prompt. Not with a shared prompt pass, the gradient
-    # overlap: the response pass's backward fills every layer's gradient while the prompt pass's graph
-    # still waits for its own.
-    update_tokens, shared_prefix = tokens, False
-    if cfg.train.share_prompt_prefix and gpus <= 1 and not cfg.model.gradient_checkpointing and cfg.algo.group_size > 1:
-        prompt = min(cfg.budget.max_prompt_tokens, seq - 1)
-        G = cfg.algo.group_size
-        prompts = min(rows, -(-(rows - 1) // G) + 1, -(-step_rows // G))
-        shared = prompts * prompt + rows * (seq - prompt)
-        if rows > 1 and shared <= PREFIX_MAX_SHARE * tokens:
-            update_tokens, shared_prefix = shared, True
-    peak = pass_peak(update_tokens, step_rows <= rows // max(1, shard) and not shared_prefix)
+    def update_peak(rows: int, seq: int) -> dict[str, int]:
+        """The update's pass over a micro-batch of `rows` x `seq`. One process, no checkpointing: a GRPO
+        group's rows share one prompt pass (learn.policy._prefix_plan, taken when it runs at most
+        PREFIX_MAX_SHARE of the micro-batch's token positions). A group's rows stay adjacent
+        (learn.batch.pack_microbatches), so a micro-batch of `rows` holds the prompts of at most
+        ceil((rows - 1) / group) + 1 groups (and of no more than the step has); each is planned at the
+        longest prompt. Not with a shared prompt pass, the gradient overlap: the response pass's backward
+        fills every layer's gradient while the prompt pass's graph still waits for its own."""
+        tokens = rows * seq
+        update_tokens, shared_prefix = tokens, False
+        if (
+            cfg.train.share_prompt_prefix
+            and gpus <= 1
+            and not cfg.model.gradient_checkpointing
+            and cfg.algo.group_size > 1
+        ):
+            prompt = min(cfg.budget.max_prompt_tokens, seq - 1)
+            G = cfg.algo.group_size
+            prompts = min(rows, -(-(rows - 1) // G) + 1, -(-step_rows // G))
+            shared = prompts * prompt + rows * (seq - prompt)
+            if rows > 1 and shared <= PREFIX_MAX_SHARE * tokens:
+                update_tokens, shared_prefix = shared, True
+        return pass_peak(rows, seq, update_tokens, step_rows <= rows // max(1, shard) and not shared_prefix)
+
+    # Every largest micro-batch the packing can form (`microbatch_shapes`: rows x longest row within the cap,
+    # for each row count a rank's step can give it): the most tokens are not always at the longest rows.
+    shapes = microbatch_shapes(cap, cfg.budget.max_total_tokens, -(-step_rows // shard))
+    peak = max((update_peak(rows, seq) for rows, seq in shapes), key=lambda c: sum(c.values()))
     if cfg.run.preflight:
-        # Before step 1 (planning.preflight) one unshared pass at the largest micro-batch, gradients
-        # starting empty, with the optimizer's state stood in for: the update phase's peak is the
-        # larger of the two.
-        preflight = pass_peak(tokens, True)
+        # Before step 1 (planning.preflight) one unshared pass at the largest micro-batch
+        # (`largest_microbatch`), gradients starting empty, with the optimizer's state stood in for: the
+        # update phase's peak is the larger of the two.
+        rows, seq = largest_microbatch(cap, cfg.budget.max_total_tokens, -(-step_rows // shard))
+        preflight = pass_peak(rows, seq, rows * seq, True)
         if sum(preflight.values()) > sum(peak.values()):
             peak = preflight
     train_c.update(peak)

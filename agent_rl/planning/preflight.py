@@ -1,7 +1,8 @@
 """Preflight, largest first: one forward + backward at the largest admissible micro-batch.
 
-Before step 1 the trainer runs the worst case the budgets allow (rows = cap // max_total_tokens,
-each max_total_tokens long), so a run that will run out of memory fails in its first minute
+Before step 1 the trainer runs the worst case the budgets allow (the micro-batch of the most tokens the packing
+can form, `plan.largest_microbatch`: rows x longest row within the cap, rows up to max_total_tokens long, no more
+rows than a rank's step holds), so a run that will run out of memory fails in its first minute
 with the planner's advice, not hours later when the longest sample finally appears.
 """
 
@@ -51,9 +52,12 @@ def run_preflight(model, cfg: Config, device: str, optimizer=None) -> dict:
     """One forward and backward at the largest admissible micro-batch, with `optimizer`'s state
     (not allocated before its first step) stood in for, so what runs out of memory here would run out
     in the first update."""
+    from agent_rl.planning.plan import largest_microbatch, optimizer_step_rows
+
     held = _optimizer_state_stand_in(optimizer)
-    rows = max(1, cfg.train.max_tokens_per_microbatch // cfg.budget.max_total_tokens)
-    length = cfg.budget.max_total_tokens
+    ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    cap, longest = cfg.train.max_tokens_per_microbatch, cfg.budget.max_total_tokens
+    rows, length = largest_microbatch(cap, longest, -(-optimizer_step_rows(cfg) // ranks))
     vocab = model.config.vocab_size if hasattr(model, "config") else 1000
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (rows, length), generator=gen).to(device)
