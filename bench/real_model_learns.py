@@ -3,7 +3,7 @@
 Usage: .venv/bin/python bench/real_model_learns.py --data DIR [--out runs/real_nq] [--config CONFIG]
        [--seed 0] [--nq-test 500] [--triviaqa-test 300] [--train-triviaqa] [--rl-unsolved]
        [--run-name grpo] [--sft-equal [--sft-equal-steps N]] [--skip-train] [--second-search [--rl-second-only]]
-       [key=value ...]
+       [--rl-override key=value ...] [key=value ...]
 
 DIR is a folder in FlashRAG layout: `corpus.jsonl` (`id`, `contents` = "Title\\ntext"), `nq_1000.jsonl`
 and `triviaqa_1000.jsonl` (`id`, `question`, `golden_answers`), e.g. ../shared/data/wiki18_nq_triviaqa.
@@ -739,6 +739,14 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="--sft-equal's SFT steps (0 = the RL steps' seconds over the warm start's seconds per SFT step)",
     )
+    parser.add_argument(
+        "--rl-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a config override for the RL run (its plan, training and evaluations) only, not the warm start or "
+        "--sft-equal, e.g. model.lora.enabled=false to train every weight of the LoRA-built warm start; repeatable",
+    )
     parser.add_argument("overrides", nargs="*", help="config overrides for every agent-rl command (key=value)")
     args = parser.parse_args(argv)
     if args.rl_second_only and not args.second_search:
@@ -807,23 +815,26 @@ def main(argv: list[str] | None = None) -> int:
     if not marker.exists():
         write_data(cfg, out / "data", split, key)
     _log(f"data: {sizes} (seed {args.seed}) in {out / 'data'}")
-    train_overrides = overrides
+    train_overrides = [*overrides, *args.rl_override]
     if args.rl_second_only:
         keep = [r["id"] in second for r in split["train"]]
         sizes["train_rl_second"] = write_rl_train(
             cfg, out / "data", split["train"], keep, "train_rl_second", "--rl-second-only"
         )
-        train_overrides = [*overrides, f"data.train_files=[{out / 'data' / 'train_rl_second.parquet'}]"]
+        train_overrides = [*train_overrides, f"data.train_files=[{out / 'data' / 'train_rl_second.parquet'}]"]
         _log(f"data: RL trains on the {sizes['train_rl_second']} training questions with a second search")
     elif args.rl_answerable:
         sizes["train_rl"] = write_rl_train(cfg, out / "data", split["train"], answerable)
-        train_overrides = [*overrides, f"data.train_files=[{out / 'data' / 'train_rl.parquet'}]"]
+        train_overrides = [*train_overrides, f"data.train_files=[{out / 'data' / 'train_rl.parquet'}]"]
         _log(f"data: RL trains on the {sizes['train_rl']} training questions whose search finds an answer")
 
     agent_rl = [sys.executable, "-m", "agent_rl"]
     plan = json.loads(
         subprocess.run(
-            [*agent_rl, "plan", config, *overrides, "--json"], cwd=ROOT, capture_output=True, text=True
+            [*agent_rl, "plan", config, *overrides, *args.rl_override, "--json"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
         ).stdout
         or "{}"
     )
@@ -835,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.rl_answerable:
             raise SystemExit("--rl-unsolved narrows --rl-answerable's pool: drop --no-rl-answerable")
         sizes["train_rl_unsolved"] = write_rl_unsolved(agent_rl, config, overrides, out / "data")
-        train_overrides = [*overrides, f"data.train_files=[{out / 'data' / 'train_rl_unsolved.parquet'}]"]
+        train_overrides = [*train_overrides, f"data.train_files=[{out / 'data' / 'train_rl_unsolved.parquet'}]"]
         _log(f"data: RL trains on the {sizes['train_rl_unsolved']} of them the warm start answers wrong greedily")
     train_cmd = [*agent_rl, "train", config, *train_overrides]
     reused = None
@@ -876,14 +887,15 @@ def main(argv: list[str] | None = None) -> int:
     found = {f"{r['source']}_{r['id']}": hit for name in SETS for r, hit in zip(split[name], hits[name])}
     res = summarise(out, phases, plan, recall, sizes, str(cfg.reward.fn), found, sft_more, args.run_name)
     res.update(estimator=cfg.algo.resolved_advantage(), policy_loss=cfg.algo.policy_loss)
-    res.update(config=args.config, overrides=args.overrides)
+    res.update(config=args.config, overrides=args.overrides, rl_overrides=args.rl_override)
     res.update(rl_train_files=[str(f) for f in load_config(config, train_overrides).data.train_files])
     res.update(split_seed=args.seed, data=str(data))
     results = out / ("results" if args.run_name == "grpo" else f"results_{args.run_name}")
     results.with_suffix(".json").write_text(json.dumps(res, indent=1))
     header = (
         f"# A real model learns on real questions ({time.strftime('%Y-%m-%d')}, {platform.node()}, "
-        f"{os.cpu_count()} CPUs)\n\n`bench/real_model_learns.py --data {data} {' '.join(args.overrides)}` "
+        f"{os.cpu_count()} CPUs)\n\n`bench/real_model_learns.py --data {data} "
+        f"{''.join(f'--rl-override {o} ' for o in args.rl_override)}{' '.join(args.overrides)}` "
         f"on {args.config}, split seed {args.seed}."
     )
     results.with_suffix(".md").write_text(render(res, header))

@@ -217,6 +217,21 @@ def test_each_key_is_checked_strictly_with_the_key_named(override, message):
     assert message in str(err.value)
 
 
+def test_lora_settings_need_the_switch_written_out(tmp_path):
+    """LoRA keys without `model.lora.enabled` are a forgotten switch (full weights would train unnoticed): refused,
+    naming both ways out. `enabled: false` written out, in the file or as an override of a LoRA config, trains full
+    weights with the other keys standing aside; `true` trains the adapters they describe."""
+    with pytest.raises(ConfigError, match=r"model.lora.rank is set but model.lora.enabled is not.*enabled=false"):
+        load_config(None, ["model.lora.rank=4"])
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  lora:\n    enabled: true\n    rank: 16\n    alpha: 32\n")
+    assert (load_config(p).model.lora.enabled, load_config(p).model.lora.rank) == (True, 16)
+    off = load_config(p, ["model.lora.enabled=false"]).model.lora
+    assert (off.enabled, off.rank) == (False, 16)
+    p.write_text("model:\n  lora:\n    enabled: false\n    rank: 16\n")
+    assert not load_config(p).model.lora.enabled
+
+
 def test_yaml_readings_are_taken_as_meant(tmp_path):
     """YAML 1.1 reads `1e-5` as a string and a bare `off` as false: a float key takes the number, a
     str key the word (and a number as its text); an int stands for a float; an empty section holds

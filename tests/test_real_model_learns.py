@@ -219,6 +219,8 @@ def test_one_step_run_writes_the_report_and_resumes(tmp_path, capsys, smollm2_di
     # it, saved merged), evaluated by `agent-rl eval` on both held-out sets, and paired with the warm start and RL.
     from real_model_learns import sft_seconds_per_step
 
+    from agent_rl.evaluation import files_fingerprint
+
     assert sft_seconds_per_step(out / "logs" / "sft.log") > 0  # what N is derived from when not given
     trained = (out / "grpo" / "metrics.jsonl").read_text()
     assert main([*args, "--skip-train", "--sft-equal", "--sft-equal-steps", "2", *overrides, "run.max_steps=2"]) == 0
@@ -236,12 +238,20 @@ def test_one_step_run_writes_the_report_and_resumes(tmp_path, capsys, smollm2_di
     assert "## The same compute spent on SFT" in (out / "results.md").read_text()
 
     # Another estimator from the same warm start (--run-name): the first run's evaluation of the warm start is reused,
-    # not redone, so both pair with the same warm-start answers.
+    # not redone, so both pair with the same warm-start answers. --rl-override goes to this RL run only: every weight
+    # of the (LoRA-built, merged) warm start trains, and the warm start is not rebuilt with full weights.
     capsys.readouterr()
-    assert main([*args, "--run-name", "rloo", *overrides, "algo.advantage=rloo", "algo.policy_loss=cispo"]) == 0
+    warm = files_fingerprint(out / "sft")
+    full = ["--rl-override", "model.lora.enabled=false", "--rl-override", "train.lr=1e-5"]
+    assert main([*args, "--run-name", "rloo", *full, *overrides, "algo.advantage=rloo", "algo.policy_loss=cispo"]) == 0
     assert "is grpo's, not redone" in capsys.readouterr().out
+    assert files_fingerprint(out / "sft") == warm
+    (saved,) = (out / "rloo" / "checkpoints").glob("*/model")
+    assert (saved / "model.safetensors").exists() and not (saved / "adapter_config.json").exists()
     rloo = json.loads((out / "results_rloo.json").read_text())  # the default run's results.json is kept
     assert rloo["estimator"] == "rloo" and rloo["time_s"]["eval_warm_start"] is None
+    assert rloo["rl_overrides"] == ["model.lora.enabled=false", "train.lr=1e-5"]
+    assert "--rl-override model.lora.enabled=false" in (out / "results_rloo.md").read_text()
     lines = (out / "rloo" / "metrics.jsonl").read_text().splitlines()
     evals = [json.loads(line) for line in lines if "eval/em" in line]
     assert [e["step"] for e in evals] == [1]  # the trainer evaluated only after its step

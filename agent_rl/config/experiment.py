@@ -116,7 +116,12 @@ class RunConfig:
 @with_config(extra="forbid")
 @dataclass
 class LoraConfig:
-    enabled: Bool = _f(False, "Train LoRA adapters only (peft); the frozen base doubles as the reference model.")
+    enabled: Bool = _f(
+        False,
+        "Train LoRA adapters only (peft); the frozen base doubles as the reference model. Other model.lora.* keys "
+        "need it written out: true, or false to train full weights with them unused (e.g. an override of a LoRA "
+        "config).",
+    )
     rank: Int = _f(8, "LoRA rank r.")
     alpha: Int = _f(16, "LoRA scaling alpha.")
     dropout: Float = _f(0.0, "Dropout on the LoRA branch.")

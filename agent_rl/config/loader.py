@@ -249,11 +249,14 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     extra = migrate_keys(migrate_sections(parse_overrides(overrides or []), "the overrides"), "the overrides")
     data = _merge(data, extra)
     cfg = _build(data)
-    lora_keys = sorted(k for k in ((data.get("model") or {}).get("lora") or {}) if k != "enabled")
-    if lora_keys and not cfg.model.lora.enabled:
+    # LoRA settings without `enabled` are a forgotten switch; `enabled: false` written out (in the file or an
+    # override) turns the adapters off and leaves their settings standing aside, to switch back on.
+    lora = (data.get("model") or {}).get("lora") or {}
+    lora_keys = sorted(k for k in lora if k != "enabled")
+    if lora_keys and "enabled" not in lora:
         raise ConfigError(
-            f"model.lora.{lora_keys[0]} is set but model.lora.enabled is false, so full weights would be trained: "
-            "set model.lora.enabled=true, or remove the model.lora.* keys"
+            f"model.lora.{lora_keys[0]} is set but model.lora.enabled is not, so full weights would be trained: "
+            "set model.lora.enabled=true, or model.lora.enabled=false to train full weights with the LoRA keys unused"
         )
     cfg.validate()
     return cfg
