@@ -357,7 +357,11 @@ def optimizer_step_rows(cfg: Config) -> int:
 
 def largest_microbatch(max_tokens: int, max_len: int, max_rows: int) -> tuple[int, int]:
     """Of `microbatch_shapes`, the one with the most tokens (ties: the longest rows): the preflight's pass."""
-    return max(microbatch_shapes(max_tokens, max_len, max_rows), key=lambda s: (s[0] * s[1], s[1]))
+    return _most_tokens(microbatch_shapes(max_tokens, max_len, max_rows))
+
+
+def _most_tokens(shapes: list[tuple[int, int]]) -> tuple[int, int]:
+    return max(shapes, key=lambda s: (s[0] * s[1], s[1]))
 
 
 def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str, int]]]:
@@ -437,7 +441,7 @@ def _phases(cfg: Config, gpus: int) -> dict[str, tuple[dict[str, int], dict[str,
         # Before step 1 (planning.preflight) one unshared pass at the largest micro-batch
         # (`largest_microbatch`), gradients starting empty, with the optimizer's state stood in for: the
         # update phase's peak is the larger of the two.
-        rows, seq = largest_microbatch(cap, cfg.budget.max_total_tokens, -(-step_rows // shard))
+        rows, seq = _most_tokens(shapes)
         preflight = pass_peak(rows, seq, rows * seq, True)
         if sum(preflight.values()) > sum(peak.values()):
             peak = preflight
