@@ -9,7 +9,8 @@ each `--shape` (SHAPES: architectures the planner was not fitted on, random weig
 with train.bf16 and model.dtype=bfloat16 on the device, in two cases (LoRA: the config's adapters, or
 rank 16 / alpha 32 on every projection where it has none; full weights), it loads the policy as the
 trainer does, stands in the AdamW state, runs the trainer's preflight pass (the largest micro-batch,
-unshared, under the same autocast), then one real AdamW step on the pass's gradients, and reads
+unshared, under the same autocast; with full weights and algo.kl_coef > 0 beside the frozen reference the trainer
+holds), then one real AdamW step on the pass's gradients, and reads
 torch.cuda.memory_allocated after each part and max_memory_allocated over each. The pass runs twice:
 with autocast's weight cache (torch's default, what the trainer runs) and without it, so the cache's
 share shows. Printed beside the plan's components for the same config (`agent_rl.planning.plan`), with
@@ -162,7 +163,7 @@ def measure_case(model_dir: Path, device: str, lora: bool, config: str = "config
     import torch
 
     from agent_rl.learn.batch import MicroBatch
-    from agent_rl.learn.policy import load_policy, update_logprobs
+    from agent_rl.learn.policy import _DTYPES, frozen_copy, load_policy, update_logprobs
     from agent_rl.planning.plan import largest_microbatch, optimizer_step_rows, plan
 
     cfg = _config(model_dir, device, lora, config)
@@ -181,10 +182,13 @@ def measure_case(model_dir: Path, device: str, lora: bool, config: str = "config
     model = load_policy(cfg.model, str(model_dir), device)
     model.train()
     params = now() - start
+    # The frozen KL reference the trainer holds beside full weights (agent_rl.train), which the plan counts too.
+    ref = frozen_copy(model, device, _DTYPES[cfg.model.dtype]) if cfg.algo.kl_coef > 0 and not lora else None
+    reference = now() - start - params
     trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trained, lr=1e-6)
     held = [torch.zeros_like(p) for p in trained for _ in range(2)]  # the preflight's stand-in
-    optimizer = now() - start - params
+    optimizer = now() - start - params - reference
     cap, longest = cfg.train.max_tokens_per_microbatch, cfg.budget.max_total_tokens
     rows, length = largest_microbatch(cap, longest, optimizer_step_rows(cfg))
     gen = torch.Generator().manual_seed(0)
@@ -221,10 +225,10 @@ def measure_case(model_dir: Path, device: str, lora: bool, config: str = "config
     opt.step()
     torch.cuda.synchronize(device)
     out["adamw_step"] = {"state_gib": now() - before_step, "transient_gib": peak() - now(), "peak_gib": peak()}
-    out.update(params_gib=params, optimizer_stand_in_gib=optimizer)
+    out.update(params_gib=params, reference_gib=reference, optimizer_stand_in_gib=optimizer)
     out["measured_peak_gib"] = max(out["cache"]["pass_peak_gib"], out["adamw_step"]["peak_gib"])
     out["plan_over_measured"] = out["plan_update_gib"] / out["measured_peak_gib"]
-    del model, opt
+    del model, opt, ref
     torch.cuda.empty_cache()
     return out
 
