@@ -104,9 +104,8 @@ def import_cost_bytes(statement: str, cache_dir: str | Path | None = None) -> in
 def _measured_imports(statements: tuple[str, ...], cache_dir: str | Path | None) -> int | None:
     versions = _versions(statements)
     what = "|".join(statements)
-    key = hashlib.sha256(f"{sys.executable}|{sys.version}|{versions}|{what}|{_BASELINE_SCRIPT}".encode()).hexdigest()[
-        :16
-    ]
+    identity = f"{sys.executable}|{sys.version}|{versions}|{what}|{_BASELINE_SCRIPT}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     root = Path(cache_dir or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "agent_rl"
     name = "_".join(map(imported_package, statements)) or "baseline"
     path = root / f"import_{name}-{key}.json"
