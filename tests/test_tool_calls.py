@@ -360,6 +360,47 @@ def test_isolated_spaces_make_a_name_copied_into_a_call_the_passages_tokens(toy_
     assert copied == {"bytelevel": False, "isolated_spaces": True}
 
 
+def test_template_phrases_hold_the_templates_fixed_text_as_one_token_each(toy_warm_start, tmp_path):
+    """`model.init_template_phrases`: each fixed text of the template (the system message's text, the tools' schema,
+    a call up to its argument) is one token of the tokenizer built for the format, a piece the tokenizer without them
+    needs several for; the markers and tags stay their own special tokens; text decodes back to itself; and the
+    prompt takes under half the tokens."""
+    from agent_rl.bootstrap.prepare import ensure_model
+
+    base = [*toy_world_overrides(toy_warm_start["cache"])]
+    built = {}
+    for on in (True, False):
+        path = tmp_path / f"model_{on}"
+        cfg = load_config(
+            "configs/tiny_cpu_tool_calls.yaml", [*base, f"model.path={path}", f"model.init_template_phrases={on}"]
+        )
+        ensure_model(cfg)
+        built[on] = load_tokenizer(str(path))
+    fmt = ChatFormat(built[True], [SearchTool(None, 1)], "", cfg.rollout.system_prompt)
+    pieces = fmt.fixed_texts()
+    assert any("Search the corpus" in p for p in pieces) and '\n{"name": "search", "arguments": {"query": "' in pieces
+    text = fmt.prompt_text("Where is the head office of Brin Tessly Labs?")
+    text += fmt.call_text("search", "Brin Tessly Labs head office")
+    text += fmt.after_turn(fmt.tool_head, "") + "Doc 1 (Title: Brin Tessly Labs) ..." + fmt.tool_tail
+    counts = {}
+    for on, tok in built.items():
+        for piece in pieces:
+            assert (len(tok(piece, add_special_tokens=False)["input_ids"]) == 1) == on, (on, piece)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids) == text
+        for control in ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<answer>", "</answer>"):
+            assert text.count(control) == ids.count(tok.convert_tokens_to_ids(control)), (on, control)
+        counts[on] = len(ids)
+    assert 2 * counts[True] < counts[False], counts
+
+
+def test_init_template_phrases_is_checked():
+    with pytest.raises(ConfigError, match="init_template_phrases .*rollout.protocol=tool_calls"):
+        load_config(None, ["model.init_template_phrases=true", "model.init_size=tiny"])
+    with pytest.raises(ConfigError, match="init_size"):
+        load_config("configs/tiny_cpu_tool_calls.yaml", ["model.init_template_phrases=true", "model.init_size="])
+
+
 def test_init_pretokenizer_is_checked():
     with pytest.raises(ConfigError, match="init_pretokenizer"):
         load_config(None, ["model.init_pretokenizer=words"])

@@ -70,11 +70,14 @@ def train_tokenizer(
     specials: Sequence[str] = (),
     chat_template: str = "",
     pretokenizer: str = "bytelevel",
+    phrases: Sequence[str] = (),
 ):
     """A byte-level BPE of `vocab_size` over `texts`; the agent tags and `specials` (a chat template's markers,
     under rollout.protocol=tool_calls) are single special tokens; `chat_template` ('' = a plain role template);
-    `pretokenizer` one of PRETOKENIZERS."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    `pretokenizer` one of PRETOKENIZERS. Each of `phrases` (a chat template's fixed text,
+    `ChatFormat.fixed_texts`) becomes one ordinary token after the merges: matched in the text before BPE,
+    decoded as written, sampled and trained as any other token."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -99,6 +102,7 @@ def train_tokenizer(
     )
     # The tags are taught in context too, so the words around them merge naturally.
     tok.train_from_iterator(iter([*texts, " ".join(extra)]), trainer)
+    tok.add_tokens([AddedToken(p, special=False, normalized=False) for p in dict.fromkeys(phrases) if p not in extra])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS,
@@ -118,8 +122,9 @@ def init_model(
     specials: Sequence[str] = (),
     chat_template: str = "",
     pretokenizer: str = "bytelevel",
+    phrases: Sequence[str] = (),
 ) -> Path:
-    """Train the tokenizer (`specials`, `chat_template` and `pretokenizer` as `train_tokenizer` takes them),
+    """Train the tokenizer (`specials`, `chat_template`, `pretokenizer` and `phrases` as `train_tokenizer` takes them),
     build a random Qwen2 of `size`, save both to out_dir."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -129,7 +134,7 @@ def init_model(
     spec: dict[str, Any] = dict(SIZES[size])
     vocab = spec.pop("vocab")
     tokenizer = train_tokenizer(
-        texts if texts is not None else _default_texts(), vocab, specials, chat_template, pretokenizer
+        texts if texts is not None else _default_texts(), vocab, specials, chat_template, pretokenizer, phrases
     )
     torch.manual_seed(seed)
     config = Qwen2Config(  # type: ignore[call-arg]  # rope_theta: read from kwargs by transformers

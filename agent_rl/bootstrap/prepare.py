@@ -77,11 +77,11 @@ def _training_texts(cfg: Config) -> Iterator[str]:
             yield from pq.read_table(f, columns=["prompt"]).column("prompt").to_pylist()
 
 
-def _chat_texts(cfg: Config) -> tuple[list[str], list[str], str]:
+def _chat_texts(cfg: Config) -> tuple[list[str], list[str], str, list[str]]:
     """Under rollout.protocol=tool_calls, what a model built here must tokenize well: each training question's
     prompt as the chat template renders it (system message, tools' schemas), a tool call on it, a tool message
-    and an answer; with the template's markers (`<|im_start|>`, `<tool_call>`, ...) as special tokens and the
-    template as the tokenizer's own."""
+    and an answer; with the template's markers (`<|im_start|>`, `<tool_call>`, ...) as special tokens, the
+    template as the tokenizer's own, and (model.init_template_phrases) its fixed texts as whole tokens."""
     import pyarrow.parquet as pq
 
     from agent_rl.bootstrap.model_init import train_tokenizer
@@ -97,7 +97,8 @@ def _chat_texts(cfg: Config) -> tuple[list[str], list[str], str]:
                 call = fmt.call_text(tools[0].name, q)
                 texts.append(fmt.prompt_text(q) + call + fmt.after_turn(fmt.tool_head, call) + fmt.tool_tail)
     texts.append(fmt.answer_text("x") + fmt.invalid_text(None, "x"))
-    return texts, fmt.markers(), fmt.template
+    phrases = fmt.fixed_texts() if cfg.model.init_template_phrases else []
+    return texts, fmt.markers(), fmt.template, phrases
 
 
 def ensure_model(cfg: Config) -> None:
@@ -124,9 +125,9 @@ def ensure_model(cfg: Config) -> None:
     _log(f"initialising a {cfg.model.init_size} model with a locally trained tokenizer in {path}")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".model_", dir=path.parent))
-    texts, specials, template = list(_training_texts(cfg)), list[str](), ""
+    texts, specials, template, phrases = list(_training_texts(cfg)), list[str](), "", list[str]()
     if cfg.rollout.protocol == "tool_calls":
-        chat, specials, template = _chat_texts(cfg)
+        chat, specials, template, phrases = _chat_texts(cfg)
         texts += chat
     init_model(
         tmp,
@@ -136,6 +137,7 @@ def ensure_model(cfg: Config) -> None:
         specials=specials,
         chat_template=template,
         pretokenizer=cfg.model.init_pretokenizer,
+        phrases=phrases,
     )
     os.replace(tmp, path)
 

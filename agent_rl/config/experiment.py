@@ -145,6 +145,14 @@ class ModelConfig:
         "tool call's JSON; texts take more tokens, so budgets need more room; the tiny tool_calls demo's warm start "
         "learned to read worse with it, see bench/RESULTS.md).",
     )
+    init_template_phrases: Bool = _f(
+        False,
+        "Under rollout.protocol=tool_calls, init_size's tokenizer holds each fixed text of the chat template between "
+        "its control tokens as one token: the system message's text and the tools' schemas, a call up to its "
+        "argument (`{\"name\": \"search\", \"arguments\": {\"query\": \"`). The tiny demo's prompt is then 34 tokens "
+        "instead of 115 (the tag protocol's: 27), which its warm start needs to learn in the tag demo's SFT steps "
+        "(bench/RESULTS.md); a pretrained model's tokenizer is its own and this does not apply.",
+    )
     preset: Str = _f(
         "",
         "When set (smollm2-135m) and `path` holds no model, `agent-rl init-model --preset` converts that real "
@@ -185,6 +193,11 @@ class ModelConfig:
             raise ConfigError(
                 f"model.init_pretokenizer = {self.init_pretokenizer!r} shapes the tokenizer of a model that "
                 "model.init_size builds; set init_size, or leave init_pretokenizer at bytelevel"
+            )
+        if self.init_template_phrases and not self.init_size:
+            raise ConfigError(
+                "model.init_template_phrases shapes the tokenizer of a model that model.init_size builds; set "
+                "init_size, or leave init_template_phrases false"
             )
         if self.init_size not in ("", "tiny", "small", "base", "medium"):
             raise ConfigError(f"model.init_size = {self.init_size!r}: use tiny, small, base, medium or leave it empty")

@@ -75,6 +75,11 @@ class Config:
         )
         for section in (*sections, self.train, self.run, self.sft):
             section.validate()
+        if self.model.init_template_phrases and self.rollout.protocol != "tool_calls":
+            raise ConfigError(
+                "model.init_template_phrases holds a chat template's fixed text as tokens, which only "
+                f"rollout.protocol=tool_calls renders (rollout.protocol is {self.rollout.protocol!r})"
+            )
         if self.algo.group_size < 1 or self.rollout.prompts_per_step < 1:
             raise ConfigError("algo.group_size and rollout.prompts_per_step must be >= 1")
         if self.train.max_tokens_per_microbatch < self.budget.max_total_tokens:

@@ -36,6 +36,7 @@ from agent_rl.rollout.protocol import (
     ANSWER_CLOSE,
     ANSWER_OPEN,
     CHAT_INVALID_MESSAGE,
+    TAGS,
     TagFormat,
     answer_action,
     close_tags,
@@ -197,6 +198,22 @@ class ChatFormat:
         found = re.findall(r"<\|[^<>|\s]+\|>", text)
         found += [tag for tag in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE, *_RESPONSE_TAGS) if tag in text]
         return list(dict.fromkeys(found))
+
+    def fixed_texts(self) -> list[str]:
+        """The template's fixed text between its control tokens (its markers and the agent tags): the prompt
+        less the question (the system message with the tools' schemas), each call less its argument
+        (`\n{"name": "search", "arguments": {"query": "`), the tool and user frames. The same in every
+        conversation, so a tokenizer trained for this format can hold each as one token
+        (`model.init_template_phrases`); a piece of one word or punctuation run is left out (BPE makes it a
+        token or two already)."""
+        controls = sorted({*self.markers(), *TAGS}, key=len, reverse=True)
+        cut = re.compile("|".join(re.escape(c) for c in controls))
+        texts = self.prompt_text(_PROBE).split(_PROBE)
+        for name in self.params:
+            texts += self.call_text(name, _PROBE).split(_PROBE)
+        texts += [self.tool_head, self.tool_tail, self.user_head, self.user_tail]
+        pieces = [part for text in texts for part in cut.split(text) if len(re.findall(r"\w+|[^\w\s]+", part)) > 1]
+        return list(dict.fromkeys(pieces))
 
     def after_turn(self, head: str, turn_text: str) -> str:
         """`head` less the end of turn the policy already wrote (a turn that stopped at it)."""
