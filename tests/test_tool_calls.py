@@ -367,7 +367,7 @@ def test_template_phrases_hold_the_templates_fixed_text_as_one_token_each(toy_wa
     prompt takes under half the tokens."""
     from agent_rl.bootstrap.prepare import ensure_model
 
-    base = [*toy_world_overrides(toy_warm_start["cache"])]
+    base = toy_world_overrides(toy_warm_start["cache"])
     built = {}
     for on in (True, False):
         path = tmp_path / f"model_{on}"

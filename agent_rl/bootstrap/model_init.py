@@ -102,7 +102,7 @@ def train_tokenizer(
     )
     # The tags are taught in context too, so the words around them merge naturally.
     tok.train_from_iterator(iter([*texts, " ".join(extra)]), trainer)
-    tok.add_tokens([AddedToken(p, special=False, normalized=False) for p in dict.fromkeys(phrases) if p not in extra])
+    tok.add_tokens([AddedToken(p, special=False, normalized=False) for p in phrases])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token=EOS,

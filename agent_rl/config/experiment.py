@@ -149,9 +149,9 @@ class ModelConfig:
         False,
         "Under rollout.protocol=tool_calls, init_size's tokenizer holds each fixed text of the chat template between "
         "its control tokens as one token: the system message's text and the tools' schemas, a call up to its "
-        'argument (`{"name": "search", "arguments": {"query": "`). The tiny demo\'s prompt is then 34 tokens '
-        "instead of 115 (the tag protocol's: 27), which its warm start needs to learn in the tag demo's SFT steps "
-        "(bench/RESULTS.md); a pretrained model's tokenizer is its own and this does not apply.",
+        'argument (`{"name": "search", "arguments": {"query": "`), so a prompt is about as short as the tag '
+        "protocol's (what it changes for the tiny demo: bench/RESULTS.md); a pretrained model's tokenizer is its own "
+        "and this does not apply.",
     )
     preset: Str = _f(
         "",
