@@ -204,6 +204,21 @@ def write_rl_train(
     return len(kept)
 
 
+def second_balanced(rows: list[dict], hits: list[bool], second: dict, seed: int) -> list[bool]:
+    """--rl-second-balanced's pool over `rows`: every question with a scripted second search (`second`: its first
+    search misses and a second finds) and as many of those whose first search finds the answer, drawn with `seed`.
+    In the first half a second search is what scores, in the other it costs (two passages read worse than the one
+    that holds the answer), so the reward pays for searching again only where the first passage lacks the answer."""
+    found = [r["id"] for r, hit in zip(rows, hits) if hit and r["id"] not in second]
+    if len(found) < len(second):
+        raise SystemExit(
+            f"--rl-second-balanced: {len(second)} questions with a second search but only {len(found)} whose first "
+            "search finds the answer; drop --rl-second-balanced"
+        )
+    drawn = set(random.Random(seed).sample(found, len(second)))
+    return [r["id"] in second or r["id"] in drawn for r in rows]
+
+
 def write_rl_unsolved(agent_rl: list[str], config: str, overrides: list[str], out: Path) -> int:
     """--rl-unsolved: the GRPO prompts narrowed to the questions the warm start answers wrong greedily.
 
@@ -519,6 +534,11 @@ def rl_pool_line(res: dict) -> str:
     files = [Path(f).name for f in res.get("rl_train_files", [])]
     if second := res["split"].get("train_rl_second"):
         return f" RL samples from the {second} of them with a scripted second search (--rl-second-only)."
+    if balanced := res["split"].get("train_rl_balanced"):
+        return (
+            f" RL samples from {balanced} of them: those with a scripted second search and as many whose first "
+            "search finds the answer (--rl-second-balanced)."
+        )
     if rl_pool := res["split"].get("train_rl"):
         return f" RL samples from those {rl_pool} (--rl-answerable)."
     if files and files != ["train.parquet"]:
@@ -701,6 +721,13 @@ def main(argv: list[str] | None = None) -> int:
         "to search twice",
     )
     parser.add_argument(
+        "--rl-second-balanced",
+        action="store_true",
+        help="with --second-search: GRPO on the training questions with a scripted second search and as many "
+        "(drawn with --seed) whose first search finds the answer (OUT/data/train_rl_balanced.parquet): a second "
+        "search pays in one half and costs in the other, so that RL can learn when to search again",
+    )
+    parser.add_argument(
         "--rl-unsolved",
         action="store_true",
         help="GRPO on those of --rl-answerable's questions that the warm start gets wrong greedily (one greedy "
@@ -751,8 +778,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.rl_second_only and not args.second_search:
         raise SystemExit("--rl-second-only trains on --second-search's two-search questions: add --second-search")
-    if args.rl_second_only and args.rl_unsolved:
-        raise SystemExit("--rl-unsolved narrows --rl-answerable's pool, not --rl-second-only's: drop one")
+    if args.rl_second_balanced and not args.second_search:
+        raise SystemExit("--rl-second-balanced mixes --second-search's two-search questions in: add --second-search")
+    if args.rl_second_balanced and args.rl_second_only:
+        raise SystemExit("--rl-second-only and --rl-second-balanced choose different pools: drop one")
+    if (args.rl_second_only or args.rl_second_balanced) and args.rl_unsolved:
+        raise SystemExit("--rl-unsolved narrows --rl-answerable's pool, not a --second-search one: drop one")
     from agent_rl.bootstrap.prepare import ensure_index, ensure_model
     from agent_rl.config import load_config
 
@@ -823,6 +854,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         train_overrides = [*train_overrides, f"data.train_files=[{out / 'data' / 'train_rl_second.parquet'}]"]
         _log(f"data: RL trains on the {sizes['train_rl_second']} training questions with a second search")
+    elif args.rl_second_balanced:
+        keep = second_balanced(split["train"], hits["train"], second, args.seed)
+        sizes["train_rl_balanced"] = write_rl_train(
+            cfg, out / "data", split["train"], keep, "train_rl_balanced", "--rl-second-balanced"
+        )
+        train_overrides = [*train_overrides, f"data.train_files=[{out / 'data' / 'train_rl_balanced.parquet'}]"]
+        _log(
+            f"data: RL trains on {sizes['train_rl_balanced']} training questions: the {len(second)} with a second "
+            "search and as many whose first search finds the answer"
+        )
     elif args.rl_answerable:
         sizes["train_rl"] = write_rl_train(cfg, out / "data", split["train"], answerable)
         train_overrides = [*train_overrides, f"data.train_files=[{out / 'data' / 'train_rl.parquet'}]"]

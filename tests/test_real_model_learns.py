@@ -58,7 +58,14 @@ def test_second_search_is_a_title_that_finds_what_the_question_missed(tmp_path, 
     """--second-search's scripted second query: only for training questions whose own search misses; the title of a
     corpus passage that holds a gold answer (and the fixture has such questions). --rl-second-only's GRPO prompts are
     exactly those questions."""
-    from real_model_learns import answer_hits, main, second_queries, split_questions, write_rl_train
+    from real_model_learns import (
+        answer_hits,
+        main,
+        second_balanced,
+        second_queries,
+        split_questions,
+        write_rl_train,
+    )
 
     from agent_rl.config import load_config
     from retriever_server.answers import contains_answer
@@ -83,6 +90,30 @@ def test_second_search_is_a_title_that_finds_what_the_question_missed(tmp_path, 
     assert sorted(pool) == sorted(f"{r['source']}_{r['id']}" for r in train if r["id"] in second)
     with pytest.raises(SystemExit, match="add --second-search"):
         main(["--data", str(data), "--out", str(tmp_path / "run"), "--rl-second-only"])
+    # --rl-second-balanced: every two-search question and as many first-search hits, the same draw for a seed
+    balanced = second_balanced(train, hits, second, 0)
+    chosen = {r["id"] for r, k in zip(train, balanced) if k}
+    found = chosen - set(second)
+    assert set(second) <= chosen and len(found) == len(second)
+    assert found <= {r["id"] for r, hit in zip(train, hits) if hit}
+    assert second_balanced(train, hits, second, 0) == balanced
+    assert any(second_balanced(train, hits, second, s) != balanced for s in range(1, 6))
+    with pytest.raises(SystemExit, match="only 0 whose first search finds"):
+        second_balanced(train, [False] * len(train), second, 0)
+    with pytest.raises(SystemExit, match="add --second-search"):
+        main(["--data", str(data), "--out", str(tmp_path / "run"), "--rl-second-balanced"])
+    with pytest.raises(SystemExit, match="drop one"):
+        main(
+            [
+                "--data",
+                str(data),
+                "--out",
+                str(tmp_path / "run"),
+                "--second-search",
+                "--rl-second-only",
+                "--rl-second-balanced",
+            ]
+        )
     # retriever.new_passages: a repeated search shows the next passage, so the question itself is the second query
     # wherever its second passage holds the answer
     from agent_rl.bootstrap.prepare import local_retriever, read_qa_rows
