@@ -12,24 +12,15 @@ import json
 from pathlib import Path
 
 import pytest
-import requests
-from agent_fixtures import FIXTURES, ROOT, start_server
+from agent_fixtures import FIXTURES, ROOT
 
 CORPUS = FIXTURES / "hotpotqa100" / "corpus.jsonl"
-QUESTIONS = FIXTURES / "hotpotqa100" / "questions.jsonl"
 
 
 def _corpus(tmp_path: Path, lines: int) -> Path:
     out = tmp_path / "corpus.jsonl"
     out.write_text("\n".join(CORPUS.read_text().splitlines()[:lines]) + "\n")
     return out
-
-
-def _vm_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
 
 
 def test_retriever_kind_takes_every_kind_the_builder_offers():
@@ -70,9 +61,9 @@ def test_first_use_builds_the_configured_factory_index(tmp_path, capsys):
 def test_plan_counts_the_retriever_server_of_a_built_index(hotpot_index_dir, capsys):
     """With retriever.url unset and a built index in retriever.index_dir, `agent-rl plan` adds
     host/retriever_server to both phases: the planned RSS at start of `retriever_server.plan` for
-    that index (`plan_served`), which a real server over it, after a batch of 32 queries, matches
-    within 15%. The text names it and where it was planned from; with retriever.url set it is not
-    counted, and the text says why."""
+    that index (`plan_served`, which tests/test_retriever_scale.py holds against served processes).
+    The text names it and where it was planned from; with retriever.url set it is not counted, and
+    the text says why."""
     from agent_rl.cli import main
     from retriever_server.plan import plan_served
 
@@ -95,12 +86,6 @@ def test_plan_counts_the_retriever_server_of_a_built_index(hotpot_index_dir, cap
     assert res["host_peak_bytes"] - remote["host_peak_bytes"] == expected
     main([*local, "retriever.url=http://127.0.0.1:9"])
     assert "retriever: retriever.url is set" in capsys.readouterr().out
-
-    questions = [json.loads(line)["question"] for line in QUESTIONS.read_text().splitlines() if line.strip()]
-    with start_server(hotpot_index_dir) as (proc, url):
-        requests.post(f"{url}/retrieve", json={"queries": questions[:32], "topk": 10}, timeout=60).raise_for_status()
-        rss = _vm_rss(proc.pid)
-    assert abs(expected / rss - 1) < 0.15, (expected, rss)
 
 
 def test_plan_counts_an_index_before_first_use_builds_it(tmp_path, tiny_model_dir):

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import requests
-from agent_fixtures import start_server
+from agent_fixtures import start_server, start_servers
 
 QUESTIONS = Path(__file__).resolve().parent / "fixtures" / "hotpotqa100" / "questions.jsonl"
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,13 +61,6 @@ def kinds(hotpot_index_dir, tmp_path_factory):
     return dirs
 
 
-def _vm_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_plan_cli_counts_the_corpus_before_building(hotpot_index_dir, capsys):
     """`retriever-build --plan --json` counts the corpus's lines, reads the encoder's dimension, and
     plans the flat index's bytes as 4 x dim a passage, writing nothing."""
@@ -104,20 +97,65 @@ def test_plan_matches_the_built_index_file(kind, tmp_path):
     assert abs(planned / (tmp_path / "index.faiss").stat().st_size - 1) < 0.03
 
 
-def test_plan_matches_a_served_process(hotpot_index_dir):
-    """The planned store is the docs.arrow file within 2%, and the planned RSS of a server that has
-    answered a batch of 32 queries is its measured VmRSS within 15% (at this size the measured
-    baseline constant dominates)."""
+def _scaled(flat_dir: Path, out: Path, count: int) -> Path:
+    """A flat index directory of `count` passages, as retriever-build writes it: the fixture's passages
+    repeated under new ids (docs.arrow of real text) and random unit vectors of the encoder's width (the
+    plan reads the count and the width, not the vectors' values)."""
+    import faiss
+
+    from retriever_server.store import file_sha256, write_store
+
+    manifest = json.loads((flat_dir / "manifest.json").read_text())
+    texts = [json.loads(line)["contents"] for line in Path(manifest["corpus"]).read_text().splitlines()]
+    out.mkdir(parents=True)
+    corpus = out.parent / "corpus.jsonl"
+    with corpus.open("w") as f:
+        for i in range(count):
+            f.write(json.dumps({"id": f"p{i}", "contents": texts[i % len(texts)]}) + "\n")
+    write_store(corpus, out)
+    for path in flat_dir.glob("encoder.onnx*"):
+        shutil.copy(path, out / path.name)
+    x = np.random.default_rng(0).standard_normal((count, manifest["dim"]), dtype=np.float32)
+    faiss.normalize_L2(x)
+    index = faiss.IndexFlatIP(manifest["dim"])
+    index.add(x)
+    faiss.write_index(index, str(out / "index.faiss"))
+    manifest.update(count=count, corpus=str(corpus), corpus_sha256=file_sha256(corpus))
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    return out
+
+
+def _rss(pid: int) -> dict[str, int]:
+    """VmRSS and RssAnon of a process, in bytes."""
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return {ln.split(":")[0]: int(ln.split()[1]) * 1024 for ln in lines if ln.startswith(("VmRSS:", "RssAnon:"))}
+
+
+def test_plan_matches_a_served_process(hotpot_index_dir, tmp_path):
+    """The planned store is the docs.arrow file within 2%; beside the fixture's server, a server of 200,000
+    passages (a 293 MiB flat index) holds the planned index's bytes more in anonymous memory, within 3%, and,
+    once both have answered a batch of 32 queries, its VmRSS lies between its planned start, less 15%, and its
+    planned maximum (start + the mapped store), plus 15%. The absolute RSS of the fixture's small server is
+    not checked alone: its mapped pages (shared libraries, the encoder's data file, the store) depend on how
+    much of a file the kernel maps at a fault and its heap on the allocator, 268-373 MiB on machines that
+    ran this suite against a plan of 315 (bench/RESULTS.md)."""
     from retriever_server.plan import plan_served, store_bytes
 
     manifest = json.loads((hotpot_index_dir / "manifest.json").read_text())
     assert abs(store_bytes(Path(manifest["corpus"])) / (hotpot_index_dir / "docs.arrow").stat().st_size - 1) < 0.02
-    plan = plan_served(hotpot_index_dir, manifest)
-    with start_server(hotpot_index_dir) as (proc, url):
-        batch = {"queries": _questions()[:32], "topk": 10}
-        requests.post(f"{url}/retrieve", json=batch, timeout=60).raise_for_status()
-        rss = _vm_rss(proc.pid)
-    assert abs(plan.server_rss_start_bytes / rss - 1) < 0.15, (plan.server_rss_start_bytes, rss)
+    big_dir = _scaled(hotpot_index_dir, tmp_path / "big" / "index", 200_000)
+    small = plan_served(hotpot_index_dir, manifest)
+    big = plan_served(big_dir, json.loads((big_dir / "manifest.json").read_text()))
+    batch = {"queries": _questions()[:32], "topk": 10}
+    with start_servers({"small": (hotpot_index_dir,), "big": (big_dir,)}) as servers:
+        rss = {}
+        for name, (proc, url) in servers.items():
+            requests.post(f"{url}/retrieve", json=batch, timeout=60).raise_for_status()
+            rss[name] = _rss(proc.pid)
+    grown = rss["big"]["RssAnon"] - rss["small"]["RssAnon"]
+    assert abs(grown / (big.index_bytes - small.index_bytes) - 1) < 0.03, (grown, big.index_bytes, small.index_bytes)
+    measured = rss["big"]["VmRSS"]
+    assert 0.85 * big.server_rss_start_bytes <= measured <= 1.15 * big.server_rss_max_bytes, (big, rss)
 
 
 def test_compressed_kinds_serve_with_settings_and_recall(hotpot_index_dir, kinds):
