@@ -174,6 +174,7 @@ def test_plan_of_a_bm25_index_matches_its_files_and_server(cacm_index):
     """`plan_served` of a BM25 index: disk within 10% of the directory's bytes (the store + Lucene's files, planned
     as a share of the store); a real server that has answered a batch of queries holds within 15% of the planned
     RSS at start + the mapped pages of the store and Lucene's files (a small index: every page read)."""
+    from agent_rl.runtime.memory import proc_status_bytes
     from retriever_server.plan import plan_served
 
     plan = plan_served(cacm_index, json.loads((cacm_index / "manifest.json").read_text()))
@@ -183,6 +184,5 @@ def test_plan_of_a_bm25_index_matches_its_files_and_server(cacm_index):
     with start_server(cacm_index) as (proc, url):
         queries = [f"computer {w} systems" for w in ("time sharing", "parallel", "compiler", "sorting")] * 8
         requests.post(f"{url}/retrieve", json={"queries": queries, "topk": 10}, timeout=60).raise_for_status()
-        status = Path(f"/proc/{proc.pid}/status").read_text().splitlines()
-        rss = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+        rss = proc_status_bytes("VmRSS", proc.pid)
     assert abs(plan.server_rss_max_bytes / rss - 1) < 0.15, (plan.server_rss_max_bytes, rss)

@@ -37,10 +37,11 @@ print(peak_rss_bytes())
 """
 
 
-def proc_status_bytes(key: str) -> int | None:
-    """A memory line of /proc/self/status (VmRSS, VmHWM, RssAnon, ...) in bytes; None off Linux."""
+def proc_status_bytes(key: str, pid: int | str = "self") -> int | None:
+    """A memory line of /proc/PID/status (VmRSS, VmHWM, RssAnon, ...) in bytes, this process's by default; None
+    off Linux."""
     try:
-        with open("/proc/self/status") as f:
+        with open(f"/proc/{pid}/status") as f:
             for line in f:
                 if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
