@@ -27,7 +27,7 @@ from agent_rl.guard.collapse import CollapseGuard
 from agent_rl.guard.signals import ReplaySet
 from agent_rl.learn.batch import RolloutBatch
 from agent_rl.learn.policy import _DTYPES, ValueModel, assert_no_data_parallel, frozen_copy, load_policy
-from agent_rl.learn.update import adamw, prepare_batch, update
+from agent_rl.learn.update import adamw, minibatch_plan, prepare_batch, update
 from agent_rl.planning.preflight import run_preflight
 from agent_rl.rollout.budget import TokenBudget
 from agent_rl.rollout.buffer import TrajectoryBuffer
@@ -109,11 +109,11 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     cfg = copy.deepcopy(
         cfg
     )  # the run may rewrite devices (torchrun) and, on rollback, the KL; the caller's config stays as given
+    out_dir = Path(cfg.run.output_dir)
     world = dist_lib.init_distributed(cfg)
     # Same seed everywhere for data order and model init; each rank samples its own rollouts.
     seed_everything(cfg.run.seed, cfg.run.deterministic)
     host_allocator = allocator.setup(allocator.mmap_threshold_mib(cfg.train, cfg.rollout))
-    out_dir = Path(cfg.run.output_dir)
     if world.is_main:
         print(f"[train] host allocator: {host_allocator}", file=sys.stderr)
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -204,6 +204,13 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     return run
 
 
+def informative(group: list[Trajectory], exclude_failed: bool) -> bool:
+    """Whether a group's rewards differ (dynamic sampling keeps it): over the rows the update trains on, so a
+    row whose search failed (retriever.exclude_failed takes it out of the loss and of its group's statistics)
+    cannot make a group of otherwise equal rewards look informative."""
+    return len({t.reward for t in group if not (exclude_failed and t.retrieval_failed)}) > 1
+
+
 def sample_groups(run: Run, loop: AgentLoop, reward: Reward) -> tuple[list[Trajectory], list[list[Trajectory]], dict]:
     """This step's rollout, rewarded: (every sampled trajectory, the groups the update trains on, metrics).
 
@@ -229,7 +236,7 @@ def sample_groups(run: Run, loop: AgentLoop, reward: Reward) -> tuple[list[Traje
         groups = [trajs[g : g + n] for g in range(0, len(trajs), n)]
         last = groups
         if cfg.algo.filter_groups:
-            groups = [g for g in groups if len({t.reward for t in g}) > 1]
+            groups = [g for g in groups if informative(g, cfg.retriever.exclude_failed)]
         kept += groups[: target - len(kept)]
         if not cfg.algo.filter_groups or batches >= cfg.algo.max_gen_batches:
             break
@@ -294,9 +301,7 @@ def learn_step(run: Run, trajs: list[Trajectory], times: dict) -> tuple[RolloutB
     # freed)
     engine.sleep(discard_weights=True)  # the weight sync after the update rewrites every weight
     allocator.release()  # the rollout's freed memory back to the system before the update's
-    single_pass = cfg.algo.ppo_epochs == 1 and (
-        cfg.algo.mini_batch_size == 0 or cfg.algo.mini_batch_size // world.world_size >= len(trajs)
-    )
+    single_pass = cfg.algo.ppo_epochs == 1 and minibatch_plan(cfg.algo, len(trajs), world)[1] == 1
     batch = prepare_batch(
         cfg.algo,
         cfg.train,

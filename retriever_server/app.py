@@ -418,12 +418,18 @@ class Retriever:
                     f"id {i} has {len(doc_id)} characters, over the limit of {s.max_query_chars} (--max-query-chars)",
                 )
         try:
-            rows = self.store.row_of(list(req.ids))
-            found = iter(self.store.get(rows))
+            # On the search thread, not the event loop: the first read builds the store's id map (seconds at
+            # wiki-18's 21M ids), and BM25's searches build and read the same map there
+            result = await asyncio.get_running_loop().run_in_executor(self.executor, self._read_now, list(req.ids))
         except Exception as err:  # the store itself failed: say so, stay up
             return self.error(503, f"read failed: {type(err).__name__}: {err}")
         self.metrics.count(200)
-        return Answer({"result": [next(found) if row >= 0 else None for row in rows.tolist()]})
+        return Answer({"result": result})
+
+    def _read_now(self, ids: list[str]) -> list[dict | None]:
+        rows = self.store.row_of(ids)
+        found = iter(self.store.get(rows))
+        return [next(found) if row >= 0 else None for row in rows.tolist()]
 
     def health(self) -> dict[str, Any]:
         s = self.s

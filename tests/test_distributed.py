@@ -29,6 +29,8 @@ SCENARIOS = {
     # rows of equal-reward groups leave the update on one rank and not the other: the ranks run
     # different numbers of micro-batches, padded so the FSDP collectives still pair up
     "skip": ["algo.ppo_epochs=1", "algo.loss_agg=seq-mean-token-mean", "train.skip_zero_advantage=true"],
+    # PPO: a sharded critic's values, GAE advantages whitened over both ranks' rows
+    "gae": ["algo.name=ppo", "algo.ppo_epochs=1", "algo.loss_agg=token-mean"],
 }
 
 
@@ -118,20 +120,30 @@ def _single_process_step(model_dir: Path, trajs, overrides: list[str]):
     torch.manual_seed(0)
     policy = _load(model_dir)
     ref = frozen_copy(policy, "cpu") if cfg.algo.kl_coef > 0 else None
+    critic = _critic(model_dir) if cfg.algo.name == "ppo" else None
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
+    critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.algo.critic_lr) if critic is not None else None
     batch = prepare_batch(
         cfg.algo,
         cfg.train,
         policy,
         ref,
-        None,
+        critic,
         trajs,
         PAD,
         need_old=cfg.algo.ppo_epochs > 1,
         temperature=cfg.rollout.temperature,
     )
     metrics = update(
-        cfg.algo, cfg.train, policy, None, opt, None, batch, random.Random(0), temperature=cfg.rollout.temperature
+        cfg.algo,
+        cfg.train,
+        policy,
+        critic,
+        opt,
+        critic_opt,
+        batch,
+        random.Random(0),
+        temperature=cfg.rollout.temperature,
     )
     params = {n: p.detach().clone() for n, p in policy.named_parameters()}
     grads = {n: p.grad.detach().clone() for n, p in policy.named_parameters()}
@@ -152,11 +164,15 @@ def _pick_cap(trajs, even: bool) -> int:
 
 
 def _scenarios(caps: dict[str, int]) -> dict[str, list[str]]:
-    """Scenario name -> config overrides, with the micro-batch cap each one uses."""
+    """Scenario name -> config overrides, with the micro-batch cap each one uses ("ragged" is run apart:
+    its ranks hold different numbers of groups)."""
     out = {name: _overrides(extra, caps["even"]) for name, extra in SCENARIOS.items()}
     if _trainer_pads_microbatches():
         out["uneven"] = _overrides(UNEVEN, caps["uneven"])
     return out
+
+
+RAGGED = ["algo.ppo_epochs=1", "algo.mini_batch_size=8", "algo.loss_agg=token-mean"]
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +239,23 @@ def test_two_rank_fsdp_step_matches_single_process(job, scenario):
         assert got["microbatches_per_rank"] == [metrics["train/microbatches"] / 2] * 2
 
 
+def test_ranks_holding_different_row_counts_take_the_same_mini_batch_steps(job):
+    """algo.mini_batch_size under torchrun when the ranks hold 12 and 4 rows (groups dropped by the buffer's
+    budget, or dynamic sampling out of batches, leave them so): both ranks take ceil(12 / 4) = 3 optimizer steps,
+    the one with fewer rows padding two of them, and both run the old log-prob pass (one rank alone would need
+    none). Deciding either from the rank's own row count leaves the ranks' collectives unpaired: the job hangs
+    or fails."""
+    got = torch.load(job / "ragged.pt", weights_only=False)
+    rows = [r["rows"] for r in got["per_rank"]]
+    assert rows == [12, 4]
+    assert [r["plan"] for r in got["per_rank"]] == [(4, 3), (4, 3)]
+    assert [r["optimizer_steps"] for r in got["per_rank"]] == [3.0, 3.0]
+    real = [r["microbatches"] for r in got["per_rank"]]
+    assert real[0] >= 3 and 1 <= real[1] < real[0]  # rank 1's padding passes report nothing
+    assert got["per_rank"][0]["grad_norm"] == pytest.approx(got["per_rank"][1]["grad_norm"], rel=1e-6)
+    assert got["moved"] > 1e-4
+
+
 def test_iter_full_params_yields_unsharded_tensors(job):
     """Under 2 gloo ranks, `iter_full_params` on an FSDP2 model yields exactly the unsharded
     state dict (same names, same shapes, equal values, plain tensors), one entry at a time; the
@@ -257,7 +290,7 @@ def test_dcp_checkpoint_round_trip_and_reshard(job):
     # world size 2 -> 1: a plain model and optimizer, no process group
     model = _load(job / "model")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    critic = _critic(job)
+    critic = _critic(job / "model")
     critic_opt = torch.optim.AdamW(critic.parameters(), lr=1e-3)
     extra = load_sharded(ckpt, model, opt, dist=None, critic=critic, critic_optimizer=critic_opt)
     assert all(torch.equal(critic.state_dict()[n], t) for n, t in got["saved_critic"].items())
@@ -338,11 +371,11 @@ def _full(model) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in iter_full_params(model)}
 
 
-def _critic(work: Path):
-    """A PPO critic (the policy's backbone + a value head), trainable."""
+def _critic(model_dir: Path):
+    """A PPO critic (the policy's backbone + a value head, zero at the start), trainable."""
     from agent_rl.learn.policy import ValueModel
 
-    critic = ValueModel(_load(work / "model"))
+    critic = ValueModel(_load(model_dir))
     for p in critic.parameters():
         p.requires_grad_(True)
     return critic
@@ -393,16 +426,19 @@ def _rank_main(work: Path) -> None:
         torch.manual_seed(0)
         policy = _load(work / "model")
         ref = frozen_copy(policy, "cpu") if cfg.algo.kl_coef > 0 else None
+        critic = _critic(work / "model") if cfg.algo.name == "ppo" else None
         shard_model(policy, dist, cfg.train)
-        if ref is not None:
-            shard_model(ref, dist, cfg.train)
+        for module in (ref, critic):
+            if module is not None:
+                shard_model(module, dist, cfg.train)
         opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
+        critic_opt = torch.optim.AdamW(critic.parameters(), lr=cfg.algo.critic_lr) if critic is not None else None
         batch = prepare_batch(
             cfg.algo,
             cfg.train,
             policy,
             ref,
-            None,
+            critic,
             mine,
             PAD,
             need_old=cfg.algo.ppo_epochs > 1,
@@ -413,9 +449,9 @@ def _rank_main(work: Path) -> None:
             cfg.algo,
             cfg.train,
             policy,
-            None,
+            critic,
             opt,
-            None,
+            critic_opt,
             batch,
             random.Random(0),
             world=dist,
@@ -442,6 +478,61 @@ def _rank_main(work: Path) -> None:
                 },
                 work / f"update_{name}.pt",
             )
+
+    # ragged: the ranks hold different numbers of groups (the buffer's budget or dynamic sampling can leave them
+    # so) and algo.mini_batch_size splits the update: rank 0's 12 rows take 3 optimizer steps of 4, rank 1's 4
+    # rows one, so rank 1 must pad 2 steps and agree on the old log-prob pass it needs
+    from agent_rl.learn.update import minibatch_plan
+
+    cfg = load_config(None, _overrides(RAGGED, job["caps"]["even"]))
+    mine = [t for g in (groups[:3] if dist.rank == 0 else groups[3:]) for t in g]
+    torch.manual_seed(0)
+    policy = shard_model(_load(work / "model"), dist, cfg.train)
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg.train.lr)
+    mini, steps = minibatch_plan(cfg.algo, len(mine), dist)
+    single_pass = cfg.algo.ppo_epochs == 1 and steps == 1  # as train.learn_step decides it
+    batch = prepare_batch(
+        cfg.algo,
+        cfg.train,
+        policy,
+        None,
+        None,
+        mine,
+        PAD,
+        need_old=not single_pass,
+        world=dist,
+        temperature=cfg.rollout.temperature,
+    )
+    metrics = update(
+        cfg.algo,
+        cfg.train,
+        policy,
+        None,
+        opt,
+        None,
+        batch,
+        random.Random(0),
+        world=dist,
+        temperature=cfg.rollout.temperature,
+    )
+    ragged: list = [None, None]
+    torch.distributed.all_gather_object(
+        ragged,
+        {
+            "rows": len(mine),
+            "plan": (mini, steps),
+            "optimizer_steps": max(float(st["step"]) for st in opt.state.values()),
+            "microbatches": metrics["train/microbatches"],
+            "grad_norm": metrics["actor/grad_norm"],
+        },
+    )
+    moved = max(
+        (t - _load(work / "model").state_dict()[n]).abs().max().item()
+        for n, t in _full(policy).items()
+        if not n.endswith("inv_freq")
+    )
+    if dist.is_main:
+        torch.save({"per_rank": ragged, "moved": moved}, work / "ragged.pt")
 
     # iter_full_params on a freshly sharded model: every rank sees the full tensors
     cfg = load_config(None, _scenarios(job["caps"])["seq"])  # no reference model from here on
@@ -514,7 +605,7 @@ def _rank_main(work: Path) -> None:
     saved_params = _full(policy)
     by_name = dict(policy.named_parameters())
     saved_exp_avg = {n: opt.state[p]["exp_avg"].full_tensor().clone() for n, p in by_name.items()}
-    critic = _critic(work)
+    critic = _critic(work / "model")
     shard_model(critic, dist, cfg.train)
     critic_opt = _critic_step(critic)
     saved_critic = _full(critic)

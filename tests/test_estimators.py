@@ -424,3 +424,28 @@ def test_config_accepts_the_new_combinations_and_resolves_auto():
     for loss in losses.POLICY_LOSSES:
         for name in ("grpo", "ppo"):
             assert load_config(None, [f"algo.name={name}", f"algo.policy_loss={loss}"]).algo.policy_loss == loss
+
+
+def test_dynamic_sampling_judges_a_group_by_the_rows_the_update_trains_on():
+    """algo.filter_groups keeps a group whose rewards differ; with retriever.exclude_failed the row whose search
+    failed leaves the loss and the group's statistics, so it must not make the group count: rewards 1, 1 and a
+    failed search's 0 are a group of equal rewards (zero advantage everywhere), dropped; without the exclusion
+    the failed row trains and the group is kept."""
+    from agent_rl.rollout.trajectory import Trajectory, Turn
+    from agent_rl.train import informative
+
+    def traj(reward: float, failed: bool) -> Trajectory:
+        t = Trajectory(
+            "q",
+            "toy",
+            [1, 2],
+            ["a"],
+            turns=[Turn("search", 4, False, query="q", retriever_error="timeout" if failed else None)],
+        )
+        t.reward = reward
+        return t
+
+    group = [traj(1.0, False), traj(1.0, False), traj(0.0, True)]
+    assert not informative(group, exclude_failed=True)
+    assert informative(group, exclude_failed=False)
+    assert informative([traj(1.0, False), traj(0.0, False), traj(0.0, True)], exclude_failed=True)

@@ -766,3 +766,41 @@ def test_workers_refused_where_fork_cannot_serve(hotpot_index_dir, tmp_path):  #
     }
     for name, err in _refused({name: (d, extra) for name, (d, extra, _) in cases.items()}, tmp_path).items():
         assert "retriever-server: error: --workers" in err and cases[name][2] in err, err
+
+
+def test_a_first_read_building_the_id_map_leaves_the_server_answering(hotpot_index_dir, monkeypatch):  # noqa: F811
+    """`/read`'s first call builds the store's id map (seconds at wiki-18's 21M ids): it runs on the search thread,
+    so `/health` answers meanwhile instead of waiting behind it on the event loop. The map's build is slowed to
+    1.5 s here; the read then answers the documents it asks for."""
+    from test_retriever_auth import serving
+
+    from retriever_server.app import Settings, create_app
+
+    app = create_app(hotpot_index_dir, Settings())
+    store = app.state.retriever.store
+    build = store._index_ids
+
+    def slow_build() -> None:
+        time.sleep(1.5)
+        build()
+
+    monkeypatch.setattr(store, "_index_ids", slow_build)
+    with serving(app) as url:
+        ids = [
+            d["id"]
+            for d in requests.post(f"{url}/retrieve", json={"queries": ["Demon Dice"], "topk": 2}).json()["result"][0]
+        ]
+        answer: dict = {}
+        reader = threading.Thread(
+            target=lambda: answer.update(r=requests.post(f"{url}/read", json={"ids": ids}, timeout=60))
+        )
+        reader.start()
+        time.sleep(0.3)  # the read is inside the slow build now
+        start = time.monotonic()
+        health = requests.get(f"{url}/health", timeout=60)
+        waited = time.monotonic() - start
+        reader.join(60)
+    assert health.status_code == 200 and "r" in answer
+    assert waited < 1.0, f"/health waited {waited:.2f} s behind the first /read"
+    assert answer["r"].status_code == 200
+    assert [d["id"] for d in answer["r"].json()["result"]] == ids

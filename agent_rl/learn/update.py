@@ -9,7 +9,9 @@ passes as the rank with the most micro-batches (FSDP all-gathers in each one); t
 have loss weight 0 and report no metrics. The loss is normalised by the mini-batch's global count of
 trained tokens (token-mean) or of rows with a trained token (seq-mean-token-mean, as `losses.aggregate`
 counts them), times the world size because FSDP averages gradients over ranks, so N ranks and k
-micro-batches take the step one process would take in one pass.
+micro-batches take the step one process would take in one pass. The ranks also take the same number of
+mini-batches (optimizer steps), as many as the rank with the most rows needs (`minibatch_plan`): their row
+counts differ when the buffer's budget drops groups on one rank or dynamic sampling runs out of batches.
 
 A micro-batch's forward and backward never wait for the device: its loss weight comes from the host copy of the
 batch, its forward plans from the rows' host copy (`MicroBatch.host`), and its metrics (and the log-probs reported
@@ -57,6 +59,21 @@ def _pack(train: TrainConfig, batch: RolloutBatch, members: list[int], share: bo
     groups = [batch.trajs[i].prompt_id for i in members] if share else None
     local = pack_microbatches(batch.lengths(members), train.max_tokens_per_microbatch, groups)
     return [[members[j] for j in b] for b in local]
+
+
+def minibatch_plan(algo: AlgoConfig, n: int, world: World = LOCAL) -> tuple[int, int]:
+    """(rows a mini-batch takes on this rank, mini-batches an epoch) for a rank holding `n` rows.
+
+    algo.mini_batch_size counts rows over all ranks, each taking mini_batch_size / world_size of them. Each
+    mini-batch is an optimizer step with its own collectives, so the count follows the rank with the most rows
+    (one all-reduce): a rank whose rows run out takes padding passes (loss weight 0) for the rest. Without
+    mini-batches (0), one step over each rank's rows. One epoch of one mini-batch is the update's single pass
+    (no old log-probs needed), decided alike on every rank."""
+    mini = algo.mini_batch_size // world.world_size if algo.mini_batch_size else 0
+    if not mini:
+        return n, 1
+    most = int(world.all_reduce_max(float(n)))
+    return mini, max(1, -(-most // mini))
 
 
 def prepare_batch(
@@ -117,11 +134,12 @@ def prepare_batch(
     else:
         kl = losses.kl_penalty(out["old"], out["ref"], "k1") if k1_reward else None
         token_rewards = adv_lib.token_level_rewards(scores, mask, kl, algo.kl_coef if kl is not None else 0.0)
+        # GAE's and REINFORCE++'s advantages are whitened over the whole batch: every rank's rows under torchrun
+        reduce_sum = world.all_reduce_sum if world.sharded else None
         if estimator == "gae":
             a, batch.returns = adv_lib.gae(token_rewards, out["values"], mask, algo.gamma, algo.lam)
-            batch.advantages = adv_lib.whiten(a, mask) * mask
-        else:  # REINFORCE++: whitened over the whole batch, every rank's rows under torchrun
-            reduce_sum = world.all_reduce_sum if world.sharded else None
+            batch.advantages = adv_lib.whiten(a, mask, reduce_sum=reduce_sum) * mask
+        else:
             if estimator == "reinforce_pp":
                 batch.advantages = adv_lib.reinforce_pp_advantages(token_rewards, mask, algo.gamma, reduce_sum)
             else:
@@ -158,8 +176,7 @@ def update(
     if batch.advantages is None:
         raise ValueError("update needs a scored batch: build it with prepare_batch")
     advantages = batch.advantages
-    n = len(batch)
-    mini = (algo.mini_batch_size // world.world_size if algo.mini_batch_size else 0) or n
+    mini, steps = minibatch_plan(algo, len(batch), world)
     share = share_prefix(train, policy, world)
     policy.train()
     # A row whose advantage is 0 on every token adds exactly 0 to the policy gradient (every
@@ -173,10 +190,10 @@ def update(
     skipped = 0
     readout = _Readout()  # metrics; |trainer - engine| log-prob over sampled tokens (first epoch); reported rows
     for epoch in range(algo.ppo_epochs):
-        order = list(range(n))
+        order = list(range(len(batch)))
         rng.shuffle(order)
-        for lo in range(0, n, mini):
-            members = order[lo : lo + mini]
+        for step in range(steps):
+            members = order[step * mini : (step + 1) * mini]
             # The normalisers of the whole mini-batch, as `losses.aggregate` counts them over one micro-batch:
             # masked tokens (token-mean), or rows with at least one masked token (seq-mean-token-mean; an
             # excluded row, mask all 0, is in neither), so k micro-batches add up to the one-pass loss. Read
@@ -187,23 +204,26 @@ def update(
             optimizer.zero_grad(set_to_none=True)
             if critic_opt is not None:
                 critic_opt.zero_grad(set_to_none=True)
-            if skip_zero:  # kept in the normaliser above, left out of the forward and backward
+            # A rank whose rows ran out on earlier mini-batches runs its first row with weight 0 (a padding pass)
+            padding = not members
+            if skip_zero and members:  # kept in the normaliser above, left out of the forward and backward
                 # One row still runs when none would: a zero gradient, not a missing one, so AdamW
                 # moves (momentum, weight decay) exactly as the plain path, and FSDP ranks stay in step.
                 trained = advantages[members].ne(0).any(-1).tolist()
                 run = [i for i, t in zip(members, trained) if t] or members[:1]
                 skipped += len(members) - len(run)
                 members = run
-            for index, real in even_microbatches(_pack(train, batch, members, share), world):
+            for index, real in even_microbatches(_pack(train, batch, members or order[:1], share), world):
+                real = real and not padding
                 mb = batch.micro(index, train.device)
-                if algo.loss_agg == "token-mean":
+                if not real:
+                    weight = 0.0
+                elif algo.loss_agg == "token-mean":
                     weight = sum(tokens[i] for i in index) / max(1.0, mask_tokens)
                 else:
                     weight = sum(tokens[i] > 0 for i in index) / max(1.0, rows)
                 # an FSDP padding pass: the same collectives, a zero gradient, no metrics
-                mb_stats, old = _microbatch_step(
-                    algo, train, policy, critic, mb, weight if real else 0.0, share, world, temperature
-                )
+                mb_stats, old = _microbatch_step(algo, train, policy, critic, mb, weight, share, world, temperature)
                 if real:
                     readout.stats += mb_stats.items()
                 if epoch == 0 and real:  # old = the weights the engine sampled with

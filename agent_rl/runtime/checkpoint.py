@@ -6,7 +6,11 @@ is also a loadable Hugging Face model dir), the optimizer and scheduler states, 
 config, and, when the caller has one that no other file can rebuild (the frozen reference a
 rollback anchors its KL to), the reference's weights (`reference.safetensors`). A run killed
 mid-save leaves only a `.tmp_*` directory, which `latest_checkpoint` ignores, so the previous
-checkpoint stays usable. Tensors are written file by file (model shards by safetensors, optimizer
+checkpoint stays usable. A step saved again (a rollback re-saves the step it returned to) moves the old
+copy aside to `.prev_step_N` before the new one takes its name, and deletes it only after; a run killed
+between the two renames finds the old copy put back. A checkpoint deleted (pruned, or abandoned by a
+rollback) is first renamed out of sight (`.del_*`), so a kill mid-delete never leaves a half-deleted
+`step_N` that looks finished. Tensors are written file by file (model shards by safetensors, optimizer
 state with torch.save) so saving does not build a second full copy of the model in host memory.
 """
 
@@ -45,9 +49,17 @@ def set_rng_state(state: dict) -> None:
 
 
 def checkpoints(root: Path) -> list[Path]:
-    """Finished checkpoints under root, oldest first."""
+    """Finished checkpoints under root, oldest first (a step whose re-save was killed between its two renames
+    gets its previous copy back first)."""
     if not root.exists():
         return []
+    for prev in root.glob(".prev_step_*"):
+        final = root / prev.name[len(".prev_") :]
+        if _STEP.match(final.name) and not final.exists() and (prev / "state.pt").exists():
+            try:
+                os.replace(prev, final)
+            except FileNotFoundError:  # another rank on the same filesystem put it back first
+                pass
     found = [
         (int(m.group(1)), p)
         for p in root.iterdir()
@@ -63,12 +75,41 @@ def checkpoint_step(path: Path) -> int:
     return int(m.group(1))
 
 
+def discard(path: Path) -> None:
+    """Delete a checkpoint directory: renamed out of `checkpoints`' sight first (one atomic rename), then
+    removed, so a kill mid-delete leaves a `.del_*` leftover (removed by the next save), never a `step_N`
+    missing some of its files."""
+    path = Path(path)
+    if not path.exists():
+        return
+    gone = path.with_name(f".del_{path.name}")
+    shutil.rmtree(gone, ignore_errors=True)
+    os.replace(path, gone)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def publish(tmp: Path, final: Path) -> None:
+    """Give the finished (synced) checkpoint `tmp` its name `final`: an earlier copy of that step is moved
+    aside first and deleted only once the new one is in place (`checkpoints` puts it back if a kill falls
+    between the two renames); the directory's entries are synced after. Leftovers of killed deletes go."""
+    root = final.parent
+    prev = root / f".prev_{final.name}"
+    discard(prev)
+    if final.exists():
+        os.replace(final, prev)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    discard(prev)  # out of sight first: a half-deleted copy must never be put back
+    for gone in root.glob(".del_*"):
+        shutil.rmtree(gone, ignore_errors=True)
+
+
 def drop_checkpoints_after(root: Path, step: int) -> None:
     """Delete the finished checkpoints of steps after `step` (a rollback abandons them: a later
     --resume must not pick them up)."""
     for path in checkpoints(Path(root)):
         if checkpoint_step(path) > step:
-            shutil.rmtree(path, ignore_errors=True)
+            discard(path)
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -83,18 +124,26 @@ def prune_checkpoints(root: Path, keep_last: int, keep: Path) -> None:
     """
     for old in checkpoints(Path(root))[:-keep_last] if keep_last > 0 else []:
         if old != keep:
-            shutil.rmtree(old, ignore_errors=True)
+            discard(old)
 
 
-def _fsync_tree(path: Path) -> None:
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """Make a written checkpoint durable before a rename publishes it: every file, and every directory's
+    entries (subdirectories such as `model/` included)."""
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    for d in sorted((p for p in path.rglob("*") if p.is_dir()), reverse=True):
+        _fsync_dir(d)
+    _fsync_dir(path)
 
 
 REFERENCE = "reference.safetensors"
@@ -138,10 +187,8 @@ def save_checkpoint(
         save_model(reference, str(tmp / REFERENCE))  # tied weights written once
     torch.save({"rng": rng_state(), "extra": extra_state, "step": step}, tmp / "state.pt")
     (tmp / "config.json").write_text(json.dumps(config_dict, indent=1, default=str))
-    _fsync_tree(tmp)  # make the bytes durable before the rename publishes them
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    fsync_tree(tmp)  # make the bytes durable before the rename publishes them
+    publish(tmp, final)
     prune_checkpoints(root, keep_last, keep=final)
     return final
 

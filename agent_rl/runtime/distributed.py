@@ -39,7 +39,7 @@ import torch.distributed as torch_dist
 from torch import nn
 
 from agent_rl.config import AlgoConfig, RolloutConfig, TrainConfig
-from agent_rl.runtime.checkpoint import prune_checkpoints, rng_state, set_rng_state
+from agent_rl.runtime.checkpoint import fsync_tree, prune_checkpoints, publish, rng_state, set_rng_state
 from agent_rl.world import LocalWorld, World
 
 T = TypeVar("T")
@@ -415,9 +415,8 @@ def save_sharded(
             tmp / "state.pt",
         )
         (tmp / "config.json").write_text(json.dumps(config_dict or {}, indent=1, default=str))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        fsync_tree(tmp)
+        publish(tmp, final)
         prune_checkpoints(root, keep_last, keep=final)
     dist.barrier()
     return final
