@@ -539,3 +539,29 @@ def test_shared_prefix_update_is_bitwise_repeatable(tiny_model_dir):
     for other in runs[1:]:
         differ = [i for i, (a, b) in enumerate(zip(runs[0], other)) if not torch.equal(a, b)]
         assert not differ, f"{len(differ)} of {len(other)} gradients differ between two identical updates"
+
+
+def test_old_logprobs_are_scored_without_dropout(tiny_model_dir):
+    """LoRA with dropout: the old log-probs `prepare_batch` scores are the eval-mode ones, the same on every call
+    (in train mode each call would draw other dropout masks), and the policy is left in the mode it had."""
+    cfg = _cfg(tiny_model_dir, "model.lora.enabled=true", "model.lora.dropout=0.5")
+    torch.manual_seed(0)
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
+    _drift(policy)  # LoRA's B starts at 0: its branch, dropout and all, would add nothing
+    trajs = _trajs(policy.config.vocab_size, [1.0, 0.0, 1.0, 0.0])
+
+    def old() -> torch.Tensor:
+        b = prepare_batch(cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=True, temperature=1.0)
+        assert b.old_logprobs is not None
+        return b.old_logprobs * b.loss_mask
+
+    policy.train()
+    first, second = old(), old()
+    assert policy.training
+    policy.eval()
+    mb = collate(trajs, list(range(len(trajs))), 0)
+    with torch.no_grad():
+        want, _ = forward_logprobs(policy, mb, 1.0)
+    assert not policy.training
+    assert torch.equal(first, second)
+    assert torch.allclose(first, want * mb.loss_mask, atol=1e-6)

@@ -21,7 +21,9 @@ for saved rows) stay on the device as tensors until the update ends, then reach 
 
 from __future__ import annotations
 
+import contextlib
 import random
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -102,7 +104,8 @@ def prepare_batch(
     out = {k: torch.zeros((n, width), dtype=torch.float32) for k, on in wanted.items() if on}
     share = share_prefix(train, policy, world)
     scored: list[tuple[list[int], str, torch.Tensor]] = []
-    with torch.no_grad(), trainer_autocast(train, world):
+    # scored in eval mode: no dropout (`model.lora.dropout`) in the old log-probs, the reference or the values
+    with torch.no_grad(), trainer_autocast(train, world), _eval_mode(policy, critic):
         for index, real in even_microbatches(_pack(train, batch, list(range(n)), share), world):
             mb = batch.micro(index, train.device)
             got = {}
@@ -151,6 +154,19 @@ def prepare_batch(
     batch.ref_logprobs = out.get("ref")
     batch.values = out.get("values")
     return batch
+
+
+@contextlib.contextmanager
+def _eval_mode(*modules: nn.Module | None) -> Iterator[None]:
+    """`modules` (None skipped) in eval mode inside, each put back in the mode it had."""
+    modes = [(m, m.training) for m in modules if m is not None]
+    for m, _ in modes:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.train(training)
 
 
 def update(
