@@ -295,6 +295,7 @@ class Retriever:
         self.metrics = Metrics()
         self.cache = ResultCache(settings.cache_size) if settings.cache_size > 0 else None
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="search")
+        self.closed = False  # the executor shut down by `close`
         self.batcher: Batcher | None = None
         self.serial = asyncio.Lock()
         self.started = time.time()
@@ -313,7 +314,11 @@ class Retriever:
             return self.index.search_vectors(q, k)
 
     def start(self) -> None:
-        """Starts the batcher on the running event loop (the app's startup)."""
+        """Starts the batcher on the running event loop (the app's startup); after a `close` (a lifespan
+        entered again: a second TestClient, an outer app restarted) on a new search thread."""
+        if self.closed:
+            self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="search")
+            self.closed = False
         if self.s.batching:
             self.batcher = Batcher(self.search_now, self.executor, self.s.max_batch, self.s.batch_window_ms)
             self.batcher.start()
@@ -322,6 +327,7 @@ class Retriever:
         if self.batcher is not None and self.batcher.task is not None:
             self.batcher.task.cancel()
         self.executor.shutdown(wait=False, cancel_futures=True)
+        self.closed = True
 
     def error(self, status: int, message: str, close: bool = False) -> JSONResponse:
         """The one error shape, `{"detail": sentence}`, counted by status."""

@@ -804,3 +804,24 @@ def test_a_first_read_building_the_id_map_leaves_the_server_answering(hotpot_ind
     assert waited < 1.0, f"/health waited {waited:.2f} s behind the first /read"
     assert answer["r"].status_code == 200
     assert [d["id"] for d in answer["r"].json()["result"]] == ids
+
+
+def test_a_second_lifespan_answers_searches_and_reads(hotpot_index_dir):  # noqa: F811
+    """The app's lifespan entered twice (a second TestClient over one app; an outer app that mounts it restarted):
+    the second answers a search, batched and not, and a read, as the first did (a closed search thread is replaced)."""
+    from fastapi.testclient import TestClient
+
+    from retriever_server.app import Settings, create_app
+
+    for batching in (True, False):
+        app = create_app(hotpot_index_dir, Settings(cache_size=0, batching=batching))
+        answers = []
+        for _ in range(2):
+            with TestClient(app) as client:
+                r = client.post("/retrieve", json={"queries": _questions()[:2], "topk": 2})
+                assert r.status_code == 200, r.text
+                doc = r.json()["result"][0][0]["id"]
+                read = client.post("/read", json={"ids": [doc]})
+                assert read.status_code == 200, read.text
+                answers.append((r.content, read.content))
+        assert answers[0] == answers[1], batching
