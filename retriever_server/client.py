@@ -83,9 +83,16 @@ class RetrieverClient:
         record: RetrievalRecord | None = None,
         replay: bool = False,
         replay_miss: str = "error",
+        max_query_chars: int = 2048,
     ):
         """`url` may be None only when replaying. `record`: where answers are written (and, with
-        `replay`, read from). `replay_miss`: error | live (see the module docstring)."""
+        `replay`, read from). `replay_miss`: error | live (see the module docstring). `max_query_chars`:
+        a longer query is cut to its first `max_query_chars` characters before it is searched, recorded or
+        replayed (counted in `stats["clipped"]`), so that one runaway query a policy wrote does not fail its
+        whole batch (our server refuses a request holding a query over its --max-query-chars, 2048 by default,
+        with a 413); 0 sends every query whole."""
+        if max_query_chars < 0:
+            raise ValueError(f"max_query_chars must be >= 0 (0: no limit), got {max_query_chars}")
         if max_queries_per_request < 1:
             raise ValueError(f"max_queries_per_request must be >= 1, got {max_queries_per_request}")
         if replay_miss not in ("error", "live"):
@@ -97,6 +104,7 @@ class RetrieverClient:
         self.url = base_url(url) if url else None
         self.topk = topk
         self.max_queries_per_request = max_queries_per_request
+        self.max_query_chars = max_query_chars
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.max_retry_after_s = max_retry_after_s
@@ -113,6 +121,7 @@ class RetrieverClient:
             "latency_s": 0.0,
             "replayed": 0,
             "recorded": 0,
+            "clipped": 0,
         }
         self._lock = threading.Lock()  # split batches run in threads
         self._record_lock = threading.Lock()  # the fingerprint and the replayed answers load once
@@ -145,6 +154,7 @@ class RetrieverClient:
             record=RetrievalRecord(Path(folder)) if folder else None,
             replay=bool(rc.replay),
             replay_miss=rc.replay_miss,
+            max_query_chars=rc.max_query_chars,
         )
 
     def retrieve(self, queries: list[str], topk: int | None = None) -> list[list[dict]]:
@@ -154,6 +164,11 @@ class RetrieverClient:
         if not queries:
             return []
         topk = topk or self.topk
+        if self.max_query_chars:
+            limit = self.max_query_chars
+            if any(len(q) > limit for q in queries):
+                self._count("clipped", sum(len(q) > limit for q in queries))
+                queries = [q[:limit] for q in queries]
         if self.replay:
             return self._replayed(queries, topk)
         if self.record is None:

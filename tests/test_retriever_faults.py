@@ -110,6 +110,24 @@ def proxied(server):
 QUERIES = ["Who directed Inception?", "Which river flows through Paris?"]
 
 
+def test_a_runaway_query_is_clipped_instead_of_failing_its_batch(server):
+    """A query over the server's --max-query-chars (2048) beside a normal one: the client cuts it to 2048
+    characters, so both are answered (the long one as its first 2048 characters would be) and the cut is
+    counted; sent whole (max_query_chars=0) the server's 413 fails the whole batch, no retry."""
+    _, url = server
+    runaway = "Which river flows through Paris? " + "and " * 1000
+    client = RetrieverClient(url, topk=2)
+    docs = client.retrieve([QUERIES[0], runaway])
+    assert docs == RetrieverClient(url, topk=2).retrieve([QUERIES[0], runaway[:2048]])
+    assert client.stats["clipped"] == 1 and client.stats["errors"] == 0
+    whole = RetrieverClient(url, topk=2, max_query_chars=0)
+    with pytest.raises(RetrievalError, match="413"):
+        whole.retrieve([QUERIES[0], runaway])
+    assert whole.stats["retries"] == 0
+    with pytest.raises(ValueError, match="max_query_chars"):
+        RetrieverClient(url, max_query_chars=-1)
+
+
 def test_503_then_200_is_one_counted_retry(proxied):
     """A 503 is retried after the backoff; the answer is the server's, and the retry is counted."""
     proxy, url, upstream = proxied

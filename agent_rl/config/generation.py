@@ -73,6 +73,11 @@ class RetrieverConfig:
     max_queries_per_request: Int = _f(
         128, "Most queries in one /retrieve request; larger batches are split (our server refuses > 256)."
     )
+    max_query_chars: Int = _f(
+        2048,
+        "A longer query is cut to its first this many characters before it is sent (our server refuses a request "
+        "holding a longer one, --max-query-chars, with a 413 for the whole batch); 0 sends queries whole.",
+    )
     record: Str | None = _f(
         None,
         "Folder that keeps every /retrieve answer, keyed by the index's fingerprint (the server's /health), the "
@@ -111,6 +116,8 @@ class RetrieverConfig:
         for key in ("topk", "max_queries_per_request"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"retriever.{key} must be >= 1, got {getattr(self, key)}")
+        if self.max_query_chars < 0:
+            raise ConfigError(f"retriever.max_query_chars must be >= 0 (0: no limit), got {self.max_query_chars}")
         if self.record and self.replay:
             raise ConfigError(
                 "retriever.record and retriever.replay both set: set only retriever.replay (with "
