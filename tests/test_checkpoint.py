@@ -107,3 +107,28 @@ def test_a_kill_while_a_checkpoint_is_deleted_never_leaves_it_looking_finished(t
     assert [_load(root / name) for name in left] == [float(name[-1]) for name in left]
     _save(root, 4, 4.0)  # the next save clears what the killed delete left
     assert not [p for p in root.iterdir() if p.name.startswith(".")]
+
+
+def test_a_lora_checkpoint_loads_only_into_the_adapters_it_was_saved_from(tmp_path, tiny_model_dir):
+    """A LoRA policy's checkpoint restores its adapters exactly; loaded into a policy with adapters on other
+    modules (another model.lora.target_modules) it is refused, naming what is missing, instead of leaving
+    those adapters at their fresh initialisation."""
+    from agent_rl.config import load_config
+    from agent_rl.learn.policy import load_policy
+
+    def policy(targets: str):
+        cfg = load_config(None, [f"model.path={tiny_model_dir}", "model.lora.enabled=true", targets])
+        return load_policy(cfg.model, str(tiny_model_dir), "cpu")
+
+    saved = policy("model.lora.target_modules=[q_proj,v_proj]")
+    with torch.no_grad():
+        for name, p in saved.named_parameters():
+            if p.requires_grad:
+                p.fill_(0.25)
+    path = ckpt.save_checkpoint(tmp_path, 1, saved, None, None, {}, {}, keep_last=0)
+    same = policy("model.lora.target_modules=[q_proj,v_proj]")
+    ckpt.load_checkpoint(path, same, None, None)
+    trained = {n: p for n, p in same.named_parameters() if p.requires_grad}
+    assert trained and all(torch.all(p == 0.25) for p in trained.values())
+    with pytest.raises(RuntimeError, match=r"does not match the model's adapters.*k_proj"):
+        ckpt.load_checkpoint(path, policy("model.lora.target_modules=[q_proj,k_proj,v_proj]"), None, None)

@@ -207,7 +207,15 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
             state = {}
             for f in files:
                 state.update(load_file(f))
-            set_peft_model_state_dict(model, state)
+            result = set_peft_model_state_dict(model, state)  # strict=False: the frozen base is not in it
+            trained = {name for name, p in model.named_parameters() if p.requires_grad}
+            missing = sorted(k for k in result.missing_keys if k in trained)
+            if missing or result.unexpected_keys:
+                raise RuntimeError(
+                    f"checkpoint {path} does not match the model's adapters (another model.lora.target_modules or "
+                    f"base model?): missing {missing[:5]} ({len(missing)}), unexpected "
+                    f"{sorted(result.unexpected_keys)[:5]} ({len(result.unexpected_keys)})"
+                )
         else:
             # Tensor by tensor into the live parameters: the host never holds a second full copy.
             target = model.state_dict()
