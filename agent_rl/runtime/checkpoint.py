@@ -24,6 +24,7 @@ import shutil
 import signal
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -207,7 +208,8 @@ def load_checkpoint(path: Path, model, optimizer, scheduler) -> dict:
             state = {}
             for f in files:
                 state.update(load_file(f))
-            result = set_peft_model_state_dict(model, state)  # strict=False: the frozen base is not in it
+            # strict=False inside: the frozen base is not in the state (peft annotates the result as a bare namedtuple)
+            result: Any = set_peft_model_state_dict(model, state)
             trained = {name for name, p in model.named_parameters() if p.requires_grad}
             missing = sorted(k for k in result.missing_keys if k in trained)
             if missing or result.unexpected_keys:
