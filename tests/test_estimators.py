@@ -260,6 +260,23 @@ def test_cispo_keeps_every_tokens_gradient_through_a_detached_weight_hand_comput
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-1.0, 1.1, -0.6, 0.3, 0.0]]) / 4)
 
 
+def test_dr_grpo_sum_norm_weighs_every_token_alike_whatever_its_length_hand_computed():
+    """seq-mean-token-sum-norm (Dr. GRPO): each row's token sum over the constant, then the mean over rows with a
+    token. Every trained token's gradient is 1 / (constant x rows), for a row of 1 token as for one of 3, where
+    seq-mean-token-mean gives the short row's token 3x the long row's; a row with no token counts in neither."""
+    loss_mat = torch.tensor([[1.0, 2.0, 3.0, 9.0], [4.0, 9.0, 9.0, 9.0], [9.0, 9.0, 9.0, 9.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    out = losses.aggregate(loss_mat, mask, "seq-mean-token-sum-norm", norm_tokens=8.0)
+    assert out.item() == pytest.approx(((1 + 2 + 3) / 8 + 4 / 8) / 2)
+    out.backward()
+    torch.testing.assert_close(loss_mat.grad, mask / 16)
+    loss_mat.grad = None
+    losses.aggregate(loss_mat, mask, "seq-mean-token-mean").backward()
+    torch.testing.assert_close(loss_mat.grad, torch.tensor([[1 / 6] * 3 + [0.0], [0.5, 0, 0, 0], [0.0] * 4]))
+    with pytest.raises(ValueError, match="norm_tokens > 0"):
+        losses.aggregate(loss_mat, mask, "seq-mean-token-sum-norm")
+
+
 # ---------------------------------------------------------------- one update on the tiny model
 
 
@@ -271,6 +288,7 @@ DIRECTION = {  # (algo.advantage, algo.policy_loss, extra keys)
     "grpo/cispo": ("grpo", "cispo", []),
     "rloo/gspo seq-mean": ("rloo", "gspo", ["algo.loss_agg=seq-mean-token-mean"]),
     "reinforce_pp/cispo": ("reinforce_pp", "cispo", []),
+    "dr_grpo": ("grpo", "ppo_clip", ["algo.norm_adv_by_std=false", "algo.loss_agg=seq-mean-token-sum-norm"]),
 }
 
 
@@ -356,6 +374,7 @@ MICRO = {  # (algo.policy_loss, algo.loss_agg, extra keys, old log-prob shift)
     "cispo token-mean": ("cispo", "token-mean", [], 0.3),
     "cispo seq-mean-token-mean": ("cispo", "seq-mean-token-mean", [], 0.3),
     "cispo+kl+entropy+tis token-mean": ("cispo", "token-mean", TERMS, 0.3),
+    "gspo+kl+entropy+tis seq-mean-token-sum-norm": ("gspo", "seq-mean-token-sum-norm", GSPO_CLIP + TERMS, 0.1),
 }
 
 
@@ -405,6 +424,7 @@ def test_k_microbatches_give_the_one_pass_gradient_off_policy(tiny_model_dir, ca
         (["algo.advantage=rloo", "algo.kl_type=k1", "algo.kl_coef=0.1"], r"algo\.kl_type=k1.*low_var_kl"),
         (["algo.advantage=reinforce"], r"algo\.advantage = 'reinforce' is not one of"),
         (["algo.policy_loss=dapo"], r"algo\.policy_loss = 'dapo' is not one of ppo_clip, gspo, cispo"),
+        (["algo.loss_agg_tokens=-1"], r"algo\.loss_agg_tokens must be >= 0"),
     ],
 )
 def test_config_refuses_what_cannot_work_naming_the_key(overrides, match):
@@ -421,6 +441,12 @@ def test_config_accepts_the_new_combinations_and_resolves_auto():
     assert load_config(None, []).algo.resolved_advantage() == "grpo"
     assert load_config(None, ["algo.name=ppo"]).algo.resolved_advantage() == "gae"
     assert load_config(None, ["algo.name=ppo", "algo.advantage=gae"]).algo.resolved_advantage() == "gae"
+    dr = load_config(None, ["algo.loss_agg=seq-mean-token-sum-norm", "budget.max_total_tokens=1536"]).algo
+    assert dr.loss_agg_tokens == 1536  # 0 resolves to the budget, so the saved config holds the constant
+    assert (
+        load_config(None, ["algo.loss_agg=seq-mean-token-sum-norm", "algo.loss_agg_tokens=100"]).algo.loss_agg_tokens
+        == 100
+    )
     for loss in losses.POLICY_LOSSES:
         for name in ("grpo", "ppo"):
             assert load_config(None, [f"algo.name={name}", f"algo.policy_loss={loss}"]).algo.policy_loss == loss

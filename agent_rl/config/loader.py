@@ -80,6 +80,14 @@ class Config:
                 "model.init_template_phrases holds a chat template's fixed text as tokens, which only "
                 f"rollout.protocol=tool_calls renders (rollout.protocol is {self.rollout.protocol!r})"
             )
+        if self.algo.loss_agg_tokens < 0:
+            raise ConfigError(
+                f"algo.loss_agg_tokens must be >= 0 (0: budget.max_total_tokens), got {self.algo.loss_agg_tokens}"
+            )
+        if self.algo.loss_agg == "seq-mean-token-sum-norm" and self.algo.loss_agg_tokens == 0:
+            self.algo.loss_agg_tokens = (
+                self.budget.max_total_tokens
+            )  # resolved here, so the run's saved config holds it
         if self.algo.group_size < 1 or self.rollout.prompts_per_step < 1:
             raise ConfigError("algo.group_size and rollout.prompts_per_step must be >= 1")
         if self.train.max_tokens_per_microbatch < self.budget.max_total_tokens:

@@ -26,8 +26,8 @@ class AlgoConfig:
     advantage: Str = _f(
         "auto",
         "Advantage estimator. auto: what algo.name implies (grpo -> grpo, ppo -> gae). grpo: (r - group mean) / "
-        "group std, one value per trajectory (algo.norm_adv_by_std=false = Dr. GRPO). rloo: REINFORCE Leave-One-Out "
-        "(Kool et al. 2019; Ahmadian et al. 2024): r minus the mean of the other samples of its prompt "
+        "group std, one value per trajectory (algo.norm_adv_by_std=false: Dr. GRPO's advantage). rloo: REINFORCE "
+        "Leave-One-Out (Kool et al. 2019; Ahmadian et al. 2024): r minus the mean of the other samples of its prompt "
         "(algo.group_size >= 2). reinforce_pp: REINFORCE++ (Hu 2025): per-token return of the reward with the k1 "
         "KL to the reference folded in (algo.kl_type=k1, algo.kl_coef), discounted by algo.gamma, normalised over "
         "the whole batch's trained tokens. reinforce_pp_baseline: REINFORCE++ with the group mean reward "
@@ -35,7 +35,10 @@ class AlgoConfig:
         "runs without a critic, under algo.name=grpo; algo.name=ppo takes gae alone (its critic would go unused).",
     )
     group_size: Int = _f(8, "Samples per prompt (GRPO's n). PPO uses it too when > 1.")
-    norm_adv_by_std: Bool = _f(True, "GRPO: divide by the group std (False = Dr. GRPO).")
+    norm_adv_by_std: Bool = _f(
+        True,
+        "GRPO: divide by the group std (False: Dr. GRPO's advantage; its loss: algo.loss_agg=seq-mean-token-sum-norm).",
+    )
     gamma: Float = _f(1.0, "PPO (GAE) and REINFORCE++: discount.")
     lam: Float = _f(1.0, "PPO: GAE lambda.")
     clip_ratio_low: Float = _f(
@@ -55,7 +58,18 @@ class AlgoConfig:
         "CISPO (MiniMax-M1, 2025): -min(ratio, 1 + clip_ratio_high), detached, x advantage x logp per token, so "
         "every token keeps its gradient (none is clipped out; MiniMax sets no lower bound).",
     )
-    loss_agg: Str = _f("token-mean", "Loss aggregation: token-mean | seq-mean-token-mean.")
+    loss_agg: Str = _f(
+        "token-mean",
+        "Loss aggregation. token-mean: over every trained token of the batch. seq-mean-token-mean: each "
+        "trajectory's token mean, then the mean over trajectories. seq-mean-token-sum-norm: each trajectory's token "
+        "sum over a constant (algo.loss_agg_tokens), then the mean over trajectories: Dr. GRPO's (Liu et al. 2025) "
+        "length-unbiased loss, with algo.norm_adv_by_std=false for the whole of Dr. GRPO (verl's mode of that name).",
+    )
+    loss_agg_tokens: Int = _f(
+        0,
+        "The constant divisor of algo.loss_agg=seq-mean-token-sum-norm (unread by the others); 0 = "
+        "budget.max_total_tokens. It scales the loss as a learning rate would, so keep it fixed across a run.",
+    )
     kl_coef: Float = _f(0.0, "Coefficient of the KL to the frozen reference (0 = no reference model is kept).")
     kl_type: Str = _f(
         "low_var_kl",
@@ -100,7 +114,7 @@ class AlgoConfig:
         "name": ("grpo", "ppo"),
         "advantage": ("auto", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"),
         "policy_loss": ("ppo_clip", "gspo", "cispo"),
-        "loss_agg": ("token-mean", "seq-mean-token-mean"),
+        "loss_agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
         "kl_type": ("low_var_kl", "k1"),
     }
 

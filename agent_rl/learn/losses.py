@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 POLICY_LOSSES = ("ppo_clip", "gspo", "cispo")
 
 
@@ -23,16 +23,25 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1.0)
 
 
-def aggregate(loss_mat: torch.Tensor, loss_mask: torch.Tensor, mode: str) -> torch.Tensor:
+def aggregate(loss_mat: torch.Tensor, loss_mask: torch.Tensor, mode: str, norm_tokens: float = 0.0) -> torch.Tensor:
     """loss_mat, loss_mask: (B, T) -> scalar.
 
     token-mean: sum over masked tokens / number of masked tokens (long answers weigh more).
     seq-mean-token-mean: mean over tokens per sequence, then mean over sequences with tokens.
+    seq-mean-token-sum-norm: sum over tokens per sequence / the constant `norm_tokens`, then mean over
+    sequences with tokens: Dr. GRPO's (Liu et al. 2025, "Understanding R1-Zero-Like Training: A Critical
+    Perspective") constant normaliser, so every trained token weighs the same whatever its sequence's length,
+    where dividing by the length favours short right answers and long wrong ones (verl's mode of that name).
     """
     if mode == "token-mean":
         return masked_mean(loss_mat, loss_mask)
-    if mode == "seq-mean-token-mean":
-        per_seq = masked_mean(loss_mat, loss_mask, dim=-1)
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        if mode == "seq-mean-token-mean":
+            per_seq = masked_mean(loss_mat, loss_mask, dim=-1)
+        elif norm_tokens > 0:
+            per_seq = (loss_mat * loss_mask).sum(-1) / norm_tokens
+        else:
+            raise ValueError(f"loss aggregation {mode} needs norm_tokens > 0 (algo.loss_agg_tokens), got {norm_tokens}")
         has = (loss_mask.sum(-1) > 0).float()
         return (per_seq * has).sum() / has.sum().clamp(min=1.0)
     raise ValueError(f"unknown loss aggregation {mode!r}; use one of {AGG_MODES}")
@@ -67,6 +76,7 @@ def policy_loss(
     clip_ratio_high: float,
     agg: str = "token-mean",
     is_weights: torch.Tensor | None = None,
+    agg_tokens: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped PPO surrogate with separate low/high clip (DAPO's clip-higher when high > low).
 
@@ -79,7 +89,9 @@ def policy_loss(
         advantages = advantages[:, None].expand_as(logprobs)
     log_ratio = (logprobs - old_logprobs) * loss_mask
     ratio = torch.exp(log_ratio)
-    return _clipped_surrogate(ratio, log_ratio, advantages, loss_mask, clip_ratio_low, clip_ratio_high, agg, is_weights)
+    return _clipped_surrogate(
+        ratio, log_ratio, advantages, loss_mask, clip_ratio_low, clip_ratio_high, agg, is_weights, agg_tokens
+    )
 
 
 def _clipped_surrogate(
@@ -91,6 +103,7 @@ def _clipped_surrogate(
     clip_ratio_high: float,
     agg: str,
     is_weights: torch.Tensor | None,
+    agg_tokens: float,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's pessimistic clipped surrogate over per-token `ratio` (B, T), aggregated by `agg`, with the metrics
     `policy_loss` and `gspo_loss` share (`log_ratio`: the per-token log-ratio, for approx_kl)."""
@@ -99,7 +112,7 @@ def _clipped_surrogate(
     loss_mat = torch.maximum(surr1, surr2) * loss_mask
     if is_weights is not None:
         loss_mat = loss_mat * is_weights.detach()
-    loss = aggregate(loss_mat, loss_mask, agg)
+    loss = aggregate(loss_mat, loss_mask, agg, agg_tokens)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((surr2 > surr1).float(), loss_mask),
@@ -118,6 +131,7 @@ def gspo_loss(
     clip_ratio_high: float,
     agg: str = "token-mean",
     is_weights: torch.Tensor | None = None,
+    agg_tokens: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"), in its GSPO-token form.
 
@@ -136,7 +150,9 @@ def gspo_loss(
     seq_log_ratio = masked_mean(log_ratio, loss_mask, dim=-1).detach()  # (B,); 0 for a row with no token
     log_seq_ratio = logprobs - logprobs.detach() + seq_log_ratio[:, None]
     ratio = torch.exp(torch.clamp(log_seq_ratio, max=10.0))
-    return _clipped_surrogate(ratio, log_ratio, advantages, loss_mask, clip_ratio_low, clip_ratio_high, agg, is_weights)
+    return _clipped_surrogate(
+        ratio, log_ratio, advantages, loss_mask, clip_ratio_low, clip_ratio_high, agg, is_weights, agg_tokens
+    )
 
 
 def cispo_loss(
@@ -147,6 +163,7 @@ def cispo_loss(
     clip_ratio_high: float,
     agg: str = "token-mean",
     is_weights: torch.Tensor | None = None,
+    agg_tokens: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO (MiniMax 2025, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention").
 
@@ -165,7 +182,7 @@ def cispo_loss(
     loss_mat = -advantages * weight * logprobs * loss_mask
     if is_weights is not None:
         loss_mat = loss_mat * is_weights.detach()
-    loss = aggregate(loss_mat, loss_mask, agg)
+    loss = aggregate(loss_mat, loss_mask, agg, agg_tokens)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((ratio > 1.0 + clip_ratio_high).float(), loss_mask),
@@ -195,6 +212,7 @@ def value_loss(
     loss_mask: torch.Tensor,
     clip_range: float | None,
     agg: str = "token-mean",
+    agg_tokens: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss 0.5 * max((v - R)^2, (clip(v, v_old +- c) - R)^2); all (B, T). Returns the loss
     and its metrics (value_mean, return_mean), each a detached 0-dim tensor."""
@@ -202,7 +220,7 @@ def value_loss(
     if clip_range:
         clipped = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
         err = torch.maximum(err, (clipped - returns) ** 2)
-    loss = 0.5 * aggregate(err * loss_mask, loss_mask, agg)
+    loss = 0.5 * aggregate(err * loss_mask, loss_mask, agg, agg_tokens)
     with torch.no_grad():
         stats = {
             "value_mean": masked_mean(values, loss_mask),

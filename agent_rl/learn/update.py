@@ -331,32 +331,51 @@ def _microbatch_step(
         logprobs, entropy = update_logprobs(algo, train, policy, mb, temperature, share)
     old = logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs  # None: on-policy, the update's own forward
     tis = losses.tis_weights(old, engine_lp, mb.loss_mask, algo.tis_cap) if algo.tis_cap > 0 else None
+    agg_tokens = float(algo.loss_agg_tokens)
     if algo.policy_loss == "gspo":
         pg_loss, pg_stats = losses.gspo_loss(
-            logprobs, old, advantages, mb.loss_mask, algo.clip_ratio_low, algo.clip_ratio_high, algo.loss_agg, tis
+            logprobs,
+            old,
+            advantages,
+            mb.loss_mask,
+            algo.clip_ratio_low,
+            algo.clip_ratio_high,
+            algo.loss_agg,
+            tis,
+            agg_tokens,
         )
     elif algo.policy_loss == "cispo":
         pg_loss, pg_stats = losses.cispo_loss(
-            logprobs, old, advantages, mb.loss_mask, algo.clip_ratio_high, algo.loss_agg, tis
+            logprobs, old, advantages, mb.loss_mask, algo.clip_ratio_high, algo.loss_agg, tis, agg_tokens
         )
     else:
         pg_loss, pg_stats = losses.policy_loss(
-            logprobs, old, advantages, mb.loss_mask, algo.clip_ratio_low, algo.clip_ratio_high, algo.loss_agg, tis
+            logprobs,
+            old,
+            advantages,
+            mb.loss_mask,
+            algo.clip_ratio_low,
+            algo.clip_ratio_high,
+            algo.loss_agg,
+            tis,
+            agg_tokens,
         )
     if tis is not None:
         stats["actor/tis_weight_mean"] = (tis * mb.loss_mask).sum() / mb.loss_mask.sum().clamp(min=1)
     loss = pg_loss
     if algo.kl_coef > 0 and algo.kl_type == "low_var_kl":
         assert mb.ref_logprobs is not None, "prepare_batch computes reference log-probs whenever algo.kl_coef > 0"
-        kl = losses.aggregate(losses.kl_penalty(logprobs, mb.ref_logprobs, "low_var_kl"), mb.loss_mask, algo.loss_agg)
+        kl = losses.aggregate(
+            losses.kl_penalty(logprobs, mb.ref_logprobs, "low_var_kl"), mb.loss_mask, algo.loss_agg, agg_tokens
+        )
         loss = loss + algo.kl_coef * kl
         stats["actor/kl"] = kl.detach()
     if entropy is not None:
         if algo.entropy_coef > 0:
-            ent = losses.aggregate(entropy, mb.loss_mask, algo.loss_agg)
+            ent = losses.aggregate(entropy, mb.loss_mask, algo.loss_agg, agg_tokens)
             loss = loss - algo.entropy_coef * ent
         else:  # a metric only (algo.log_entropy)
-            ent = losses.aggregate(entropy.detach(), mb.loss_mask, algo.loss_agg)
+            ent = losses.aggregate(entropy.detach(), mb.loss_mask, algo.loss_agg, agg_tokens)
         stats["actor/entropy"] = ent.detach()
     (loss * weight).backward()
     stats["loss/policy"] = pg_loss.detach()
@@ -368,7 +387,7 @@ def _microbatch_step(
         with trainer_autocast(train, world):
             values = critic(mb.input_ids, mb.attention_mask)
         v_loss, v_stats = losses.value_loss(
-            values, mb.values, mb.returns, mb.loss_mask, algo.value_clip or None, algo.loss_agg
+            values, mb.values, mb.returns, mb.loss_mask, algo.value_clip or None, algo.loss_agg, agg_tokens
         )
         (v_loss * weight).backward()
         stats["loss/value"] = v_loss.detach()
