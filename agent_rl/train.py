@@ -39,7 +39,7 @@ from agent_rl.rollout.trajectory import Trajectory
 from agent_rl.run import PromptStream, Run, open_loop
 from agent_rl.runtime import allocator
 from agent_rl.runtime import distributed as dist_lib
-from agent_rl.runtime.checkpoint import install_signal_handlers
+from agent_rl.runtime.checkpoint import checkpoints, discard, install_signal_handlers
 from agent_rl.runtime.logger import MetricsLogger
 from agent_rl.runtime.memory import peak_rss_bytes, proc_status_bytes
 from agent_rl.sft import train_sft
@@ -104,6 +104,25 @@ def save_trajectories(
     return path
 
 
+def fresh_start(ckpt_root: Path, overwrite: bool, main: bool) -> None:
+    """A run from step 0 in a folder that holds an earlier run's checkpoints: with `overwrite` (run.overwrite)
+    rank 0 deletes them; otherwise every rank refuses to start, naming the ways on."""
+    earlier = checkpoints(ckpt_root)
+    if not earlier:
+        return
+    names = ", ".join(p.name for p in earlier)
+    if not overwrite:
+        raise FileExistsError(
+            f"{ckpt_root} holds an earlier run's checkpoints ({names}); a new run there would mix its steps with "
+            "them. Continue that run with --resume, start afresh over them with run.overwrite=true (deletes them), "
+            "or set another run.output_dir"
+        )
+    if main:
+        print(f"[train] run.overwrite: deleting the earlier run's checkpoints {names} in {ckpt_root}", file=sys.stderr)
+        for path in earlier:
+            discard(path)
+
+
 def setup(cfg: Config, resume: bool = False) -> Run:
     """Build a run: ranks, first-use preparation, engine, models, optimizers, data, logs."""
     cfg = copy.deepcopy(
@@ -114,6 +133,9 @@ def setup(cfg: Config, resume: bool = False) -> Run:
     # Same seed everywhere for data order and model init; each rank samples its own rollouts.
     seed_everything(cfg.run.seed, cfg.run.deterministic)
     host_allocator = allocator.setup(allocator.mmap_threshold_mib(cfg.train, cfg.rollout))
+    if not resume:
+        fresh_start(out_dir / "checkpoints", cfg.run.overwrite, world.is_main)
+    world.barrier()  # rank 0 deleted what run.overwrite deletes before any rank reads the folder again
     if world.is_main:
         print(f"[train] host allocator: {host_allocator}", file=sys.stderr)
         out_dir.mkdir(parents=True, exist_ok=True)

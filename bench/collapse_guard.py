@@ -69,6 +69,7 @@ def run(out: Path, mode: str, seed: int, overrides: list[str]) -> tuple[Path, fl
         f"run.seed={seed}",
         f"run.output_dir={run_dir}",
         f"guard.action={mode}",
+        "run.overwrite=true",  # a rerun of the bench starts each run afresh
         *overrides,
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": "PASSIVE"}

@@ -132,3 +132,23 @@ def test_a_lora_checkpoint_loads_only_into_the_adapters_it_was_saved_from(tmp_pa
     assert trained and all(torch.all(p == 0.25) for p in trained.values())
     with pytest.raises(RuntimeError, match=r"does not match the model's adapters.*k_proj"):
         ckpt.load_checkpoint(path, policy("model.lora.target_modules=[q_proj,k_proj,v_proj]"), None, None)
+
+
+def test_a_fresh_run_over_an_earlier_runs_checkpoints_refuses_or_with_overwrite_deletes_them(tmp_path):
+    """Without --resume, a folder holding an earlier run's step_10 and step_20: the new run would save step_5 beside
+    them and a later --resume would pick the earlier run's step_20. It refuses, naming --resume, run.overwrite and
+    run.output_dir, and leaves them; run.overwrite=true deletes them; an empty or missing folder starts as before."""
+    from agent_rl.train import fresh_start
+
+    root = tmp_path / "checkpoints"
+    fresh_start(root, overwrite=False, main=True)  # no folder yet
+    for step in (10, 20):
+        _save(root, step, float(step))
+    with pytest.raises(FileExistsError, match=r"step_10, step_20.*--resume.*run\.overwrite=true.*run\.output_dir"):
+        fresh_start(root, overwrite=False, main=True)
+    assert [p.name for p in ckpt.checkpoints(root)] == ["step_10", "step_20"]
+    fresh_start(root, overwrite=True, main=False)  # another rank: rank 0 deletes
+    assert len(ckpt.checkpoints(root)) == 2
+    fresh_start(root, overwrite=True, main=True)
+    assert ckpt.checkpoints(root) == [] and ckpt.latest_checkpoint(root) is None
+    fresh_start(root, overwrite=False, main=True)

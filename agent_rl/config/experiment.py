@@ -23,6 +23,12 @@ class RunConfig:
     max_steps: Int = _f(60, "Number of RL steps (one rollout batch + its update epochs each).")
     save_every: Int = _f(20, "Save a checkpoint every N steps (and always at the end or on SIGTERM/SIGINT).")
     keep_last: Int = _f(2, "How many checkpoints to keep under OUTPUT_DIR/checkpoints.")
+    overwrite: Bool = _f(
+        False,
+        "A run started without --resume in an OUTPUT_DIR that holds an earlier run's checkpoints deletes them "
+        "(true) or refuses to start (false: they would mix with the new run's, and a later --resume could pick the "
+        "earlier run's latest step).",
+    )
     save_trajectories_every: Int = _f(
         0,
         "Every N steps write OUTPUT_DIR/trajectories/step_N.jsonl for `agent-rl view` (0 = off): token ids and "
