@@ -441,8 +441,11 @@ def test_config_accepts_the_new_combinations_and_resolves_auto():
     assert load_config(None, []).algo.resolved_advantage() == "grpo"
     assert load_config(None, ["algo.name=ppo"]).algo.resolved_advantage() == "gae"
     assert load_config(None, ["algo.name=ppo", "algo.advantage=gae"]).algo.resolved_advantage() == "gae"
-    dr = load_config(None, ["algo.loss_agg=seq-mean-token-sum-norm", "budget.max_total_tokens=1536"]).algo
-    assert dr.loss_agg_tokens == 1536  # 0 resolves to the budget, so the saved config holds the constant
+    dr = ["algo.loss_agg=seq-mean-token-sum-norm", "budget.max_turns=2", "budget.max_tokens_per_turn=40"]
+    budget = ["budget.max_prompt_tokens=240", "budget.max_obs_tokens=192", "budget.max_total_tokens=1000"]
+    # 0 resolves to the most trained tokens a trajectory can hold, so the saved config holds the constant
+    assert load_config(None, [*dr, *budget]).algo.loss_agg_tokens == 3 * 40
+    assert load_config(None, [*dr, *budget, "budget.max_total_tokens=300"]).algo.loss_agg_tokens == 300 - 240
     assert (
         load_config(None, ["algo.loss_agg=seq-mean-token-sum-norm", "algo.loss_agg_tokens=100"]).algo.loss_agg_tokens
         == 100

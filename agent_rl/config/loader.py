@@ -82,12 +82,15 @@ class Config:
             )
         if self.algo.loss_agg_tokens < 0:
             raise ConfigError(
-                f"algo.loss_agg_tokens must be >= 0 (0: budget.max_total_tokens), got {self.algo.loss_agg_tokens}"
+                f"algo.loss_agg_tokens must be >= 0 (0: the most tokens a trajectory can train on), got "
+                f"{self.algo.loss_agg_tokens}"
             )
         if self.algo.loss_agg == "seq-mean-token-sum-norm" and self.algo.loss_agg_tokens == 0:
-            self.algo.loss_agg_tokens = (
-                self.budget.max_total_tokens
-            )  # resolved here, so the run's saved config holds it
+            # the most tokens one trajectory can train on (Dr. GRPO's generation budget), resolved here so that the
+            # run's saved config holds it
+            b = self.budget
+            most = min(b.max_total_tokens - b.max_prompt_tokens, (b.max_turns + 1) * b.max_tokens_per_turn)
+            self.algo.loss_agg_tokens = most
         if self.algo.group_size < 1 or self.rollout.prompts_per_step < 1:
             raise ConfigError("algo.group_size and rollout.prompts_per_step must be >= 1")
         if self.train.max_tokens_per_microbatch < self.budget.max_total_tokens:

@@ -67,8 +67,9 @@ class AlgoConfig:
     )
     loss_agg_tokens: Int = _f(
         0,
-        "The constant divisor of algo.loss_agg=seq-mean-token-sum-norm (unread by the others); 0 = "
-        "budget.max_total_tokens. It scales the loss as a learning rate would, so keep it fixed across a run.",
+        "The constant divisor of algo.loss_agg=seq-mean-token-sum-norm (unread by the others); 0 = the most tokens "
+        "a trajectory can train on, min(budget.max_total_tokens - budget.max_prompt_tokens, (budget.max_turns + 1) x "
+        "budget.max_tokens_per_turn), Dr. GRPO's generation budget. It scales the loss as a learning rate would.",
     )
     kl_coef: Float = _f(0.0, "Coefficient of the KL to the frozen reference (0 = no reference model is kept).")
     kl_type: Str = _f(
