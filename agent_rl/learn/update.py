@@ -332,24 +332,13 @@ def _microbatch_step(
     old = logprobs.detach() if mb.old_logprobs is None else mb.old_logprobs  # None: on-policy, the update's own forward
     tis = losses.tis_weights(old, engine_lp, mb.loss_mask, algo.tis_cap) if algo.tis_cap > 0 else None
     agg_tokens = float(algo.loss_agg_tokens)
-    if algo.policy_loss == "gspo":
-        pg_loss, pg_stats = losses.gspo_loss(
-            logprobs,
-            old,
-            advantages,
-            mb.loss_mask,
-            algo.clip_ratio_low,
-            algo.clip_ratio_high,
-            algo.loss_agg,
-            tis,
-            agg_tokens,
-        )
-    elif algo.policy_loss == "cispo":
+    if algo.policy_loss == "cispo":
         pg_loss, pg_stats = losses.cispo_loss(
             logprobs, old, advantages, mb.loss_mask, algo.clip_ratio_high, algo.loss_agg, tis, agg_tokens
         )
-    else:
-        pg_loss, pg_stats = losses.policy_loss(
+    else:  # ppo_clip and gspo take the same arguments
+        clipped = losses.gspo_loss if algo.policy_loss == "gspo" else losses.policy_loss
+        pg_loss, pg_stats = clipped(
             logprobs,
             old,
             advantages,
