@@ -70,12 +70,12 @@ def test_reinforce_pp_folds_the_k1_kl_into_the_returns_and_whitens_over_the_batc
     """REINFORCE++ by hand: token rewards = score on the last trained token - kl_coef x k1 on every trained
     token, returns to go (gamma 1), then (return - mean) / std over the batch's six trained tokens.
     Row 0 (score 1, k1 0.5, 0, 0.5): returns 0, 0.5, 0.5. Row 1 (score 1, k1 2, 1, -, 0, the third token an
-    observation): returns -2, 0, 1. Mean 0, biased variance 5.5 / 6."""
+    observation): returns -2, 0, 1. Mean 0, unbiased variance 5.5 / 5."""
     mask = torch.tensor([[0.0, 1.0, 1.0, 1.0], [1.0, 1.0, 0.0, 1.0]])
     kl = torch.tensor([[4.0, 0.5, 0.0, 0.5], [2.0, 1.0, 9.0, 0.0]])
     token_rewards = adv_lib.token_level_rewards(torch.tensor([1.0, 1.0]), mask, kl, kl_coef=1.0)
     adv = adv_lib.reinforce_pp_advantages(token_rewards, mask, gamma=1.0)
-    std = math.sqrt(5.5 / 6 + 1e-8)
+    std = math.sqrt(5.5 / 5 + 1e-8)
     want = torch.tensor([[0.0, 0.0, 0.5, 0.5], [-2.0, 0.0, 0.0, 1.0]]) / std
     torch.testing.assert_close(adv, want)
 
@@ -83,14 +83,14 @@ def test_reinforce_pp_folds_the_k1_kl_into_the_returns_and_whitens_over_the_batc
 def test_reinforce_pp_baseline_subtracts_the_group_mean_before_whitening():
     """REINFORCE++-baseline by hand (no KL, gamma 1, so every trained token's return is its row's score):
     scores 1, 0 (group a) and 3, 1 (group b) minus the group means 0.5 and 2 give 0.5, -0.5, 1, -1 on 1, 1, 2,
-    2 tokens; whitened over those six tokens (mean 0, biased variance 4.5 / 6). Row 0, the better of its
+    2 tokens; whitened over those six tokens (mean 0, unbiased variance 4.5 / 5). Row 0, the better of its
     group, gets a positive advantage only through the baseline: the batch whitening alone puts its score 1
     below the batch's token mean 5 / 3."""
     mask = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [1.0, 1.0]])
     scores = torch.tensor([1.0, 0.0, 3.0, 1.0])
     token_rewards = adv_lib.token_level_rewards(scores, mask)
     adv = adv_lib.reinforce_pp_baseline_advantages(scores, ["a", "a", "b", "b"], token_rewards, mask, gamma=1.0)
-    want = torch.tensor([[0.5, 0.0], [0.0, -0.5], [1.0, 1.0], [-1.0, -1.0]]) / math.sqrt(0.75 + 1e-8)
+    want = torch.tensor([[0.5, 0.0], [0.0, -0.5], [1.0, 1.0], [-1.0, -1.0]]) / math.sqrt(0.9 + 1e-8)
     torch.testing.assert_close(adv, want)
     plain = adv_lib.reinforce_pp_advantages(token_rewards, mask, gamma=1.0)
     assert float(plain[0, 0]) < 0 and float(adv[0, 0]) > 0

@@ -112,10 +112,12 @@ def test_whiten_uses_masked_entries_only():
     x = torch.tensor([[1.0, 2.0, 3.0, 100.0], [2.0, -50.0, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
     w = adv_lib.whiten(x, mask)
-    # masked entries 1, 2, 3, 2: mean 2, biased var 0.5
-    torch.testing.assert_close(w[mask > 0], torch.tensor([-1.0, 0.0, 1.0, 0.0]) / math.sqrt(0.5))
+    # masked entries 1, 2, 3, 2: mean 2, unbiased var 2 / 3 (verl's and TRL's whitening), not the biased 0.5
+    torch.testing.assert_close(w[mask > 0], torch.tensor([-1.0, 0.0, 1.0, 0.0]) / math.sqrt(2 / 3))
     m = w[mask > 0]
-    assert abs(float(m.mean())) < 1e-6 and abs(float(m.pow(2).mean()) - 1.0) < 1e-4
+    assert abs(float(m.mean())) < 1e-6 and abs(float(m.std()) - 1.0) < 1e-4
+    # one masked entry: no spread, whitened to 0 rather than divided by zero
+    assert float(adv_lib.whiten(x, torch.tensor([[1.0, 0, 0, 0], [0, 0, 0, 0]]))[0, 0]) == 0.0
 
 
 # ---------------------------------------------------------------- policy loss, aggregation

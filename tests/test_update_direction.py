@@ -333,6 +333,49 @@ def test_mini_batch_size_takes_one_optimizer_step_per_mini_batch(tiny_model_dir)
     assert any(not torch.equal(a, b) for a, b in zip(steps[0][2].values(), steps[1][2].values()))  # it stepped
 
 
+def test_a_short_remainder_joins_the_last_mini_batch(tiny_model_dir):
+    """12 trajectories (dynamic sampling kept three groups of four where the config's batch holds four) with
+    algo.mini_batch_size=8: one optimizer step over all 12, its gradient the one-pass gradient of the 12, not
+    a step of 8 and then a step of the 4 left over, whose rows would each weigh twice a row of the first."""
+    cfg = _cfg(tiny_model_dir, "algo.mini_batch_size=8", "algo.ppo_epochs=2", "rollout.prompts_per_step=4")
+    torch.manual_seed(0)
+    policy = load_policy(cfg.model, str(tiny_model_dir), "cpu")
+    trajs = _trajs(policy.config.vocab_size, [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 0.0])
+    batch = prepare_batch(
+        cfg.algo, cfg.train, policy, None, None, trajs, 0, need_old=True, temperature=cfg.rollout.temperature
+    )
+    grads: list[list[torch.Tensor]] = []
+
+    def on_step(optimizer, _args, _kwargs):
+        grads.append([p.grad.clone() for p in policy.parameters()])
+
+    start = copy.deepcopy(policy.state_dict())
+    opt = torch.optim.SGD(policy.parameters(), lr=0.5)
+    hook = opt.register_step_pre_hook(on_step)
+    try:
+        update(
+            cfg.algo, cfg.train, policy, None, opt, None, batch, random.Random(0), temperature=cfg.rollout.temperature
+        )
+    finally:
+        hook.remove()
+    assert len(grads) == 2  # one optimizer step an epoch
+    one_pass = _cfg(tiny_model_dir)
+    model = load_policy(one_pass.model, str(tiny_model_dir), "cpu")
+    model.load_state_dict(start)
+    update(
+        one_pass.algo,
+        one_pass.train,
+        model,
+        None,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        None,
+        batch,
+        random.Random(0),
+        temperature=one_pass.rollout.temperature,
+    )
+    _assert_same_gradient(grads[0], [p.grad for p in model.parameters()])
+
+
 # ---------------------------------------------------------------- truncated importance sampling
 
 

@@ -96,7 +96,11 @@ class AlgoConfig:
         "it kept.",
     )
     ppo_epochs: Int = _f(1, "Update epochs over each rollout batch.")
-    mini_batch_size: Int = _f(0, "Trajectories per optimizer step (0 = the whole rollout batch in one step).")
+    mini_batch_size: Int = _f(
+        0,
+        "Trajectories per optimizer step (0 = the whole rollout batch in one step); a shorter remainder joins "
+        "the last step.",
+    )
     tis_cap: Float = _f(
         0.0,
         "Truncated importance sampling: weight each token's surrogate by min(pi_old / pi_engine, tis_cap) to correct "

@@ -185,15 +185,17 @@ def whiten(
 ) -> torch.Tensor:
     """Masked whitening: (x - mean) / std over mask-1 entries; (B, T) -> (B, T).
 
+    The variance is the unbiased one (divided by n - 1, Bessel's correction), as verl's `masked_whiten` and
+    TRL's take it; one masked entry has no spread and is divided by sqrt(eps) from 0, i.e. whitened to 0.
     `reduce_sum` (a `World.all_reduce_sum`) sums each statistic over every rank, so the mean and std are the
     whole batch's when it is split over ranks; it must be called on every rank.
     """
     if reduce_sum is None:
-        n = mask.sum().clamp(min=1.0)
-        mean = (x * mask).sum() / n
-        var = (((x - mean) ** 2) * mask).sum() / n
+        n = mask.sum()
+        mean = (x * mask).sum() / n.clamp(min=1.0)
+        var = (((x - mean) ** 2) * mask).sum() / (n - 1.0).clamp(min=1.0)
         return (x - mean) * torch.rsqrt(var + eps)
-    count = max(1.0, reduce_sum(float(mask.sum())))
-    mean_f = reduce_sum(float((x * mask).sum())) / count
-    var_f = reduce_sum(float((((x - mean_f) ** 2) * mask).sum())) / count
+    count = reduce_sum(float(mask.sum()))
+    mean_f = reduce_sum(float((x * mask).sum())) / max(1.0, count)
+    var_f = reduce_sum(float((((x - mean_f) ** 2) * mask).sum())) / max(1.0, count - 1.0)
     return (x - mean_f) / math.sqrt(var_f + eps)

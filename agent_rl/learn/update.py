@@ -68,14 +68,23 @@ def minibatch_plan(algo: AlgoConfig, n: int, world: World = LOCAL) -> tuple[int,
 
     algo.mini_batch_size counts rows over all ranks, each taking mini_batch_size / world_size of them. Each
     mini-batch is an optimizer step with its own collectives, so the count follows the rank with the most rows
-    (one all-reduce): a rank whose rows run out takes padding passes (loss weight 0) for the rest. Without
-    mini-batches (0), one step over each rank's rows. One epoch of one mini-batch is the update's single pass
-    (no old log-probs needed), decided alike on every rank."""
+    (one all-reduce): a rank whose rows run out takes padding passes (loss weight 0) for the rest. A remainder
+    shorter than a mini-batch (dynamic sampling or the buffer's budget can leave one) joins the last mini-batch
+    (`minibatch_members`) instead of taking an optimizer step of its own: its few rows would move the weights
+    as far as a full mini-batch does, each weighing several times a row of the others. Without mini-batches
+    (0), one step over each rank's rows. One epoch of one mini-batch is the update's single pass (no old
+    log-probs needed), decided alike on every rank."""
     mini = algo.mini_batch_size // world.world_size if algo.mini_batch_size else 0
     if not mini:
         return n, 1
     most = int(world.all_reduce_max(float(n)))
-    return mini, max(1, -(-most // mini))
+    return mini, max(1, most // mini)
+
+
+def minibatch_members(order: list[int], mini: int, steps: int, step: int) -> list[int]:
+    """The rows of mini-batch `step` of `steps` (`minibatch_plan`) in the epoch's `order`: `mini` of them, the
+    last mini-batch taking the remainder too."""
+    return order[step * mini : (step + 1) * mini if step < steps - 1 else len(order)]
 
 
 def prepare_batch(
@@ -209,7 +218,7 @@ def update(
         order = list(range(len(batch)))
         rng.shuffle(order)
         for step in range(steps):
-            members = order[step * mini : (step + 1) * mini]
+            members = minibatch_members(order, mini, steps, step)
             # The normalisers of the whole mini-batch, as `losses.aggregate` counts them over one micro-batch:
             # masked tokens (token-mean), or rows with at least one masked token (seq-mean-token-mean; an
             # excluded row, mask all 0, is in neither), so k micro-batches add up to the one-pass loss. Read
