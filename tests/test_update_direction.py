@@ -273,6 +273,24 @@ def _sub_batch(batch: RolloutBatch, rows: list[int]) -> RolloutBatch:
     return sub
 
 
+def _one_pass_gradient(cfg, state: dict, batch: RolloutBatch) -> list[torch.Tensor]:
+    """The policy gradient of one update pass (`cfg` without mini-batches) over `batch` at the weights `state`."""
+    model = load_policy(cfg.model, cfg.model.path, "cpu")
+    model.load_state_dict(state)
+    update(
+        cfg.algo,
+        cfg.train,
+        model,
+        None,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        None,
+        batch,
+        random.Random(0),
+        temperature=cfg.rollout.temperature,
+    )
+    return [p.grad for p in model.parameters()]
+
+
 def test_mini_batch_size_takes_one_optimizer_step_per_mini_batch(tiny_model_dir):
     """algo.mini_batch_size=4 on 8 trajectories with algo.ppo_epochs=2 ("trajectories per optimizer
     step"): 4 optimizer steps, each over 4 distinct trajectories, each epoch over all 8; every step's
@@ -314,20 +332,7 @@ def test_mini_batch_size_takes_one_optimizer_step_per_mini_batch(tiny_model_dir)
         assert [len(rows) for rows, _, _ in epoch] == [4, 4] and len(set(epoch[0][0]) | set(epoch[1][0])) == 8
     one_pass = _cfg(tiny_model_dir, "train.share_prompt_prefix=false", "train.pack_rows=false")
     for k, (rows, grads, state) in enumerate(steps):
-        model = load_policy(one_pass.model, str(tiny_model_dir), "cpu")
-        model.load_state_dict(state)
-        update(
-            one_pass.algo,
-            one_pass.train,
-            model,
-            None,
-            torch.optim.SGD(model.parameters(), lr=0.0),
-            None,
-            _sub_batch(batch, rows),
-            random.Random(0),
-            temperature=one_pass.rollout.temperature,
-        )
-        _assert_same_gradient(grads, [p.grad for p in model.parameters()])
+        _assert_same_gradient(grads, _one_pass_gradient(one_pass, state, _sub_batch(batch, rows)))
         if k:
             assert not torch.equal(grads[0], steps[k - 1][1][0])
     assert any(not torch.equal(a, b) for a, b in zip(steps[0][2].values(), steps[1][2].values()))  # it stepped
@@ -359,21 +364,7 @@ def test_a_short_remainder_joins_the_last_mini_batch(tiny_model_dir):
     finally:
         hook.remove()
     assert len(grads) == 2  # one optimizer step an epoch
-    one_pass = _cfg(tiny_model_dir)
-    model = load_policy(one_pass.model, str(tiny_model_dir), "cpu")
-    model.load_state_dict(start)
-    update(
-        one_pass.algo,
-        one_pass.train,
-        model,
-        None,
-        torch.optim.SGD(model.parameters(), lr=0.0),
-        None,
-        batch,
-        random.Random(0),
-        temperature=one_pass.rollout.temperature,
-    )
-    _assert_same_gradient(grads[0], [p.grad for p in model.parameters()])
+    _assert_same_gradient(grads[0], _one_pass_gradient(_cfg(tiny_model_dir), start, batch))
 
 
 # ---------------------------------------------------------------- truncated importance sampling
