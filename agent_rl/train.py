@@ -297,6 +297,9 @@ def step_metrics(
         **upd,
         "reward/mean": sum(rewards) / max(1, len(rewards)),
         "reward/max": max(rewards, default=0.0),
+        # the samples' EM whatever reward.fn is: with process terms or weights, reward/mean is not the task's score
+        "reward/em": sum(answer_scores(t.response_text, t.golden_answers)["em"] for t in sampled)
+        / max(1, len(sampled)),
         "train/lr": run.scheduler.get_last_lr()[0],
         "timing/rollout_s": t1 - t0,
         "timing/prepare_s": t2 - t1,

@@ -489,6 +489,9 @@ def summarise(
             "reward_first_quarter": _mean([m["reward/mean"] for m in steps[:k]]),
             "reward_last_quarter": _mean([m["reward/mean"] for m in steps[-k:]]),
             "reward_curve": [[m["step"], m["reward/mean"]] for m in steps],
+            # the samples' EM, whatever reward.fn adds to it (logged since reward/em was added)
+            "em_first_quarter": _mean([m["reward/em"] for m in steps[:k] if "reward/em" in m]),
+            "em_last_quarter": _mean([m["reward/em"] for m in steps[-k:] if "reward/em" in m]),
             "searches_per_trajectory_first_quarter": _mean([m["rollout/searches_mean"] for m in steps[:k]]),
             "searches_per_trajectory_last_quarter": _mean([m["rollout/searches_mean"] for m in steps[-k:]]),
             # over the steps that trained a row (the difference is taken at the update's rows)
@@ -628,7 +631,8 @@ def render(res: dict, header: str) -> str:
         f"- steps: {tr['steps']} of {tr['trajectories_per_step']:.0f} trajectories; reward "
         f"({tr.get('reward_fn', 'em')} of the samples) "
         f"{tr['reward_first_quarter']:.3f} over the first quarter -> {tr['reward_last_quarter']:.3f} over the last "
-        "(curve: reward_curve.png)",
+        f"(curve: reward_curve.png); the samples' EM {tr.get('em_first_quarter', 0.0):.3f} -> "
+        f"{tr.get('em_last_quarter', 0.0):.3f}",
         f"- rollout batches per step {tr['gen_batches_mean']:.2f}, groups with differing rewards trained on per "
         f"step {tr['kept_groups_mean']:.2f}, rows of zero advantage per step {tr['skipped_rows_mean']:.1f}",
         f"- searches per trajectory (training samples): {tr['searches_per_trajectory_first_quarter']:.2f} -> "

@@ -103,6 +103,48 @@ def test_builtins_and_the_format_bonus_keep_their_meaning():
     assert Reward(load_config(None, ["reward.fn=em"]).reward)(_traj(good + " trailing", 1)) == 1.0
 
 
+PLANS = {  # what each scripted policy searches, in order, then answers
+    "knows": (["Inception film"], "Lester Smith"),  # the answer from its own text: the search missed it
+    "finds": (["Demon Dice"], "Tim Brown"),
+    "misses then finds": (["Inception film", "Demon Dice"], "Tim Brown"),
+    "finds twice": (["Demon Dice", "Demon Dice"], "Tim Brown"),
+    "finds and answers": (["Demon Dice"], "Lester Smith"),
+}
+
+
+def test_search_found_pays_once_for_the_search_that_retrieves_the_answer(tokenizer, server):
+    """`search_found` beside `em`, on real searches: it pays when a search's passages hold a gold answer,
+    once however many do, never for the policy's own text (an answer it knew, its queries), and it agrees with
+    what each turn recorded of its documents."""
+    from retriever_server.answers import contains_answer
+    from retriever_server.client import RetrieverClient
+
+    _, url = server
+    golden = ["Lester Smith"]
+
+    def script(ctx):
+        plan = next(name for name in PLANS if f"Plan: {name}." in ctx)
+        queries, answer = PLANS[plan]
+        done = ctx.count("<information>")
+        return f"<search> {queries[done]} </search>" if done < len(queries) else f"<answer> {answer} </answer>"
+
+    items = [
+        PromptItem(f"toy-{i}", "toy", tokenizer(f"Plan: {name}.\n", add_special_tokens=False)["input_ids"], golden)
+        for i, name in enumerate(PLANS)
+    ]
+    loop = AgentLoop(ScriptedEngine(tokenizer, script), tokenizer, RetrieverClient(url, topk=1), BUDGET)
+    trajs = sorted(loop.run(items, group_size=1), key=lambda t: t.prompt_id)
+    reward = Reward(load_config(None, ["reward.fn=[{fn: em, weight: 1.0}, {fn: search_found, weight: 0.3}]"]).reward)
+    got = {name: reward(t) for name, t in zip(PLANS, trajs)}
+    assert got == pytest.approx(
+        {"knows": 1.0, "finds": 0.3, "misses then finds": 0.3, "finds twice": 0.3, "finds and answers": 1.3}
+    )
+    for t in trajs:
+        recorded = [contains_answer(f"{d['title']}\n{d['text']}", golden) for x in t.turns for d in x.docs or ()]
+        assert Reward(load_config(None, ["reward.fn=search_found"]).reward)(t) == float(any(recorded))
+    assert [x.action for x in trajs[2].turns] == ["search", "search", "answer"]
+
+
 def test_a_reward_from_a_test_file_scores_a_rollout_and_its_grpo_advantages(tokenizer):
     """The user's reward, enabled by config, reads the trajectory's turns in a real rollout: the
     group's rows that searched once outscore the others, and GRPO's advantages follow."""

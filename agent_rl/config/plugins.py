@@ -9,7 +9,7 @@ from agent_rl.config.base import ConfigError
 
 # Built-in rewards and tools by name (agent_rl/rollout/rewards.py, agent_rl/rollout/tools.py); any other
 # name is a dotted import path `module:attr` (or `module.attr`), loaded by `load_object`.
-BUILTIN_REWARDS = ("em", "f1", "em_format")
+BUILTIN_REWARDS = ("em", "f1", "em_format", "search_found")
 BUILTIN_TOOLS = ("search", "read")
 
 

@@ -226,7 +226,8 @@ class RewardConfig:
     fn: Str | List = _f(
         "em",
         "The reward, a function (trajectory, golden_answers) -> float: em | f1 (on the last <answer> of the "
-        "policy's own text) | em_format (EM counted only when the response is well formed) | a dotted import path "
+        "policy's own text) | em_format (EM counted only when the response is well formed) | search_found (1 when a "
+        "search's passages, as shown, hold a gold answer: a process reward to weigh beside em) | a dotted import path "
         "`module:function` of your own; or a list of {fn: ..., weight: w} whose weighted sum is the reward, e.g. "
         "[{fn: em, weight: 1.0}, {fn: mypkg.rewards:brevity, weight: 0.1}].",
     )

@@ -89,6 +89,12 @@ def policy_text(response_text: str) -> str:
     return text.replace(CHAT_INVALID_MESSAGE, " ")
 
 
+def observations(response_text: str) -> list[str]:
+    """The observations inserted into the response, in order (`<information>` blocks, or tool_calls'
+    `<tool_response>` messages): what the policy was shown of its tools, as cut to their budgets."""
+    return _OBSERVATION.findall(response_text)
+
+
 def extract_answer(response_text: str) -> str | None:
     """The content of the last complete `<answer>...</answer>` in the response, stripped."""
     found = _ANSWER.findall(response_text)

@@ -1,10 +1,12 @@
 """Rewards: functions `(trajectory, golden_answers) -> float`, chosen by `reward.fn`.
 
 The built-ins score the last `<answer>` of the *response* (never the prompt): `em` and `f1`, and
-`em_format`, EM counted only when the response is well formed. Only the policy's own text is
-scored: inserted observations (`<information>...</information>`) and the corrective message (which
-itself says "between <answer> and </answer>") are removed first, so they can never be read as an
-answer or break the format check. Normalisation is SQuAD's (`retriever_server.answers`), shared
+`em_format`, EM counted only when the response is well formed; `search_found` is a process reward for
+the search rather than the answer (1 when an observation holds a gold answer), to weigh beside `em`.
+The answer rewards score only the policy's own text: inserted observations
+(`<information>...</information>`) and the corrective message (which itself says "between <answer>
+and </answer>") are removed first, so they can never be read as an answer or break the format check.
+Normalisation is SQuAD's (`retriever_server.answers`), shared
 with retrieval evaluation. Any other `reward.fn` is a function of the user's, named by its import
 path (`module:function`); a list of `{fn, weight}` sums its terms (`Reward`). The optional format
 bonus adds `reward.format_coef` when the response is well formed: every tag it opens is closed, it
@@ -18,8 +20,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 from agent_rl.config import BUILTIN_REWARDS, RewardConfig, load_reward
-from agent_rl.rollout.protocol import extract_answer, policy_text, well_formed
-from retriever_server.answers import exact_match, f1_score
+from agent_rl.rollout.protocol import extract_answer, observations, policy_text, well_formed
+from retriever_server.answers import contains_answer, exact_match, f1_score
 
 
 class Scored(Protocol):
@@ -78,7 +80,19 @@ def em_format(t: Scored, golden_answers: list[str]) -> float:
     return em(t, golden_answers) if well_formed(policy_text(t.response_text)) else 0.0
 
 
-BUILTINS: dict[str, RewardFn] = {"em": em, "f1": f1, "em_format": em_format}
+def search_found(t: Scored, golden_answers: list[str]) -> float:
+    """1.0 when an observation the policy was shown holds a gold answer as a whole-token span (the hit
+    that retrieval evaluation counts), else 0.0: a process reward for searching, whatever the answer.
+
+    It pays once per trajectory, so beside `em` (`reward.fn=[{fn: em, weight: 1.0}, {fn: search_found,
+    weight: 0.3}]`) a further search earns it only when the searches before it had not found the answer,
+    and nothing when the answer was already read: a reward for the search step by what it retrieves, the
+    idea of StepSearch (Wang et al., 2025), reduced to "was the answer retrieved". Only the inserted text
+    is read (`<information>` or `<tool_response>`, as cut to its budget), never the policy's own."""
+    return float(any(contains_answer(obs, golden_answers) for obs in observations(t.response_text)))
+
+
+BUILTINS: dict[str, RewardFn] = {"em": em, "f1": f1, "em_format": em_format, "search_found": search_found}
 assert set(BUILTINS) == set(BUILTIN_REWARDS)
 
 
