@@ -34,7 +34,7 @@ from agent_rl.rollout.buffer import TrajectoryBuffer
 from agent_rl.rollout.engines import EngineSpec, build_engine
 from agent_rl.rollout.loop import AgentLoop, rollout_metrics
 from agent_rl.rollout.prompts import load_prompts, load_tokenizer
-from agent_rl.rollout.rewards import Reward, answer_scores
+from agent_rl.rollout.rewards import Reward, answer_scores, em
 from agent_rl.rollout.trajectory import Trajectory
 from agent_rl.run import PromptStream, Run, open_loop
 from agent_rl.runtime import allocator
@@ -298,8 +298,7 @@ def step_metrics(
         "reward/mean": sum(rewards) / max(1, len(rewards)),
         "reward/max": max(rewards, default=0.0),
         # the samples' EM whatever reward.fn is: with process terms or weights, reward/mean is not the task's score
-        "reward/em": sum(answer_scores(t.response_text, t.golden_answers)["em"] for t in sampled)
-        / max(1, len(sampled)),
+        "reward/em": sum(em(t, t.golden_answers) for t in sampled) / max(1, len(sampled)),
         "train/lr": run.scheduler.get_last_lr()[0],
         "timing/rollout_s": t1 - t0,
         "timing/prepare_s": t2 - t1,

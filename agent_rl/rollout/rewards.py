@@ -2,16 +2,16 @@
 
 The built-ins score the last `<answer>` of the *response* (never the prompt): `em` and `f1`, and
 `em_format`, EM counted only when the response is well formed; `search_found` is a process reward for
-the search rather than the answer (1 when an observation holds a gold answer), to weigh beside `em`.
-The answer rewards score only the policy's own text: inserted observations
-(`<information>...</information>`) and the corrective message (which itself says "between <answer>
-and </answer>") are removed first, so they can never be read as an answer or break the format check.
-Normalisation is SQuAD's (`retriever_server.answers`), shared
-with retrieval evaluation. Any other `reward.fn` is a function of the user's, named by its import
-path (`module:function`); a list of `{fn, weight}` sums its terms (`Reward`). The optional format
-bonus adds `reward.format_coef` when the response is well formed: every tag it opens is closed, it
-ends with exactly one `<answer>...</answer>` and nothing after it; the total is capped at 1. It is
-off by default (Search-R1's format variant can pay for well-formed wrong answers).
+the search rather than the answer (1 when an observation holds a gold answer), to weigh beside `em`. The
+answer rewards score only the policy's own text: inserted observations
+(`<information>...</information>`) and the corrective message (which itself says "between <answer> and
+</answer>") are removed first, so they can never be read as an answer or break the format check.
+Normalisation is SQuAD's (`retriever_server.answers`), shared with retrieval evaluation. Any other
+`reward.fn` is a function of the user's, named by its import path (`module:function`); a list of `{fn,
+weight}` sums its terms (`Reward`). The optional format bonus adds `reward.format_coef` when the
+response is well formed: every tag it opens is closed, it ends with exactly one `<answer>...</answer>`
+and nothing after it; the total is capped at 1. It is off by default (Search-R1's format variant can pay
+for well-formed wrong answers).
 """
 
 from __future__ import annotations
